@@ -1,0 +1,421 @@
+// FlashAttention on the CPU: exact attention without ever materialising the
+// [seqlen_q, seqlen_k] matrix.
+//
+// Forward (per task = one batch, head and block of kBlockM query rows):
+//   load Q_i once; for each visible key tile j:
+//     S = scale * Q_i K_j^T                     (BLAS tile GEMM, fp32)
+//     m_new = max(m, rowmax(S)); P = exp(S - m_new); l = l*exp(m - m_new) + rowsum(P)
+//     O = O*exp(m - m_new) + P V_j              (BLAS tile GEMM)
+//   O /= l; lse = m + log(l)
+// Backward (recomputation from lse, D = rowsum(dO * O)), in two passes so that
+// every output block has exactly one writer (no atomics, deterministic):
+//   pass 1, task = (batch, head, key tile j):   dV_j = sum_i P_ij^T dO_i,
+//                                                dK_j = scale * sum_i dS_ij^T Q_i
+//   pass 2, task = (batch, head, query tile i): dQ_i = scale * sum_j dS_ij K_j
+//   with P_ij = exp(S_ij - lse_i) and dS_ij = P_ij * (dO_i V_j^T - D_i).
+// Memory beyond inputs/outputs: O(batch*heads*seqlen_q) for lse/D plus a few
+// tiles per thread.
+//
+// Tiles are fp32: 16-bit inputs are widened on load (so all arithmetic is
+// fp32), fp32 inputs are used in place through their row stride.
+#include "attention_cpu.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace flash_attn_ext {
+namespace cpu {
+namespace {
+
+constexpr int kBlockM = 64;   // query rows per task / tile
+constexpr int kBlockN = 256;  // keys per tile (measured: 128 and 256 x BM 64/128, see README)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- BLAS ------------------------------------------------------------------
+// torch ships a BLAS (MKL on x86-64, OpenBLAS elsewhere) inside libtorch_cpu
+// and exports its Fortran entry point sgemm_, but not a C++ wrapper we may
+// link against across torch versions. So look sgemm_ up at run time, and fall
+// back to plain loops (correct, slow) if some build of torch lacks it.
+using SgemmFn = void (*)(const char* transa, const char* transb, const int* m, const int* n,
+                         const int* k, const float* alpha, const float* a, const int* lda,
+                         const float* b, const int* ldb, const float* beta, float* c,
+                         const int* ldc);
+
+SgemmFn find_sgemm() {
+  static const SgemmFn fn = [] {
+    void* torch_cpu = dlopen("libtorch_cpu.so", RTLD_NOW | RTLD_NOLOAD);
+    void* sym = dlsym(torch_cpu != nullptr ? torch_cpu : RTLD_DEFAULT, "sgemm_");
+    return reinterpret_cast<SgemmFn>(sym);
+  }();
+  return fn;
+}
+
+// Column-major C[m,n] = alpha * op(A)[m,k] * op(B)[k,n] + beta * C (BLAS semantics).
+void sgemm_colmajor(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
+                    int lda, const float* b, int ldb, float beta, float* c, int ldc) {
+  if (const SgemmFn fn = find_sgemm()) {
+    const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+    fn(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+    return;
+  }
+  for (int j = 0; j < n; ++j) {
+    for (int i = 0; i < m; ++i) {
+      float sum = 0.f;
+      for (int p = 0; p < k; ++p) {
+        const float av = trans_a ? a[p + static_cast<int64_t>(i) * lda] : a[i + static_cast<int64_t>(p) * lda];
+        const float bv = trans_b ? b[j + static_cast<int64_t>(p) * ldb] : b[p + static_cast<int64_t>(j) * ldb];
+        sum += av * bv;
+      }
+      float& out = c[i + static_cast<int64_t>(j) * ldc];
+      out = alpha * sum + (beta == 0.f ? 0.f : beta * out);
+    }
+  }
+}
+
+// ---- row-major tile GEMMs ----------------------------------------------------
+// A row-major [M, N] matrix with leading dimension ld is the column-major
+// [N, M] matrix with the same ld, so C = op(A) op(B) becomes C^T = op(B)^T op(A)^T.
+
+// C[M,N] = alpha * A[M,K] * B[N,K]^T + beta * C
+void gemm_nt(int M, int N, int K, float alpha, const float* A, int64_t lda, const float* B,
+             int64_t ldb, float beta, float* C, int64_t ldc) {
+  sgemm_colmajor(true, false, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc);
+}
+// C[M,N] = alpha * A[M,K] * B[K,N] + beta * C
+void gemm_nn(int M, int N, int K, float alpha, const float* A, int64_t lda, const float* B,
+             int64_t ldb, float beta, float* C, int64_t ldc) {
+  sgemm_colmajor(false, false, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc);
+}
+// C[M,N] = alpha * A[K,M]^T * B[K,N] + beta * C
+void gemm_tn(int M, int N, int K, float alpha, const float* A, int64_t lda, const float* B,
+             int64_t ldb, float beta, float* C, int64_t ldc) {
+  sgemm_colmajor(false, true, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc);
+}
+
+// ---- exp, vectorisable ------------------------------------------------------
+// std::exp does not vectorise, and the softmax evaluates one exp per score:
+// at head_dim 64 that is as much time as the GEMMs. This is exp(x) =
+// 2^n * 2^f with n = round(x*log2 e), |f| <= 1/2 and a degree-7 polynomial for
+// 2^f (relative error ~2e-8, under fp32 rounding). Inputs below -87 flush to 0.
+// target_clones compiles AVX2/FMA and baseline versions, picked at load time.
+// Computes x[i] = exp(x[i] - shift) and returns the sum of the results (the
+// softmax needs both; one pass keeps the row in L1).
+__attribute__((target_clones("avx2", "default")))
+float exp_shifted_sum(float* x, int64_t n, float shift) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float t = std::max(x[i] - shift, -87.5f) * 1.44269504088896341f;  // log2(e)
+    const float rounded = (t + 12582912.f) - 12582912.f;             // round to nearest
+    const float f = t - rounded;
+    // Taylor coefficients of 2^f = e^(f ln2): (ln 2)^k / k!
+    float p = 1.5252733804059840e-5f;
+    p = p * f + 1.5403530393381609e-4f;
+    p = p * f + 1.3333558146428443e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    p = p * f + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(rounded) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    x[i] = p * scale;
+    sum += x[i];
+  }
+  return sum;
+}
+
+float row_max_of(const float* x, int n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int i = 0; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// ---- loading tiles ---------------------------------------------------------
+template <typename T>
+float to_float(T v) {
+  return static_cast<float>(v);
+}
+
+// A [rows, cols] fp32 view of a block of a [B,S,H,D] tensor: in place for fp32
+// inputs, widened into `buffer` for 16-bit ones.
+struct Tile {
+  const float* data;
+  int64_t ld;
+};
+
+template <typename T>
+Tile load_tile(const T* base, int64_t row_stride, int rows, int cols, std::vector<float>& buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    // In place, unless the rows overlap (e.g. an expanded tensor with row
+    // stride 0), which BLAS rejects as a leading dimension.
+    if (row_stride >= cols) return Tile{base, row_stride};
+  }
+  {
+    buffer.resize(static_cast<size_t>(rows) * cols);
+    for (int r = 0; r < rows; ++r) {
+      const T* src = base + r * row_stride;
+      float* dst = buffer.data() + static_cast<size_t>(r) * cols;
+      for (int c = 0; c < cols; ++c) dst[c] = to_float(src[c]);
+    }
+    return Tile{buffer.data(), cols};
+  }
+}
+
+template <typename T>
+void store_rows(T* base, int64_t row_stride, const float* src, int rows, int cols, float scale) {
+  for (int r = 0; r < rows; ++r) {
+    T* dst = base + r * row_stride;
+    const float* s = src + static_cast<size_t>(r) * cols;
+    for (int c = 0; c < cols; ++c) dst[c] = static_cast<T>(s[c] * scale);
+  }
+}
+
+template <typename T>
+const T* at_row(const void* base, const TensorStrides& st, int b, int h, int row) {
+  return static_cast<const T*>(base) + b * st.batch + h * st.head + row * st.row;
+}
+template <typename T>
+T* at_row(void* base, const TensorStrides& st, int b, int h, int row) {
+  return static_cast<T*>(base) + b * st.batch + h * st.head + row * st.row;
+}
+
+// ---- masking ---------------------------------------------------------------
+// Number of leading keys (of the whole sequence) that query row i may see.
+int visible_keys(const AttentionFwdParams& p, int i) {
+  if (!p.causal) return p.seqlen_k;
+  return std::clamp(i + p.causal_offset + 1, 0, p.seqlen_k);
+}
+
+// Key tiles [n_begin, n_end) that some row of query block [m0, m0+rows) sees.
+int key_end_for_rows(const AttentionFwdParams& p, int m0, int rows) {
+  return visible_keys(p, m0 + rows - 1);
+}
+// First query row that sees key j (== seqlen_q when none does).
+int first_query_seeing(const AttentionFwdParams& p, int j) {
+  if (!p.causal) return 0;
+  return std::clamp(j - p.causal_offset, 0, p.seqlen_q);
+}
+
+// Computes P = exp(scale * Q K^T - lse) for a [rows, cols] tile (masked -> 0).
+// `scores` is overwritten. Used by both backward passes.
+void recompute_probs(const AttentionFwdParams& p, const Tile& q, const Tile& k, int m0, int rows,
+                     int n0, int cols, const float* lse, float* scores) {
+  gemm_nt(rows, cols, p.head_dim, p.softmax_scale, q.data, q.ld, k.data, k.ld, 0.f, scores, cols);
+  for (int r = 0; r < rows; ++r) {
+    float* row = scores + static_cast<size_t>(r) * cols;
+    const int valid = std::clamp(visible_keys(p, m0 + r) - n0, 0, cols);
+    if (lse[r] == kNegInf) {  // fully masked row: no probability mass anywhere
+      std::fill(row, row + cols, 0.f);
+      continue;
+    }
+    exp_shifted_sum(row, valid, lse[r]);
+    std::fill(row + valid, row + cols, 0.f);
+  }
+}
+
+// ---- forward ---------------------------------------------------------------
+template <typename T>
+void fwd_impl(const AttentionFwdParams& p) {
+  const int D = p.head_dim;
+  const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  const int64_t tasks = static_cast<int64_t>(p.batch) * p.heads * m_blocks;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_buf, k_buf, v_buf;
+    std::vector<float> scores(static_cast<size_t>(kBlockM) * kBlockN);
+    std::vector<float> acc(static_cast<size_t>(kBlockM) * D);
+    float row_max[kBlockM], row_sum[kBlockM];
+    for (int64_t task = begin; task < end; ++task) {
+      const int m_block = static_cast<int>(task % m_blocks);
+      const int h = static_cast<int>((task / m_blocks) % p.heads);
+      const int b = static_cast<int>(task / (static_cast<int64_t>(m_blocks) * p.heads));
+      const int m0 = m_block * kBlockM;
+      const int rows = std::min(kBlockM, p.seqlen_q - m0);
+      const int kh = h / (p.heads / p.heads_k);
+
+      const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, m0), p.q_strides.row, rows, D, q_buf);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(row_max, row_max + rows, kNegInf);
+      std::fill(row_sum, row_sum + rows, 0.f);
+
+      const int n_end = key_end_for_rows(p, m0, rows);
+      for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
+        const int cols = std::min(kBlockN, n_end - n0);
+        const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, n0), p.k_strides.row, cols, D, k_buf);
+        const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, n0), p.v_strides.row, cols, D, v_buf);
+        gemm_nt(rows, cols, D, p.softmax_scale, q.data, q.ld, k.data, k.ld, 0.f, scores.data(), cols);
+        for (int r = 0; r < rows; ++r) {
+          float* s = scores.data() + static_cast<size_t>(r) * cols;
+          const int valid = std::clamp(visible_keys(p, m0 + r) - n0, 0, cols);
+          if (valid == 0) {  // this tile is entirely masked for this row
+            std::fill(s, s + cols, 0.f);
+            continue;
+          }
+          const float new_max = std::max(row_max[r], row_max_of(s, valid));
+          const float correction = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - new_max);
+          const float tile_sum = exp_shifted_sum(s, valid, new_max);
+          std::fill(s + valid, s + cols, 0.f);
+          row_sum[r] = row_sum[r] * correction + tile_sum;
+          row_max[r] = new_max;
+          float* o = acc.data() + static_cast<size_t>(r) * D;
+          for (int d = 0; d < D; ++d) o[d] *= correction;
+        }
+        gemm_nn(rows, D, cols, 1.f, scores.data(), cols, v.data, v.ld, 1.f, acc.data(), D);
+      }
+
+      float* lse = p.lse + (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q + m0;
+      for (int r = 0; r < rows; ++r) {
+        float* o = acc.data() + static_cast<size_t>(r) * D;
+        if (row_sum[r] == 0.f) {  // no visible key: zeros and lse = -inf, never NaN
+          std::fill(o, o + D, 0.f);
+          lse[r] = kNegInf;
+        } else {
+          const float inv = 1.f / row_sum[r];
+          for (int d = 0; d < D; ++d) o[d] *= inv;
+          lse[r] = row_max[r] + std::log(row_sum[r]);
+        }
+      }
+      store_rows(at_row<T>(p.out, p.out_strides, b, h, m0), p.out_strides.row, acc.data(), rows, D, 1.f);
+    }
+  });
+}
+
+// ---- backward --------------------------------------------------------------
+template <typename T>
+void bwd_impl(const AttentionBwdParams& p) {
+  const int D = p.head_dim;
+  const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  const int kv_group = p.heads / p.heads_k;
+  auto lse_row = [&](int b, int h) { return p.lse + (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q; };
+  auto dsum_row = [&](int b, int h) {
+    return p.dsoftmax_sum + (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q;
+  };
+
+  // D_i = rowsum(dO_i * O_i), in fp32.
+  at::parallel_for(0, static_cast<int64_t>(p.batch) * p.heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int b = static_cast<int>(bh / p.heads), h = static_cast<int>(bh % p.heads);
+      float* dsum = dsum_row(b, h);
+      for (int i = 0; i < p.seqlen_q; ++i) {
+        const T* o = at_row<T>(p.out, p.out_strides, b, h, i);
+        const T* dout = at_row<T>(p.dout, p.dout_strides, b, h, i);
+        float s = 0.f;
+        for (int d = 0; d < D; ++d) s += to_float(o[d]) * to_float(dout[d]);
+        dsum[i] = s;
+      }
+    }
+  });
+
+  // dS = P * (dP - D_i), in place over dP.
+  auto softmax_grad = [](float* dp, const float* probs, const float* dsum, int rows, int cols) {
+    for (int r = 0; r < rows; ++r) {
+      float* g = dp + static_cast<size_t>(r) * cols;
+      const float* pr = probs + static_cast<size_t>(r) * cols;
+      for (int c = 0; c < cols; ++c) g[c] = pr[c] * (g[c] - dsum[r]);
+    }
+  };
+
+  // Pass 1: dK, dV per key tile. GQA (later) would sum over the group's heads here.
+  const int64_t kv_tasks = static_cast<int64_t>(p.batch) * p.heads_k * n_blocks;
+  at::parallel_for(0, kv_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_buf, k_buf, v_buf, do_buf;
+    std::vector<float> probs(static_cast<size_t>(kBlockM) * kBlockN), dprobs(probs.size());
+    std::vector<float> dk_acc(static_cast<size_t>(kBlockN) * D), dv_acc(dk_acc.size());
+    for (int64_t task = begin; task < end; ++task) {
+      const int n_block = static_cast<int>(task % n_blocks);
+      const int kh = static_cast<int>((task / n_blocks) % p.heads_k);
+      const int b = static_cast<int>(task / (static_cast<int64_t>(n_blocks) * p.heads_k));
+      const int n0 = n_block * kBlockN;
+      const int cols = std::min(kBlockN, p.seqlen_k - n0);
+      const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, n0), p.k_strides.row, cols, D, k_buf);
+      const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, n0), p.v_strides.row, cols, D, v_buf);
+      std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
+      std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
+      const int m_begin = first_query_seeing(p, n0) / kBlockM * kBlockM;
+      for (int h = kh * kv_group; h < (kh + 1) * kv_group; ++h) {
+        for (int m0 = m_begin; m0 < p.seqlen_q; m0 += kBlockM) {
+          const int rows = std::min(kBlockM, p.seqlen_q - m0);
+          const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, m0), p.q_strides.row, rows, D, q_buf);
+          const Tile dout = load_tile(at_row<T>(p.dout, p.dout_strides, b, h, m0), p.dout_strides.row,
+                                      rows, D, do_buf);
+          recompute_probs(p, q, k, m0, rows, n0, cols, lse_row(b, h) + m0, probs.data());
+          gemm_tn(cols, D, rows, 1.f, probs.data(), cols, dout.data, dout.ld, 1.f, dv_acc.data(), D);
+          gemm_nt(rows, cols, D, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, dprobs.data(), cols);
+          softmax_grad(dprobs.data(), probs.data(), dsum_row(b, h) + m0, rows, cols);
+          gemm_tn(cols, D, rows, p.softmax_scale, dprobs.data(), cols, q.data, q.ld, 1.f, dk_acc.data(), D);
+        }
+      }
+      store_rows(at_row<T>(p.dk, p.dk_strides, b, kh, n0), p.dk_strides.row, dk_acc.data(), cols, D, 1.f);
+      store_rows(at_row<T>(p.dv, p.dv_strides, b, kh, n0), p.dv_strides.row, dv_acc.data(), cols, D, 1.f);
+    }
+  });
+
+  // Pass 2: dQ per query tile.
+  const int64_t q_tasks = static_cast<int64_t>(p.batch) * p.heads * m_blocks;
+  at::parallel_for(0, q_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_buf, k_buf, v_buf, do_buf;
+    std::vector<float> probs(static_cast<size_t>(kBlockM) * kBlockN), dprobs(probs.size());
+    std::vector<float> dq_acc(static_cast<size_t>(kBlockM) * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int m_block = static_cast<int>(task % m_blocks);
+      const int h = static_cast<int>((task / m_blocks) % p.heads);
+      const int b = static_cast<int>(task / (static_cast<int64_t>(m_blocks) * p.heads));
+      const int kh = h / kv_group;
+      const int m0 = m_block * kBlockM;
+      const int rows = std::min(kBlockM, p.seqlen_q - m0);
+      const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, m0), p.q_strides.row, rows, D, q_buf);
+      const Tile dout = load_tile(at_row<T>(p.dout, p.dout_strides, b, h, m0), p.dout_strides.row, rows,
+                                  D, do_buf);
+      std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
+      const int n_end = key_end_for_rows(p, m0, rows);
+      for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
+        const int cols = std::min(kBlockN, n_end - n0);
+        const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, n0), p.k_strides.row, cols, D, k_buf);
+        const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, n0), p.v_strides.row, cols, D, v_buf);
+        recompute_probs(p, q, k, m0, rows, n0, cols, lse_row(b, h) + m0, probs.data());
+        gemm_nt(rows, cols, D, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, dprobs.data(), cols);
+        softmax_grad(dprobs.data(), probs.data(), dsum_row(b, h) + m0, rows, cols);
+        gemm_nn(rows, D, cols, p.softmax_scale, dprobs.data(), cols, k.data, k.ld, 1.f, dq_acc.data(), D);
+      }
+      store_rows(at_row<T>(p.dq, p.dq_strides, b, h, m0), p.dq_strides.row, dq_acc.data(), rows, D, 1.f);
+    }
+  });
+}
+
+template <template <typename> class Fn, typename Params>
+void dispatch_dtype(const Params& p) {
+  switch (p.dtype) {
+    case DType::kFloat32: Fn<float>::run(p); break;
+    case DType::kFloat16: Fn<c10::Half>::run(p); break;
+    case DType::kBFloat16: Fn<c10::BFloat16>::run(p); break;
+  }
+}
+template <typename T>
+struct FwdRunner {
+  static void run(const AttentionFwdParams& p) { fwd_impl<T>(p); }
+};
+template <typename T>
+struct BwdRunner {
+  static void run(const AttentionBwdParams& p) { bwd_impl<T>(p); }
+};
+
+}  // namespace
+
+void run_fwd(const AttentionFwdParams& params) { dispatch_dtype<FwdRunner>(params); }
+void run_bwd(const AttentionBwdParams& params) { dispatch_dtype<BwdRunner>(params); }
+
+}  // namespace cpu
+}  // namespace flash_attn_ext

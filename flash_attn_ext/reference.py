@@ -1,0 +1,44 @@
+"""Naive attention: the definition our kernels are tested against.
+
+It materialises the [seqlen_q, seqlen_k] score matrix, so use it on small inputs.
+"""
+import math
+from typing import Optional
+
+import torch
+
+
+def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
+                  causal_bottom_right: bool = True, upcast: bool = True,
+                  layout: str = "bshd", return_lse: bool = False):
+    """O = softmax(scale * Q K^T + causal mask) V, computed the plain way.
+
+    layout "bshd" is [batch, seqlen, heads, head_dim] (flash-attn); "bhsd" is torch SDPA's.
+    upcast=True computes in float32 (or keeps float64 inputs), then casts the result to the
+    input dtype: the reference. upcast=False computes in the input dtype, which is how large
+    the error of "the same computation in PyTorch at this precision" is.
+    Rows that see no key give zeros (and lse = -inf), as the kernels do.
+    """
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"layout must be 'bshd' or 'bhsd', got {layout!r}")
+    dtype_in = q.dtype
+    if upcast and q.dtype != torch.float64:
+        q, k, v = q.float(), k.float(), v.float()
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))
+    if causal:
+        offset = seqlen_k - seqlen_q if causal_bottom_right else 0
+        i = torch.arange(seqlen_q, device=q.device).view(-1, 1)
+        j = torch.arange(seqlen_k, device=q.device).view(1, -1)
+        scores = scores.masked_fill(j > i + offset, float("-inf"))
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # fully masked rows: softmax of all -inf
+    out = torch.matmul(probs, v)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    out = out.to(dtype_in)
+    return (out, lse) if return_lse else out

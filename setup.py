@@ -1,0 +1,128 @@
+"""Build flash_attn_ext._C with setuptools + torch.utils.cpp_extension.
+
+Environment variables (all optional):
+  FLASH_ATTN_EXT_FORCE_CPU=1        build the CPU-only extension even if CUDA is available
+  FLASH_ATTN_EXT_CUDA_ARCHS="80;90" GPU targets, ';' or ',' separated. Each entry is
+                                    NN (SASS for sm_NN), NNa (sm_NNa), or compute_NN
+                                    (PTX only: no ptxas, used by CI to prove every .cu
+                                    compiles quickly). Default "80;90".
+  FLASH_ATTN_EXT_HEAD_DIMS="64,128" only build these kernel head dims (iteration speed);
+                                    default all of 32,64,96,128,160,192,224,256
+  FLASH_ATTN_EXT_DTYPES="bf16"      only build these 16-bit kernel dtypes (fp16,bf16)
+  MAX_JOBS=N                        parallel compile jobs (ninja), honoured by torch
+"""
+import glob
+import os
+import re
+import shutil
+import sys
+
+from setuptools import setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import (CUDA_HOME, BuildExtension, CppExtension,
+                                           CUDAExtension)
+except ImportError:  # pragma: no cover - exercised only on broken installs
+    sys.exit(
+        "flash_attn_ext: PyTorch must be installed before building this package.\n"
+        "  pip install torch            # then\n"
+        "  pip install --no-build-isolation .\n"
+        "(--no-build-isolation lets the build see the torch you already have.)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ALL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+ALL_DTYPES = ("fp16", "bf16")
+
+
+def _env_list(name, default):
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return list(default)
+    return [x.strip() for x in re.split(r"[;,\s]+", raw) if x.strip()]
+
+
+def _cuda_wanted():
+    if os.environ.get("FLASH_ATTN_EXT_FORCE_CPU", "0") not in ("", "0"):
+        print("flash_attn_ext: FLASH_ATTN_EXT_FORCE_CPU is set: building the CPU-only extension.")
+        return False
+    if torch.version.cuda is None:
+        print("flash_attn_ext: this torch is not a CUDA build: building the CPU-only extension.")
+        return False
+    if CUDA_HOME is None or shutil.which("nvcc", path=os.path.join(CUDA_HOME, "bin")) is None:
+        print("flash_attn_ext: no CUDA toolkit (nvcc) found: building the CPU-only extension.")
+        return False
+    return True
+
+
+def _gencode_flags():
+    flags = []
+    for arch in _env_list("FLASH_ATTN_EXT_CUDA_ARCHS", ["80", "90"]):
+        arch = arch.replace("sm_", "").replace(".", "")
+        if arch.startswith("compute_"):
+            flags.append(f"-gencode=arch={arch},code={arch}")
+        else:
+            flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    return flags
+
+
+def _selected_cuda_sources():
+    """All .cu/.cpp under csrc/cuda, minus generated instantiations that the
+    head-dim / dtype filters exclude. Returns (sources, defines)."""
+    head_dims = [int(d) for d in _env_list("FLASH_ATTN_EXT_HEAD_DIMS", ALL_HEAD_DIMS)]
+    dtypes = _env_list("FLASH_ATTN_EXT_DTYPES", ALL_DTYPES)
+    for d in head_dims:
+        if d not in ALL_HEAD_DIMS:
+            sys.exit(f"flash_attn_ext: FLASH_ATTN_EXT_HEAD_DIMS has {d}; choose from {ALL_HEAD_DIMS}")
+    for t in dtypes:
+        if t not in ALL_DTYPES:
+            sys.exit(f"flash_attn_ext: FLASH_ATTN_EXT_DTYPES has {t}; choose from {ALL_DTYPES}")
+    sources = []
+    pattern = re.compile(r"_(fp16|bf16)_hdim(\d+)_")
+    for path in sorted(glob.glob(os.path.join("csrc", "cuda", "**", "*.c*"), recursive=True)):
+        if not path.endswith((".cu", ".cpp")):
+            continue
+        m = pattern.search(os.path.basename(path))
+        if m and (m.group(1) not in dtypes or int(m.group(2)) not in head_dims):
+            continue
+        sources.append(path)
+    defines = [f"-DFAE_HAS_HDIM_{d}" for d in head_dims] + [f"-DFAE_HAS_{t.upper()}" for t in dtypes]
+    return sources, defines
+
+
+def build_extension():
+    os.chdir(HERE)
+    common_sources = ["csrc/module.cpp", "csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    # No -std flag: torch.utils.cpp_extension picks the standard its headers need
+    # (C++17 for torch <= 2.11, C++20 for newer releases).
+    cxx_flags = ["-O3"]
+    if sys.platform.startswith("linux"):
+        cxx_flags.append("-fopenmp")
+    include_dirs = [os.path.join(HERE, "csrc")]
+    if not _cuda_wanted():
+        return CppExtension("flash_attn_ext._C", common_sources, include_dirs=include_dirs,
+                            extra_compile_args={"cxx": cxx_flags},
+                            extra_link_args=["-fopenmp"] if "-fopenmp" in cxx_flags else [],
+                            py_limited_api=True)
+    cuda_sources, defines = _selected_cuda_sources()
+    nvcc_flags = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr",
+                  "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                  "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+                  "-lineinfo", "--threads", "2"] + defines + _gencode_flags()
+    if os.environ.get("FLASH_ATTN_EXT_VERBOSE_PTXAS", "0") not in ("", "0"):
+        nvcc_flags.append("-Xptxas=-v")
+    print(f"flash_attn_ext: building with CUDA {torch.version.cuda}, nvcc flags {nvcc_flags}")
+    return CUDAExtension("flash_attn_ext._C", common_sources + cuda_sources,
+                         include_dirs=include_dirs,
+                         extra_compile_args={"cxx": cxx_flags + ["-DFAE_WITH_CUDA"] + defines,
+                                             "nvcc": nvcc_flags},
+                         extra_link_args=["-fopenmp"],
+                         py_limited_api=True)
+
+
+# Package metadata lives in pyproject.toml; this file only adds the extension.
+setup(
+    ext_modules=[build_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
