@@ -87,6 +87,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_rank(t, name, "[batch, heads, seqlen, head_dim]")
     softmax_scale = _default_scale(query.shape[-1]) if scale is None else float(scale)
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    q, k, v = [t.transpose(1, 2) for t in (query, key, value)]
     out, _ = FlashAttnFunction.apply(q, k, v, softmax_scale, bool(is_causal), False, False, 0)
     return out.transpose(1, 2)

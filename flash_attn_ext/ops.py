@@ -80,7 +80,7 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, num_splits):
-        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        q, k, v = [_last_dim_contiguous(t) for t in (q, k, v)]
         return torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right,
                                             num_splits)
 
@@ -98,7 +98,7 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
+        q, k, v, dout = [_last_dim_contiguous(t) for t in (q, k, v, dout)]
         dq, dk, dv = torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, ctx.softmax_scale,
                                                   ctx.causal, ctx.causal_bottom_right,
                                                   ctx.deterministic)

@@ -34,9 +34,12 @@ def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
         i = torch.arange(seqlen_q, device=q.device).view(-1, 1)
         j = torch.arange(seqlen_k, device=q.device).view(1, -1)
         scores = scores.masked_fill(j > i + offset, float("-inf"))
-    lse = torch.logsumexp(scores.float(), dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)  # fully masked rows: softmax of all -inf
+    lse = torch.logsumexp(scores.float() if scores.dtype != torch.float64 else scores, dim=-1)
+    # A row that sees no key would be softmax(all -inf) = NaN: give it zero probabilities
+    # instead (and finite, zero gradients), as the kernels do.
+    row_sees_a_key = (scores > float("-inf")).any(dim=-1, keepdim=True)
+    scores = torch.where(row_sees_a_key, scores, torch.zeros_like(scores))
+    probs = torch.softmax(scores, dim=-1) * row_sees_a_key
     out = torch.matmul(probs, v)
     if layout == "bshd":
         out = out.transpose(1, 2)

@@ -1,0 +1,193 @@
+"""Operator registration, torch.compile, API behaviour and bad-input errors."""
+import pytest
+import torch
+
+import flash_attn_ext as fa
+from helpers import make_qkv
+
+
+def _op_args(device, dtype=torch.float32, causal=True, requires_grad=False):
+    q, k, v = make_qkv(2, 37, 53, 3, 32, dtype, device, requires_grad=requires_grad)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck_fwd(device, causal):
+    q, k, v = _op_args(device)
+    torch.library.opcheck(torch.ops.flash_attn_ext.fwd.default, (q, k, v, 0.2, causal, True, 0))
+    q, k, v = _op_args(device, requires_grad=True)
+    torch.library.opcheck(torch.ops.flash_attn_ext.fwd.default, (q, k, v, 0.2, causal, False, 0),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck_bwd(device, causal):
+    q, k, v = _op_args(device)
+    out, lse = torch.ops.flash_attn_ext.fwd(q, k, v, 0.2, causal, True, 0)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.flash_attn_ext.bwd.default,
+                          (dout, q, k, v, out, lse, 0.2, causal, True, False))
+
+
+def test_opcheck_sdpa_layout(device):
+    # [B,H,S,D] tensors seen as [B,S,H,D] through a transpose: outputs keep that layout
+    q, k, v = (t.transpose(1, 2) for t in make_qkv(2, 33, 33, 4, 16, torch.float32, device,
+                                                   layout="bhsd", requires_grad=False))
+    torch.library.opcheck(torch.ops.flash_attn_ext.fwd.default, (q, k, v, 0.25, False, False, 0))
+    out, _ = torch.ops.flash_attn_ext.fwd(q, k, v, 0.25, False, False, 0)
+    assert out.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("entry", ["flash_attn_func", "sdpa"])
+def test_torch_compile_fullgraph(device, entry):
+    torch._dynamo.reset()
+    layout = "bshd" if entry == "flash_attn_func" else "bhsd"
+    q, k, v = make_qkv(2, 40, 40, 2, 32, torch.float32, device, layout=layout)
+
+    def f(q, k, v):
+        if entry == "flash_attn_func":
+            out = fa.flash_attn_func(q, k, v, causal=True)
+        else:
+            out = fa.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return (out * out).sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    loss_eager = f(q2, k2, v2)
+    grads_eager = torch.autograd.grad(loss_eager, (q2, k2, v2))
+    torch.testing.assert_close(loss, loss_eager)
+    for g, ge in zip(grads, grads_eager):
+        torch.testing.assert_close(g, ge)
+
+
+def test_sdpa_matches_torch(device):
+    q, k, v = make_qkv(2, 50, 50, 4, 32, torch.float32, device, layout="bhsd", requires_grad=False)
+    for causal in (False, True):
+        ours = fa.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        assert ours.shape == theirs.shape and ours.is_contiguous()
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_return_values(device):
+    q, k, v = make_qkv(1, 10, 12, 2, 16, torch.float32, device, requires_grad=False)
+    out = fa.flash_attn_func(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out2, lse = fa.flash_attn_func(q, k, v, return_lse=True)
+    assert lse.shape == (1, 2, 10) and lse.dtype == torch.float32
+    out3, lse3, probs = fa.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert probs is None
+    torch.testing.assert_close(out, out2)
+    torch.testing.assert_close(lse, lse3)
+
+
+def test_deterministic_flag(device):
+    q, k, v = make_qkv(1, 70, 90, 2, 32, torch.float32, device)
+    out = fa.flash_attn_func(q, k, v, causal=True, deterministic=True)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(3):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+# ---- unsupported features raise, never silently ignored ----------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dropout_p=0.1), "dropout"),
+    (dict(window_size=(16, 0)), "window"),
+    (dict(softcap=30.0), "softcap"),
+    (dict(alibi_slopes=torch.ones(2)), "ALiBi"),
+])
+def test_not_implemented_flash_attn_func(kwargs, match):
+    q, k, v = make_qkv(1, 8, 8, 2, 16, torch.float32, "cpu", requires_grad=False)
+    with pytest.raises(NotImplementedError, match=match):
+        fa.flash_attn_func(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)), "attn_mask"),
+    (dict(dropout_p=0.5), "dropout"),
+    (dict(enable_gqa=True), "grouped-query"),
+])
+def test_not_implemented_sdpa(kwargs, match):
+    q, k, v = make_qkv(1, 8, 8, 2, 16, torch.float32, "cpu", layout="bhsd", requires_grad=False)
+    with pytest.raises(NotImplementedError, match=match):
+        fa.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+# ---- bad inputs: clear errors --------------------------------------------------
+def _qkv(device="cpu", dtype=torch.float32, shape_q=(2, 16, 4, 32), shape_kv=(2, 24, 4, 32)):
+    return (torch.randn(shape_q, device=device, dtype=dtype),
+            torch.randn(shape_kv, device=device, dtype=dtype),
+            torch.randn(shape_kv, device=device, dtype=dtype))
+
+
+def _fwd(q, k, v):
+    return torch.ops.flash_attn_ext.fwd(q, k, v, 0.125, False, True, 0)
+
+
+BAD_INPUTS = {
+    "int_dtype": (lambda d: [t.to(torch.int32) for t in _qkv(d)], "dtype"),
+    "float64": (lambda d: [t.double() for t in _qkv(d)], "dtype"),
+    "mixed_dtypes": (lambda d: (lambda q, k, v: (q, k.half(), v))(*_qkv(d)), "same dtype"),
+    "wrong_rank": (lambda d: (lambda q, k, v: (q[0], k[0], v[0]))(*_qkv(d)), "4-D"),
+    "batch_mismatch": (lambda d: _qkv(d, shape_kv=(3, 24, 4, 32)), "batch"),
+    "heads_mismatch": (lambda d: _qkv(d, shape_kv=(2, 24, 3, 32)), "heads"),
+    "head_dim_mismatch": (lambda d: _qkv(d, shape_kv=(2, 24, 4, 16)), "head_dim"),
+    "k_v_mismatch": (lambda d: (lambda q, k, v: (q, k, v[:, :20]))(*_qkv(d)), "same shape"),
+    "empty_seqlen": (lambda d: _qkv(d, shape_q=(2, 0, 4, 32)), "empty"),
+    "empty_batch": (lambda d: _qkv(d, shape_q=(0, 16, 4, 32), shape_kv=(0, 24, 4, 32)), "empty"),
+    "noncontiguous_last_dim": (lambda d: (lambda q, k, v: (q.transpose(-1, -2).contiguous().transpose(-1, -2)
+                                                           [..., :16, :], k[..., :16, :], v[..., :16, :]))(
+        *_qkv(d, shape_q=(2, 16, 4, 16), shape_kv=(2, 24, 4, 16))), "contiguous"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_raise(device, case):
+    make, match = BAD_INPUTS[case]
+    q, k, v = make(device)
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
+        _fwd(q, k, v)
+
+
+def test_noncontiguous_last_dim_via_api_is_accepted():
+    # The public API copies a tensor whose last dim is strided, as flash-attn does.
+    k, v = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    q = torch.randn(1, 8, 16, 2).transpose(-1, -2)
+    assert q.stride(-1) != 1
+    out = fa.flash_attn_func(q, k, v)
+    torch.testing.assert_close(out, fa.flash_attn_func(q.contiguous(), k, v))
+
+
+def test_bad_rank_public_api():
+    q, k, v = _qkv()
+    with pytest.raises(RuntimeError, match="4-D"):
+        fa.scaled_dot_product_attention(q[0], k[0], v[0])
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        fa.flash_attn_func(q.numpy(), k, v)
+
+
+def test_mismatched_devices_meta():
+    q, k, v = _qkv()
+    with pytest.raises(RuntimeError, match="device"):
+        _fwd(q, k.to("meta"), v)
+
+
+@pytest.mark.gpu
+def test_mismatched_devices_cuda():
+    q, k, v = _qkv()
+    with pytest.raises(RuntimeError, match="device"):
+        _fwd(q.cuda(), k, v.cuda())
+
+
+def test_bwd_bad_lse():
+    q, k, v = _qkv()
+    out, lse = _fwd(q, k, v)
+    with pytest.raises(RuntimeError, match="lse"):
+        torch.ops.flash_attn_ext.bwd(out, q, k, v, out, lse[:, :, :-1], 0.125, False, True, False)
+    with pytest.raises(RuntimeError, match="dout"):
+        torch.ops.flash_attn_ext.bwd(out[:, :-1], q, k, v, out, lse, 0.125, False, True, False)
