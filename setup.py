@@ -23,9 +23,10 @@ try:
     import torch
     from torch.utils.cpp_extension import (CUDA_HOME, BuildExtension, CppExtension,
                                            CUDAExtension)
-except ImportError:  # pragma: no cover - exercised only on broken installs
+except ImportError as e:  # pragma: no cover - exercised only on broken installs
     sys.exit(
-        "flash_attn_ext: PyTorch must be installed before building this package.\n"
+        f"flash_attn_ext: could not import torch ({e}).\n"
+        "PyTorch must be installed (and importable) before building this package.\n"
         "  pip install torch            # then\n"
         "  pip install --no-build-isolation .\n"
         "(--no-build-isolation lets the build see the torch you already have.)")

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, GPU tests, benchmark; logs under $OUT.
+#   bash bench/gpu_check.sh [build] [test] [bench] [sanitize]   (default: build test bench)
+# Iterate faster with FLASH_ATTN_EXT_HEAD_DIMS / FLASH_ATTN_EXT_DTYPES / FLASH_ATTN_EXT_CUDA_ARCHS.
+set -uo pipefail
+OUT=${OUT:-/tmp/fae_out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+steps=${*:-build test bench}
+export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+export FLASH_ATTN_EXT_CUDA_ARCHS=${FLASH_ATTN_EXT_CUDA_ARCHS:-80;90}
+PY=python3
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+if [[ " $steps " == *" build "* ]]; then
+  start=$(date +%s)
+  FLASH_ATTN_EXT_VERBOSE_PTXAS=1 $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 \
+    || { grep -E "error|Error" "$OUT/build.log" | head -40; echo "BUILD FAILED"; exit 1; }
+  echo "build: $(( $(date +%s) - start )) s"
+  grep -E "spill|Used [0-9]+ registers" "$OUT/build.log" | grep -v " 0 bytes spill" | sort | uniq -c | head -20
+fi
+if [[ " $steps " == *" test "* ]]; then
+  (cd tests && timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -40)
+fi
+if [[ " $steps " == *" bench "* ]]; then
+  timeout ${BENCH_TIMEOUT:-300} $PY bench/bench_attention.py ${BENCH_ARGS:-} --csv "$OUT/bench.csv" 2> "$OUT/bench.err" | tee "$OUT/bench.log"
+fi
+if [[ " $steps " == *" sanitize "* ]]; then
+  $PY bench/sanitize_case.py --help > /dev/null 2>&1 && for tool in memcheck racecheck; do
+    timeout 300 compute-sanitizer --tool $tool --print-limit 5 $PY bench/sanitize_case.py 2>&1 | tail -6 | tee "$OUT/sanitize_$tool.log"
+  done
+fi

@@ -1,0 +1,145 @@
+// The three backward entry points of flash_api.h: workspace sizing, workspace
+// hand-out, and the dtype / head-dim / causal dispatch to the compiled
+// instantiations (instantiations/bwd_*.cu, filtered by setup.py, which
+// defines FAE_HAS_HDIM_<D> / FAE_HAS_FP16 / FAE_HAS_BF16 for what it built).
+//
+// Workspace (fp32), in this order:
+//   dsoftmax_sum  [batch][heads][seqlen_q]           (padded to 64 floats)
+//   dq_accum      [splits][batch][heads][seqlen_q][accum_dim]
+// accum_dim = the instantiated head dim. splits = 1 unless deterministic; then
+// each of `splits` blocks per head owns one accumulator (see bwd_dq_splits).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "bwd_fp32.h"
+#include "bwd_kernel_traits.cuh"
+#include "flash_api.h"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+template <typename T, int kHeadDim, bool kIsCausal>
+void run_bwd_impl(const AttentionBwdParams& params, cudaStream_t stream);
+
+namespace {
+
+bool is_fp32(const AttentionBwdParams& p) { return p.dtype == DType::kFloat32; }
+
+int accum_dim(const AttentionBwdParams& p) {
+  return is_fp32(p) ? bwd_fp32_accum_dim(p.head_dim) : bwd_rounded_head_dim(p.head_dim);
+}
+
+// Deterministic mode: the blocks along seqlen_k of one (batch, head) are
+// folded into `splits` blocks, each walking n_blocks split, split + splits, ...
+// in order and owning a private fp32 dQ accumulator (plain read-modify-write,
+// no atomics); the convert kernel sums the splits in order 0..splits-1. So the
+// result is bit-identical run to run. `splits` targets one wave of blocks
+// (one 256-thread block per SM) and costs splits x the dQ accumulator memory.
+int bwd_dq_splits(const AttentionBwdParams& p, int num_sms) {
+  if (!p.deterministic) return 1;
+  const int block_n = is_fp32(p) ? kBwdFp32BlockN : bwd_block_n(accum_dim(p));
+  const int num_n_blocks = (p.seqlen_k + block_n - 1) / block_n;
+  const int64_t heads_total = static_cast<int64_t>(p.batch) * p.heads;
+  const int64_t wanted = (std::max(num_sms, 1) + heads_total - 1) / heads_total;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, num_n_blocks)));
+}
+
+int64_t dsum_floats(const AttentionBwdParams& p) {
+  const int64_t n = static_cast<int64_t>(p.batch) * p.heads * p.seqlen_q;
+  return (n + 63) / 64 * 64;  // keeps dq_accum 256-byte aligned
+}
+
+[[noreturn]] void not_compiled(const AttentionBwdParams& p, const char* what) {
+  throw std::runtime_error(std::string("flash_attn_ext: backward ") + what +
+                           " is not compiled in this build (head_dim " +
+                           std::to_string(p.head_dim) + " -> kernel head dim " +
+                           std::to_string(bwd_rounded_head_dim(p.head_dim)) +
+                           "); rebuild with it in FLASH_ATTN_EXT_HEAD_DIMS / FLASH_ATTN_EXT_DTYPES");
+}
+
+template <typename T, int kHeadDim>
+void run_causal_switch(const AttentionBwdParams& p, cudaStream_t stream) {
+  if (p.causal) {
+    run_bwd_impl<T, kHeadDim, true>(p, stream);
+  } else {
+    run_bwd_impl<T, kHeadDim, false>(p, stream);
+  }
+}
+
+template <typename T>
+void run_head_dim_switch(const AttentionBwdParams& p, cudaStream_t stream) {
+  switch (bwd_rounded_head_dim(p.head_dim)) {
+#ifdef FAE_HAS_HDIM_32
+    case 32: return run_causal_switch<T, 32>(p, stream);
+#endif
+#ifdef FAE_HAS_HDIM_64
+    case 64: return run_causal_switch<T, 64>(p, stream);
+#endif
+#ifdef FAE_HAS_HDIM_96
+    case 96: return run_causal_switch<T, 96>(p, stream);
+#endif
+#ifdef FAE_HAS_HDIM_128
+    case 128: return run_causal_switch<T, 128>(p, stream);
+#endif
+#ifdef FAE_HAS_HDIM_160
+    case 160: return run_causal_switch<T, 160>(p, stream);
+#endif
+#ifdef FAE_HAS_HDIM_192
+    case 192: return run_causal_switch<T, 192>(p, stream);
+#endif
+#ifdef FAE_HAS_HDIM_224
+    case 224: return run_causal_switch<T, 224>(p, stream);
+#endif
+#ifdef FAE_HAS_HDIM_256
+    case 256: return run_causal_switch<T, 256>(p, stream);
+#endif
+    default: not_compiled(p, "head dim");
+  }
+}
+
+}  // namespace
+
+int64_t bwd_workspace_floats(const AttentionBwdParams& params, int num_sms) {
+  const int64_t dq = static_cast<int64_t>(bwd_dq_splits(params, num_sms)) * params.batch *
+                     params.heads * params.seqlen_q * accum_dim(params);
+  return dsum_floats(params) + dq;
+}
+
+void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms) {
+  params.dsoftmax_sum = workspace;
+  params.dq_accum = workspace + dsum_floats(params);
+  params.num_splits = bwd_dq_splits(params, num_sms);
+}
+
+void run_bwd(AttentionBwdParams& params, int num_sms, cudaStream_t stream) {
+  if (params.head_dim <= 0 || params.head_dim % 8 != 0 || params.head_dim > 256) {
+    throw std::runtime_error("flash_attn_ext: backward needs head_dim % 8 == 0 and <= 256, got " +
+                             std::to_string(params.head_dim));
+  }
+  // The number of dQ accumulators the workspace was sized for (flash_api.h:
+  // bwd_workspace_floats and run_bwd see the same num_sms).
+  params.num_splits = bwd_dq_splits(params, num_sms);
+  switch (params.dtype) {
+    case DType::kFloat32: return run_bwd_fp32(params, stream);
+    case DType::kFloat16:
+#ifdef FAE_HAS_FP16
+      return run_head_dim_switch<__half>(params, stream);
+#else
+      not_compiled(params, "dtype float16");
+#endif
+    case DType::kBFloat16:
+#ifdef FAE_HAS_BF16
+      return run_head_dim_switch<__nv_bfloat16>(params, stream);
+#else
+      not_compiled(params, "dtype bfloat16");
+#endif
+  }
+  throw std::runtime_error("flash_attn_ext: backward: unknown dtype");
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

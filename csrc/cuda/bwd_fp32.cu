@@ -1,0 +1,285 @@
+// fp32 backward: plain FFMA kernels with true fp32 accuracy (no tensor cores,
+// so no tf32 rounding). Same decomposition as the 16-bit kernel, smaller:
+// one block of 8 warps per 32-key tile, looping over 32-query tiles.
+//
+//   S, dP  : lane = query row i, warp w = keys 4w..4w+3  (float4 along d)
+//   dV, dK : lane = key j,       warp w = columns {32c + 4w .. +3}
+//   dQ     : lane = query row i, warp w = columns {32c + 4w .. +3}
+//
+// Shared-memory tiles use a row pitch of kD + 4 floats: a warp reading
+// float4s from 32 different rows (same column) hits each bank once per
+// 8-lane phase; reads of one row by the whole warp are broadcasts. P and dS
+// use a pitch of 33 floats so both row- and column-wise accesses are
+// conflict-free.
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "bwd_fp32.h"
+#include "bwd_preprocess.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <int kD>
+struct Fp32Smem {
+  static constexpr int kPitch = kD + 4;
+  static constexpr int kPPitch = kBwdFp32BlockN + 1;
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffdO = kOffQ + kBwdFp32BlockM * kPitch;
+  static constexpr int kOffK = kOffdO + kBwdFp32BlockM * kPitch;
+  static constexpr int kOffV = kOffK + kBwdFp32BlockN * kPitch;
+  static constexpr int kOffP = kOffV + kBwdFp32BlockN * kPitch;
+  static constexpr int kOffdS = kOffP + kBwdFp32BlockM * kPPitch;
+  static constexpr int kOffLse = kOffdS + kBwdFp32BlockM * kPPitch;
+  static constexpr int kOffDsum = kOffLse + kBwdFp32BlockM;
+  static constexpr int kFloats = kOffDsum + kBwdFp32BlockM;
+  static constexpr int kBytes = kFloats * 4;
+  static_assert(kD % 32 == 0, "columns are dealt out as 32c + 4*warp");
+  static_assert(kOffdO % 4 == 0 && kOffK % 4 == 0 && kOffV % 4 == 0, "float4 tiles");
+};
+
+// [32][kD] fp32 tile -> smem (pitch kD + 4); rows >= rows_valid and columns
+// >= head_dim are zero.
+template <int kD>
+__device__ __forceinline__ void load_tile(float* s, const float* g, int64_t row_stride,
+                                          int rows_valid, int head_dim) {
+  constexpr int kVecPerRow = kD / 4;
+  for (int idx = threadIdx.x; idx < 32 * kVecPerRow; idx += kThreads) {
+    const int row = idx / kVecPerRow, col = (idx % kVecPerRow) * 4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (row < rows_valid && col < head_dim)
+      v = *reinterpret_cast<const float4*>(g + row * row_stride + col);
+    *reinterpret_cast<float4*>(s + row * Fp32Smem<kD>::kPitch + col) = v;
+  }
+}
+
+__device__ __forceinline__ void fma4(float4& acc, float s, const float4& v) {
+  acc.x = fmaf(s, v.x, acc.x);
+  acc.y = fmaf(s, v.y, acc.y);
+  acc.z = fmaf(s, v.z, acc.z);
+  acc.w = fmaf(s, v.w, acc.w);
+}
+__device__ __forceinline__ float dot4(const float4& a, const float4& b, float acc) {
+  acc = fmaf(a.x, b.x, acc);
+  acc = fmaf(a.y, b.y, acc);
+  acc = fmaf(a.z, b.z, acc);
+  return fmaf(a.w, b.w, acc);
+}
+
+template <int kD, bool kIsCausal, bool kDeterministic>
+__global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdParams params) {
+  using L = Fp32Smem<kD>;
+  constexpr int BM = kBwdFp32BlockM, BN = kBwdFp32BlockN, kPitch = L::kPitch, kPP = L::kPPitch;
+  constexpr int kCols = kD / 32;  // float4 column groups per thread
+  extern __shared__ __align__(16) float smem_f[];
+  float* sQ = smem_f + L::kOffQ;
+  float* sdO = smem_f + L::kOffdO;
+  float* sK = smem_f + L::kOffK;
+  float* sV = smem_f + L::kOffV;
+  float* sP = smem_f + L::kOffP;
+  float* sdS = smem_f + L::kOffdS;
+  float* sLse2 = smem_f + L::kOffLse;
+  float* sDsum = smem_f + L::kOffDsum;
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, head_dim = params.head_dim;
+  const int num_m_blocks = (seqlen_q + BM - 1) / BM;
+  const int num_n_blocks = (seqlen_k + BN - 1) / BN;
+  const float* q_bh = static_cast<const float*>(params.q) + b * params.q_strides.batch + h * params.q_strides.head;
+  const float* k_bh = static_cast<const float*>(params.k) + b * params.k_strides.batch + h * params.k_strides.head;
+  const float* v_bh = static_cast<const float*>(params.v) + b * params.v_strides.batch + h * params.v_strides.head;
+  const float* do_bh = static_cast<const float*>(params.dout) + b * params.dout_strides.batch +
+                       h * params.dout_strides.head;
+  float* dk_bh = static_cast<float*>(params.dk) + b * params.dk_strides.batch + h * params.dk_strides.head;
+  float* dv_bh = static_cast<float*>(params.dv) + b * params.dv_strides.batch + h * params.dv_strides.head;
+  const int64_t bh = static_cast<int64_t>(b) * params.heads + h;
+  const float* lse_bh = params.lse + bh * seqlen_q;
+  const float* dsum_bh = params.dsoftmax_sum + bh * seqlen_q;
+  const int split = kDeterministic ? blockIdx.x : 0;
+  float* dq_bh = params.dq_accum +
+                 (static_cast<int64_t>(split) * params.batch * params.heads + bh) * seqlen_q * kD;
+
+  for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
+    const int key0 = n_block * BN;
+    int m_begin = 0;
+    if (kIsCausal) {
+      const int first_query = key0 - params.causal_offset;
+      m_begin = first_query <= 0 ? 0 : first_query / BM;
+    }
+    __syncthreads();  // previous n_block done with sK / sV
+    load_tile<kD>(sK, k_bh + key0 * params.k_strides.row, params.k_strides.row,
+                  min(BN, seqlen_k - key0), head_dim);
+    load_tile<kD>(sV, v_bh + key0 * params.v_strides.row, params.v_strides.row,
+                  min(BN, seqlen_k - key0), head_dim);
+
+    float4 acc_dk[kCols], acc_dv[kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c)
+      acc_dk[c] = acc_dv[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+
+    for (int m_block = m_begin; m_block < num_m_blocks; ++m_block) {
+      const int query0 = m_block * BM;
+      __syncthreads();  // previous tile done with sQ / sdO / sP / sdS
+      load_tile<kD>(sQ, q_bh + query0 * params.q_strides.row, params.q_strides.row,
+                    min(BM, seqlen_q - query0), head_dim);
+      load_tile<kD>(sdO, do_bh + query0 * params.dout_strides.row, params.dout_strides.row,
+                    min(BM, seqlen_q - query0), head_dim);
+      if (threadIdx.x < BM) {
+        const int row = query0 + threadIdx.x;
+        float lse2 = INFINITY, dsum = 0.f;  // padded rows: P = exp2(-inf) = 0
+        if (row < seqlen_q) {
+          const float lse = lse_bh[row];
+          lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;  // fully masked row: P = 0
+          dsum = dsum_bh[row];
+        }
+        sLse2[threadIdx.x] = lse2;
+        sDsum[threadIdx.x] = dsum;
+      }
+      __syncthreads();
+
+      // ---- S = Q K^T, dP = dO V^T: query `lane`, keys 4*warp + r -------------
+      {
+        float s[4] = {0.f, 0.f, 0.f, 0.f}, dp[4] = {0.f, 0.f, 0.f, 0.f};
+        const float* q_row = sQ + lane * kPitch;
+        const float* do_row = sdO + lane * kPitch;
+#pragma unroll 4
+        for (int d = 0; d < kD; d += 4) {
+          const float4 qv = *reinterpret_cast<const float4*>(q_row + d);
+          const float4 dov = *reinterpret_cast<const float4*>(do_row + d);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int key = 4 * warp + r;
+            s[r] = dot4(qv, *reinterpret_cast<const float4*>(sK + key * kPitch + d), s[r]);
+            dp[r] = dot4(dov, *reinterpret_cast<const float4*>(sV + key * kPitch + d), dp[r]);
+          }
+        }
+        const int query = query0 + lane;
+        const float lse2 = sLse2[lane], dsum = sDsum[lane];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int key = key0 + 4 * warp + r;
+          const bool visible = key < seqlen_k && (!kIsCausal || key <= query + params.causal_offset);
+          const float p = visible ? exp2f(s[r] * params.scale_log2 - lse2) : 0.f;
+          sP[lane * kPP + 4 * warp + r] = p;
+          sdS[lane * kPP + 4 * warp + r] = p * (dp[r] - dsum);
+        }
+      }
+      __syncthreads();
+
+      // ---- dV += P^T dO, dK += dS^T Q: key `lane`, columns 32c + 4*warp ------
+#pragma unroll 4
+      for (int i = 0; i < BM; ++i) {
+        const float p = sP[i * kPP + lane], ds = sdS[i * kPP + lane];
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+          const int col = 32 * c + 4 * warp;
+          fma4(acc_dv[c], p, *reinterpret_cast<const float4*>(sdO + i * kPitch + col));
+          fma4(acc_dk[c], ds, *reinterpret_cast<const float4*>(sQ + i * kPitch + col));
+        }
+      }
+
+      // ---- dQ += dS K: query `lane`, columns 32c + 4*warp ---------------------
+      {
+        float4 acc_dq[kCols];
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) acc_dq[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int j = 0; j < BN; ++j) {
+          const float ds = sdS[lane * kPP + j];
+#pragma unroll
+          for (int c = 0; c < kCols; ++c)
+            fma4(acc_dq[c], ds, *reinterpret_cast<const float4*>(sK + j * kPitch + 32 * c + 4 * warp));
+        }
+        const int row = query0 + lane;
+        if (row < seqlen_q) {
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+            const int col = 32 * c + 4 * warp;
+            if (col >= head_dim) continue;
+            float* dst = dq_bh + static_cast<int64_t>(row) * kD + col;
+            if constexpr (kDeterministic) {
+              // Sole writer of these words (one block per split, fixed map).
+              float4 old = *reinterpret_cast<float4*>(dst);
+              old.x += acc_dq[c].x, old.y += acc_dq[c].y, old.z += acc_dq[c].z, old.w += acc_dq[c].w;
+              *reinterpret_cast<float4*>(dst) = old;
+            } else {
+              atomicAdd(dst + 0, acc_dq[c].x);
+              atomicAdd(dst + 1, acc_dq[c].y);
+              atomicAdd(dst + 2, acc_dq[c].z);
+              atomicAdd(dst + 3, acc_dq[c].w);
+            }
+          }
+        }
+      }
+    }
+
+    // ---- dK (scaled), dV straight from registers; invisible keys get zeros ----
+    const int key = key0 + lane;
+    if (key < seqlen_k) {
+      const float scale = params.softmax_scale;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int col = 32 * c + 4 * warp;
+        if (col >= head_dim) continue;
+        const float4 dk = make_float4(acc_dk[c].x * scale, acc_dk[c].y * scale,
+                                      acc_dk[c].z * scale, acc_dk[c].w * scale);
+        *reinterpret_cast<float4*>(dk_bh + key * params.dk_strides.row + col) = dk;
+        *reinterpret_cast<float4*>(dv_bh + key * params.dv_strides.row + col) = acc_dv[c];
+      }
+    }
+  }
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("flash_attn_ext: fp32 backward ") + what + " failed: " +
+                             cudaGetErrorString(err));
+}
+
+template <int kD, bool kIsCausal>
+void run_fp32(const AttentionBwdParams& params, cudaStream_t stream) {
+  const int splits = params.deterministic ? params.num_splits : 1;
+  if (splits < 1) throw std::runtime_error("flash_attn_ext: backward needs num_splits >= 1");
+  const size_t accum_bytes =
+      static_cast<size_t>(splits) * params.batch * params.heads * params.seqlen_q * kD * sizeof(float);
+  check(cudaMemsetAsync(params.dq_accum, 0, accum_bytes, stream), "dQ zeroing");
+  launch_bwd_dot_do_o<float>(params, stream);
+  const int num_n_blocks = (params.seqlen_k + kBwdFp32BlockN - 1) / kBwdFp32BlockN;
+  const dim3 grid(params.deterministic ? splits : num_n_blocks, params.heads, params.batch);
+  auto kernel = params.deterministic ? &bwd_fp32_kernel<kD, kIsCausal, true>
+                                     : &bwd_fp32_kernel<kD, kIsCausal, false>;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             Fp32Smem<kD>::kBytes),
+        "shared-memory opt-in");
+  kernel<<<grid, kThreads, Fp32Smem<kD>::kBytes, stream>>>(params);
+  launch_bwd_convert_dq<float>(params, kD, splits, stream);
+}
+
+template <int kD>
+void run_fp32_causal_switch(const AttentionBwdParams& params, cudaStream_t stream) {
+  if (params.causal) {
+    run_fp32<kD, true>(params, stream);
+  } else {
+    run_fp32<kD, false>(params, stream);
+  }
+}
+
+}  // namespace
+
+void run_bwd_fp32(const AttentionBwdParams& params, cudaStream_t stream) {
+  switch (bwd_fp32_accum_dim(params.head_dim)) {
+    case 32: return run_fp32_causal_switch<32>(params, stream);
+    case 64: return run_fp32_causal_switch<64>(params, stream);
+    case 128: return run_fp32_causal_switch<128>(params, stream);
+    default: return run_fp32_causal_switch<256>(params, stream);
+  }
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

@@ -1,0 +1,489 @@
+// FlashAttention-2 style backward main kernel for 16-bit inputs (sm_80+).
+//
+// One thread block per (K/V tile, head, batch); see bwd_kernel_traits.cuh for
+// the warp decomposition and the tile table. Per query tile m the block does
+//
+//   S^T  = K Q_m^T                     (recomputed, 16 keys x kBlockM per warp)
+//   P^T  = exp2(S^T * scale_log2 - lse_m * log2 e)     (masked -> 0)
+//   dP^T = V dO_m^T
+//   dS^T = P^T o (dP^T - D_m)
+//   dV  += P^T dO_m,   dK += dS^T Q_m    (registers, across the whole loop)
+//   dQ_m += dS_m K                        (fp32, global accumulator)
+//
+// and finally writes dK * softmax_scale and dV. dQ is scaled by the convert
+// kernel. Q_m / dO_m are double-buffered with cp.async: tile m+1 streams in
+// while tile m is computed.
+#pragma once
+#include <cmath>
+
+#include "../params.h"
+#include "bwd_kernel_traits.cuh"
+#include "common/ptx.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+namespace bwd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Adds (x, y) to two consecutive fp32 words of global memory. sm_90 has a
+// vector reduction (one instruction, half the L2 atomic traffic).
+FAE_DEVICE void atomic_add_pair(float* dst, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+#endif
+}
+
+// cp.async a [kRows][kHeadDim] tile (rows row0.., only the first rows_valid
+// rows and head_dim columns are real; the rest is zero-filled) into shared
+// memory with the padded row pitch. Consecutive threads take consecutive
+// 16-byte chunks of a row: coalesced global reads.
+template <typename Kt, int kRows>
+FAE_DEVICE void load_tile_async(typename Kt::T* smem_tile, const typename Kt::T* gmem_rows,
+                                int64_t row_stride, int rows_valid, int head_dim) {
+  constexpr int kChunks = kRows * Kt::kChunksPerRow;
+  constexpr int kIters = (kChunks + Kt::kNThreads - 1) / Kt::kNThreads;
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int idx = threadIdx.x + i * Kt::kNThreads;
+    if (kChunks % Kt::kNThreads == 0 || idx < kChunks) {
+      const int row = idx / Kt::kChunksPerRow;
+      const int col = (idx % Kt::kChunksPerRow) * 8;
+      const bool valid = row < rows_valid && col < head_dim;
+      // With src-size 0 nothing is read, but keep the address inside the tensor.
+      const auto* src = valid ? gmem_rows + row * row_stride + col : gmem_rows;
+      cp_async_16(smem_tile + row * Kt::kRowPitch + col, src, valid);
+    }
+  }
+}
+
+// acc[kQTiles][4] += A B^T over the full head dim, where A is 16 rows (keys) of
+// sA and B is all kBlockM rows (queries) of sB, both [rows][kHeadDim] tiles.
+// Result in mma C layout: acc[j] = rows g, g+8 x queries 8j + 2q, 8j + 2q + 1.
+template <typename Kt>
+FAE_DEVICE void gemm_keys_by_queries(float (&acc)[Kt::kQTiles][4], const typename Kt::T* sA,
+                                     const typename Kt::T* sB, int lane) {
+  using T = typename Kt::T;
+  // A (row-major 16x16 per k-step): ldmatrix x4 matrices = (rows 0-7, k 0-7),
+  // (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15) = a[0..3].
+  const T* a_row = sA + (lane % 8 + 8 * ((lane / 8) % 2)) * Kt::kRowPitch + 8 * (lane / 16);
+  // B^T rows are queries: x4 matrices = (queries 0-7, k 0-7) -> b[0] of n-tile
+  // 2jj, (queries 0-7, k 8-15) -> b[1], then the same for queries 8-15.
+  const T* b_row = sB + (lane % 8 + 8 * (lane / 16)) * Kt::kRowPitch + 8 * ((lane / 8) % 2);
+  // Not fully unrolled: that would let the scheduler hoist every ldmatrix
+  // of the head dim and blow the register budget (dK/dV stay resident).
+#pragma unroll 1
+  for (int kk = 0; kk < Kt::kHeadDim / 16; ++kk) {
+    uint32_t a[4];
+    ldmatrix_x4(a, a_row + kk * 16);
+#pragma unroll
+    for (int jj = 0; jj < Kt::kQTiles / 2; ++jj) {
+      uint32_t b[4];
+      ldmatrix_x4(b, b_row + jj * 16 * Kt::kRowPitch + kk * 16);
+      const uint32_t b_lo[2] = {b[0], b[1]};
+      const uint32_t b_hi[2] = {b[2], b[3]};
+      mma_16816<T>(acc[2 * jj], a, b_lo);
+      mma_16816<T>(acc[2 * jj + 1], a, b_hi);
+    }
+  }
+}
+
+// acc[kDimPerWarp/8][4] += A_kq (16 keys x 16 queries, mma A fragment) *
+// sB[queries kq*16.., columns col0..col0+kDimPerWarp) (row-major, read with
+// ldmatrix.trans because the contraction runs down sB's rows).
+template <typename Kt>
+FAE_DEVICE void gemm_accumulate_kv(float (&acc)[Kt::kDimPerWarp / 8][4], const uint32_t (&a)[4],
+                                   const typename Kt::T* sB_rows, int lane) {
+  using T = typename Kt::T;
+  // x4.trans matrices = (k 0-7, n 0-7) -> b[0] of n-tile 2nn, (k 8-15, n 0-7)
+  // -> b[1], (k 0-7, n 8-15) -> b[0] of n-tile 2nn+1, (k 8-15, n 8-15) -> b[1].
+  const T* b_row = sB_rows + (lane % 8 + 8 * ((lane / 8) % 2)) * Kt::kRowPitch + 8 * (lane / 16);
+#pragma unroll
+  for (int nn = 0; nn < Kt::kDimPerWarp / 16; ++nn) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, b_row + nn * 16);
+    const uint32_t b_lo[2] = {b[0], b[1]};
+    const uint32_t b_hi[2] = {b[2], b[3]};
+    mma_16816<T>(acc[2 * nn], a, b_lo);
+    mma_16816<T>(acc[2 * nn + 1], a, b_hi);
+  }
+}
+
+// Packs the C fragments of n-tiles 2kq, 2kq+1 (16 keys x 16 queries) into
+// the A fragment of an m16n8k16 whose K dim is those 16 queries: the C layout
+// (row g/g+8, cols 2q..2q+1 of each 8-wide tile) is exactly the A layout.
+template <typename T>
+FAE_DEVICE void c_to_a_fragment(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack2<T>(lo[0], lo[1]);
+  a[1] = pack2<T>(lo[2], lo[3]);
+  a[2] = pack2<T>(hi[0], hi[1]);
+  a[3] = pack2<T>(hi[2], hi[3]);
+}
+
+// Stores an A fragment of a 16 keys x 16 queries block into a [keys][queries]
+// tile at (key_row0, query_col0). 32-bit stores; with the padded pitch the
+// 32 lanes hit 32 distinct banks.
+template <typename Kt>
+FAE_DEVICE void store_a_fragment(typename Kt::T* tile, const uint32_t (&a)[4], int key_row0,
+                                 int query_col0, int lane) {
+  const int g = lane / 4, q4 = lane % 4;
+  auto* base = tile + (key_row0 + g) * Kt::kKeyRowPitch + query_col0 + 2 * q4;
+  *reinterpret_cast<uint32_t*>(base) = a[0];
+  *reinterpret_cast<uint32_t*>(base + 8 * Kt::kKeyRowPitch) = a[1];
+  *reinterpret_cast<uint32_t*>(base + 8) = a[2];
+  *reinterpret_cast<uint32_t*>(base + 8 * Kt::kKeyRowPitch + 8) = a[3];
+}
+
+// P^T and dS^T from S^T (in: acc_s) and dP^T (in: acc_dp), in place.
+// lse2 = lse * log2(e) per query, +inf for padded / fully-masked rows (so
+// P = exp2(-inf) = 0, never NaN); dsum = D per query.
+template <typename Kt, bool kIsCausal>
+FAE_DEVICE void softmax_backward(float (&acc_s)[Kt::kQTiles][4], float (&acc_dp)[Kt::kQTiles][4],
+                                 const float* lse2, const float* dsum, float scale_log2,
+                                 bool apply_mask, int key0, int query0, int seqlen_k,
+                                 int causal_offset, int lane) {
+  const int g = lane / 4, q4 = lane % 4;
+#pragma unroll
+  for (int j = 0; j < Kt::kQTiles; ++j) {
+    const int q_local = j * 8 + 2 * q4;
+    const float2 l2 = *reinterpret_cast<const float2*>(lse2 + q_local);
+    const float2 dd = *reinterpret_cast<const float2*>(dsum + q_local);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      float p = fast_exp2(acc_s[j][c] * scale_log2 - ((c & 1) ? l2.y : l2.x));
+      if (apply_mask) {
+        const int key = key0 + g + ((c & 2) ? 8 : 0);
+        const int query = query0 + q_local + (c & 1);
+        const bool visible = key < seqlen_k && (!kIsCausal || key <= query + causal_offset);
+        p = visible ? p : 0.f;
+      }
+      acc_s[j][c] = p;
+      acc_dp[j][c] = p * (acc_dp[j][c] - ((c & 1) ? dd.y : dd.x));
+    }
+  }
+}
+
+template <typename Kt, bool kIsCausal, bool kDeterministic>
+__global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const AttentionBwdParams params) {
+  using T = typename Kt::T;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
+  constexpr int kPitch = Kt::kRowPitch;
+  constexpr int kQTiles = Kt::kQTiles;
+  constexpr int kDimPerWarp = Kt::kDimPerWarp;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem + Kt::kOffK);
+  T* sV = reinterpret_cast<T*>(smem + Kt::kOffV);
+  T* sQ = reinterpret_cast<T*>(smem + Kt::kOffQ);    // [kStages][kBlockM][kPitch]
+  T* sdO = reinterpret_cast<T*>(smem + Kt::kOffdO);  // [kStages][kBlockM][kPitch]
+  T* sdS = reinterpret_cast<T*>(smem + Kt::kOffdS);  // dS^T [kBlockN][kKeyRowPitch]
+  T* sP = reinterpret_cast<T*>(smem + Kt::kOffP);    // P^T, kWarpsD == 2 only
+  float* sdP = reinterpret_cast<float*>(smem + Kt::kOffdP);  // dP^T fragments, kWarpsD == 2
+  float* sLse2 = reinterpret_cast<float*>(smem + Kt::kOffLse);  // [kStages][kBlockM]
+  float* sDsum = reinterpret_cast<float*>(smem + Kt::kOffDsum);  // [kStages][kBlockM]
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wn = warp % Kt::kWarpsN;  // which 16 keys
+  const int wd = warp / Kt::kWarpsN;  // which head-dim slice of dK/dV (and, if 2, S^T vs dP^T)
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, head_dim = params.head_dim;
+  const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+  const int num_n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
+
+  const T* q_bh = static_cast<const T*>(params.q) + b * params.q_strides.batch + h * params.q_strides.head;
+  const T* k_bh = static_cast<const T*>(params.k) + b * params.k_strides.batch + h * params.k_strides.head;
+  const T* v_bh = static_cast<const T*>(params.v) + b * params.v_strides.batch + h * params.v_strides.head;
+  const T* do_bh = static_cast<const T*>(params.dout) + b * params.dout_strides.batch +
+                   h * params.dout_strides.head;
+  T* dk_bh = static_cast<T*>(params.dk) + b * params.dk_strides.batch + h * params.dk_strides.head;
+  T* dv_bh = static_cast<T*>(params.dv) + b * params.dv_strides.batch + h * params.dv_strides.head;
+  const int64_t bh = static_cast<int64_t>(b) * params.heads + h;
+  const float* lse_bh = params.lse + bh * seqlen_q;
+  const float* dsum_bh = params.dsoftmax_sum + bh * seqlen_q;
+  // Deterministic: block x owns dQ split x exclusively (plain read-modify-write
+  // in a fixed n_block order); otherwise all blocks share split 0 via atomics.
+  const int split = kDeterministic ? blockIdx.x : 0;
+  float* dq_bh = params.dq_accum +
+                 ((static_cast<int64_t>(split) * params.batch * params.heads) + bh) * seqlen_q * kHeadDim;
+
+  // lse (in log2 units) and D of one query tile, into registers: issued early,
+  // stored to shared memory late, so the global latency hides under the mmas.
+  auto load_row_stats = [&](int m_block, float& lse2, float& dsum) {
+    lse2 = INFINITY;
+    dsum = 0.f;
+    const int row = m_block * kBlockM + tid;
+    if (tid < kBlockM && row < seqlen_q) {
+      const float lse = lse_bh[row];
+      // lse = -inf: the forward saw no visible key, P must be 0 (not exp2(+inf)).
+      lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
+      dsum = dsum_bh[row];
+    }
+  };
+  auto store_row_stats = [&](int stage, float lse2, float dsum) {
+    if (tid < kBlockM) {
+      sLse2[stage * kBlockM + tid] = lse2;
+      sDsum[stage * kBlockM + tid] = dsum;
+    }
+  };
+  auto load_q_do_async = [&](int m_block, int stage) {
+    const int row0 = m_block * kBlockM;
+    const int rows_valid = min(kBlockM, seqlen_q - row0);
+    load_tile_async<Kt, kBlockM>(sQ + stage * kBlockM * kPitch, q_bh + row0 * params.q_strides.row,
+                                 params.q_strides.row, rows_valid, head_dim);
+    load_tile_async<Kt, kBlockM>(sdO + stage * kBlockM * kPitch,
+                                 do_bh + row0 * params.dout_strides.row, params.dout_strides.row,
+                                 rows_valid, head_dim);
+  };
+
+  for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
+    const int key0 = n_block * kBlockN;
+    // Causal: the first query that sees key `key0` is key0 - causal_offset;
+    // tiles above it are skipped entirely (they contribute nothing).
+    int m_begin = 0;
+    if (kIsCausal) {
+      const int first_query = key0 - params.causal_offset;
+      m_begin = first_query <= 0 ? 0 : first_query / kBlockM;
+    }
+
+    __syncthreads();  // the previous n_block's epilogue is done with sK / sV
+    {
+      const int rows_valid = min(kBlockN, seqlen_k - key0);
+      load_tile_async<Kt, kBlockN>(sK, k_bh + key0 * params.k_strides.row, params.k_strides.row,
+                                   rows_valid, head_dim);
+      load_tile_async<Kt, kBlockN>(sV, v_bh + key0 * params.v_strides.row, params.v_strides.row,
+                                   rows_valid, head_dim);
+    }
+    if (m_begin < num_m_blocks) {
+      load_q_do_async(m_begin, 0);
+      float lse2, dsum;
+      load_row_stats(m_begin, lse2, dsum);
+      store_row_stats(0, lse2, dsum);
+    }
+    cp_async_commit();
+
+    float acc_dv[kDimPerWarp / 8][4];
+    float acc_dk[kDimPerWarp / 8][4];
+#pragma unroll
+    for (int i = 0; i < kDimPerWarp / 8; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc_dv[i][c] = acc_dk[i][c] = 0.f;
+    }
+
+    for (int m_block = m_begin; m_block < num_m_blocks; ++m_block) {
+      const int stage = (m_block - m_begin) & 1;
+      const int query0 = m_block * kBlockM;
+      cp_async_wait<0>();
+      // Q/dO/lse/D of this tile are visible, and every warp is done with the
+      // other stage and with sdS / sP / sdP of the previous tile.
+      __syncthreads();
+
+      const bool has_next = m_block + 1 < num_m_blocks;
+      if (has_next) load_q_do_async(m_block + 1, stage ^ 1);
+      cp_async_commit();
+      float next_lse2, next_dsum;
+      if (has_next) load_row_stats(m_block + 1, next_lse2, next_dsum);
+
+      const T* sQ_m = sQ + stage * kBlockM * kPitch;
+      const T* sdO_m = sdO + stage * kBlockM * kPitch;
+      const float* lse2_m = sLse2 + stage * kBlockM;
+      const float* dsum_m = sDsum + stage * kBlockM;
+      // Only tiles crossing the diagonal or the seqlen_k boundary need masks.
+      // (Query rows >= seqlen_q need none: their lse2 = +inf gives P = 0.)
+      const bool apply_mask = key0 + kBlockN > seqlen_k ||
+                              (kIsCausal && query0 + params.causal_offset < key0 + kBlockN - 1);
+      const int warp_key0 = wn * 16;
+
+      if constexpr (Kt::kWarpsD == 1) {
+        // ---- S^T, dP^T, P^T, dS^T: all in this warp's registers -----------
+        float acc_s[kQTiles][4], acc_dp[kQTiles][4];
+#pragma unroll
+        for (int j = 0; j < kQTiles; ++j) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc_s[j][c] = acc_dp[j][c] = 0.f;
+        }
+        gemm_keys_by_queries<Kt>(acc_s, sK + warp_key0 * kPitch, sQ_m, lane);
+        gemm_keys_by_queries<Kt>(acc_dp, sV + warp_key0 * kPitch, sdO_m, lane);
+        softmax_backward<Kt, kIsCausal>(acc_s, acc_dp, lse2_m, dsum_m, params.scale_log2,
+                                        apply_mask, key0 + warp_key0, query0, seqlen_k,
+                                        params.causal_offset, lane);
+        // ---- dV += P^T dO, dK += dS^T Q; dS^T to smem for dQ ------------------
+#pragma unroll
+        for (int kq = 0; kq < kBlockM / 16; ++kq) {
+          uint32_t a_p[4], a_ds[4];
+          c_to_a_fragment<T>(a_p, acc_s[2 * kq], acc_s[2 * kq + 1]);
+          c_to_a_fragment<T>(a_ds, acc_dp[2 * kq], acc_dp[2 * kq + 1]);
+          store_a_fragment<Kt>(sdS, a_ds, warp_key0, kq * 16, lane);
+          gemm_accumulate_kv<Kt>(acc_dv, a_p, sdO_m + kq * 16 * kPitch, lane);
+          gemm_accumulate_kv<Kt>(acc_dk, a_ds, sQ_m + kq * 16 * kPitch, lane);
+        }
+        __syncthreads();  // dS^T complete before the dQ product reads all of it
+      } else {
+        // ---- group 0: S^T = K Q^T;  group 1: dP^T = V dO^T ----------------
+        float acc[kQTiles][4];
+#pragma unroll
+        for (int j = 0; j < kQTiles; ++j) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
+        }
+        gemm_keys_by_queries<Kt>(acc, (wd == 0 ? sK : sV) + warp_key0 * kPitch,
+                                 wd == 0 ? sQ_m : sdO_m, lane);
+        // Fragment-order hand-off: lane l of warp (wn, 1) writes what lane l of
+        // warp (wn, 0) needs, 16 contiguous bytes per lane (conflict-free).
+        float4* dp_frag = reinterpret_cast<float4*>(sdP) + (wn * kQTiles) * 32 + lane;
+        if (wd == 1) {
+#pragma unroll
+          for (int j = 0; j < kQTiles; ++j)
+            dp_frag[j * 32] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+        }
+        __syncthreads();
+        if (wd == 0) {
+          float acc_dp[kQTiles][4];
+#pragma unroll
+          for (int j = 0; j < kQTiles; ++j) {
+            const float4 v = dp_frag[j * 32];
+            acc_dp[j][0] = v.x, acc_dp[j][1] = v.y, acc_dp[j][2] = v.z, acc_dp[j][3] = v.w;
+          }
+          softmax_backward<Kt, kIsCausal>(acc, acc_dp, lse2_m, dsum_m, params.scale_log2,
+                                          apply_mask, key0 + warp_key0, query0, seqlen_k,
+                                          params.causal_offset, lane);
+#pragma unroll
+          for (int kq = 0; kq < kBlockM / 16; ++kq) {
+            uint32_t a_p[4], a_ds[4];
+            c_to_a_fragment<T>(a_p, acc[2 * kq], acc[2 * kq + 1]);
+            c_to_a_fragment<T>(a_ds, acc_dp[2 * kq], acc_dp[2 * kq + 1]);
+            store_a_fragment<Kt>(sP, a_p, warp_key0, kq * 16, lane);
+            store_a_fragment<Kt>(sdS, a_ds, warp_key0, kq * 16, lane);
+          }
+        }
+        __syncthreads();  // P^T, dS^T complete (also for the dQ product below)
+        // ---- both groups: dV, dK for their head-dim slice -------------------
+        const int a_off = (warp_key0 + lane % 8 + 8 * ((lane / 8) % 2)) * Kt::kKeyRowPitch +
+                          8 * (lane / 16);
+        const int col0 = wd * kDimPerWarp;
+#pragma unroll
+        for (int kq = 0; kq < kBlockM / 16; ++kq) {
+          uint32_t a_p[4], a_ds[4];
+          ldmatrix_x4(a_p, sP + a_off + kq * 16);
+          ldmatrix_x4(a_ds, sdS + a_off + kq * 16);
+          gemm_accumulate_kv<Kt>(acc_dv, a_p, sdO_m + kq * 16 * kPitch + col0, lane);
+          gemm_accumulate_kv<Kt>(acc_dk, a_ds, sQ_m + kq * 16 * kPitch + col0, lane);
+        }
+      }
+
+      // ---- dQ_m += dS_m K  (this block's keys only) --------------------------
+      {
+        constexpr int kMi = Kt::kRowsdQ / 16, kNi = Kt::kColsdQ / 8;
+        const int row0 = (warp % Kt::kWarpsMdQ) * Kt::kRowsdQ;
+        const int col0 = (warp / Kt::kWarpsMdQ) * Kt::kColsdQ;
+        float acc_dq[kMi][kNi][4];
+#pragma unroll
+        for (int mi = 0; mi < kMi; ++mi) {
+#pragma unroll
+          for (int ni = 0; ni < kNi; ++ni) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc_dq[mi][ni][c] = 0.f;
+          }
+        }
+        // A = dS (queries x keys) is stored transposed: ldmatrix.trans of the
+        // [keys][queries] tile; x4 matrices = (keys 0-7, queries 0-7) -> a[0],
+        // (keys 0-7, queries 8-15) -> a[1], (keys 8-15, q 0-7) -> a[2], ...
+        const T* a_row = sdS + (lane % 8 + 8 * (lane / 16)) * Kt::kKeyRowPitch + row0 +
+                         8 * ((lane / 8) % 2);
+        // B = K (keys x head dim), contraction down its rows: ldmatrix.trans.
+        const T* b_row = sK + (lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + col0 + 8 * (lane / 16);
+#pragma unroll 1
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          uint32_t a[kMi][4];
+#pragma unroll
+          for (int mi = 0; mi < kMi; ++mi)
+            ldmatrix_x4_trans(a[mi], a_row + kk * 16 * Kt::kKeyRowPitch + mi * 16);
+#pragma unroll
+          for (int nn = 0; nn < kNi / 2; ++nn) {
+            uint32_t bk[4];
+            ldmatrix_x4_trans(bk, b_row + kk * 16 * kPitch + nn * 16);
+            const uint32_t b_lo[2] = {bk[0], bk[1]};
+            const uint32_t b_hi[2] = {bk[2], bk[3]};
+#pragma unroll
+            for (int mi = 0; mi < kMi; ++mi) {
+              mma_16816<T>(acc_dq[mi][2 * nn], a[mi], b_lo);
+              mma_16816<T>(acc_dq[mi][2 * nn + 1], a[mi], b_hi);
+            }
+          }
+        }
+        const int g = lane / 4, q4 = lane % 4;
+#pragma unroll
+        for (int mi = 0; mi < kMi; ++mi) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = query0 + row0 + mi * 16 + g + 8 * half;
+            if (row >= seqlen_q) continue;
+            float* dq_row = dq_bh + static_cast<int64_t>(row) * kHeadDim;
+#pragma unroll
+            for (int ni = 0; ni < kNi; ++ni) {
+              const int col = col0 + ni * 8 + 2 * q4;
+              if (col >= head_dim) continue;
+              const float x = acc_dq[mi][ni][2 * half], y = acc_dq[mi][ni][2 * half + 1];
+              if constexpr (kDeterministic) {
+                // This thread is the only writer of these two words (fixed
+                // thread <-> element map, one block per split): no atomics,
+                // and the order of additions is the n_block order.
+                float2* p = reinterpret_cast<float2*>(dq_row + col);
+                const float2 old = *p;
+                *p = make_float2(old.x + x, old.y + y);
+              } else {
+                atomic_add_pair(dq_row + col, x, y);
+              }
+            }
+          }
+        }
+      }
+
+      // Row stats of tile m+1 into the other stage: that stage was last read
+      // before this iteration's first barrier.
+      if (has_next) store_row_stats(stage ^ 1, next_lse2, next_dsum);
+    }
+
+    // ---- epilogue: dK (scaled), dV -> 16-bit, staged through sK / sV ----------
+    cp_async_wait<0>();
+    __syncthreads();  // all warps are done reading sK (dQ product) and sV
+    {
+      const int g = lane / 4, q4 = lane % 4;
+      const float scale = params.softmax_scale;
+#pragma unroll
+      for (int ni = 0; ni < kDimPerWarp / 8; ++ni) {
+        const int col = wd * kDimPerWarp + ni * 8 + 2 * q4;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = wn * 16 + g + 8 * half;
+          *reinterpret_cast<uint32_t*>(sV + row * kPitch + col) =
+              pack2<T>(acc_dv[ni][2 * half], acc_dv[ni][2 * half + 1]);
+          *reinterpret_cast<uint32_t*>(sK + row * kPitch + col) =
+              pack2<T>(acc_dk[ni][2 * half] * scale, acc_dk[ni][2 * half + 1] * scale);
+        }
+      }
+    }
+    __syncthreads();
+    {
+      // 16-byte coalesced stores; rows >= seqlen_k and columns >= head_dim are
+      // never written. Keys no query can see still get their zeros here.
+      constexpr int kChunks = kBlockN * Kt::kChunksPerRow;
+      for (int idx = tid; idx < kChunks; idx += Kt::kNThreads) {
+        const int row = idx / Kt::kChunksPerRow;
+        const int col = (idx % Kt::kChunksPerRow) * 8;
+        if (key0 + row < seqlen_k && col < head_dim) {
+          *reinterpret_cast<uint4*>(dk_bh + (key0 + row) * params.dk_strides.row + col) =
+              *reinterpret_cast<const uint4*>(sK + row * kPitch + col);
+          *reinterpret_cast<uint4*>(dv_bh + (key0 + row) * params.dv_strides.row + col) =
+              *reinterpret_cast<const uint4*>(sV + row * kPitch + col);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace bwd
+}  // namespace cuda
+}  // namespace flash_attn_ext

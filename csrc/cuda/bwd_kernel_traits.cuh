@@ -1,0 +1,159 @@
+// Tile configuration and shared-memory layout of the 16-bit backward kernel
+// (bwd_kernel.cuh). Host code (bwd_dispatch.cu) includes this header too, for
+// the block sizes that size the dQ workspace.
+//
+// ---------------------------------------------------------------------------
+// Work decomposition ("key-major", one thread block per K/V tile):
+//
+//   block (n_block, h, b) owns keys [n_block*kBlockN, +kBlockN) and loops over
+//   query tiles of kBlockM rows. 8 warps. Warp w owns the 16 keys
+//   [wn*16, wn*16+16) of the tile (wn = w % kWarpsN) and the head-dim slice
+//   [wd*kDimPerWarp, +kDimPerWarp) of dK/dV (wd = w / kWarpsN).
+//
+//   kWarpsD == 1 (head dim <= 128), kBlockN = 128:
+//       keys  0..15 | 16..31 | ... | 112..127      x  all head-dim columns
+//       warp    0   |   1    | ... |    7
+//     Each warp computes S^T = K Q^T and dP^T = V dO^T for its 16 keys and all
+//     kBlockM queries. The accumulator layout of S^T (rows = keys) *is* the
+//     A-operand layout of dV += P^T dO and dK += dS^T Q, so P^T and dS^T
+//     never leave registers for those two products.
+//
+//   kWarpsD == 2 (head dim > 128), kBlockN = 64:
+//       keys  0..15 | 16..31 | 32..47 | 48..63
+//       warp    0   |   1    |   2    |   3     (wd = 0: S^T,  dK/dV cols [0, D/2))
+//       warp    4   |   5    |   6    |   7     (wd = 1: dP^T, dK/dV cols [D/2, D))
+//     Holding 16 x D fp32 dK and dV per warp would need D registers per
+//     thread (256 at D = 256), so the head dim of dK/dV is split over two
+//     warp groups. Group 0 computes S^T, group 1 computes dP^T (same cost), group
+//     1 hands dP^T to group 0 through shared memory, group 0 forms P and dS and
+//     writes both (16-bit) to shared memory, from where every warp reads its
+//     A operands for dV and dK.
+//
+//   dQ_tile = dS K (contraction over the kBlockN keys of this block) uses a
+//   different warp grid over the kBlockM x kHeadDim output:
+//       kWarpsMdQ warps along queries x kWarpsDdQ along the head dim,
+//     with dS^T read from shared memory (ldmatrix.trans) and added to the fp32
+//     dQ accumulator in global memory (atomics, or plain read-modify-write per
+//     split in deterministic mode).
+//
+// Register budget (fp32 accumulators per thread, 255 max, 1 block of 256
+// threads per SM): dK + dV = kDimPerWarp, S^T + dP^T = kBlockM (kWarpsD == 1)
+// or kBlockM/2 (+ kBlockM/2 for the dP^T copy in group 0, kWarpsD == 2), dQ
+// tile (only live after dK/dV) = kBlockM*kHeadDim/256. ptxas adds ~60-90
+// registers of addresses / fragments on top; all configs land at 160-255
+// registers without spills (see the report / FAE ptxas logs).
+//
+// Configuration table (smem: H100/H200 allow up to 227 KB per block):
+//   D    BM  BN  WD MdQ  dKV+S/dP  smem      why
+//   32   64  128  1  4   32 + 64    59 KB    big BN halves the dQ atomics
+//   64   64  128  1  4   64 + 64    91 KB    FA2's 64x128 tile
+//   96   64  128  1  4   96 + 64   123 KB
+//   128  32  128  1  2  128 + 32   113 KB    BM = 64 needs 128+64 fp32 regs: spills
+//   160  64   64  2  4   80 + 64   161 KB    head dim of dK/dV split over 2 groups
+//   192  64   64  2  4   96 + 64   185 KB
+//   224  64   64  2  4  112 + 64   209 KB    (MdQ = 4 is the only legal dQ grid)
+//   256  32   64  2  1  128 + 32   151 KB    BM = 64 would need 237 KB of smem
+// (Exact numbers: BwdKernelTraits::kSmemBytes; ptxas figures in the report.)
+// ---------------------------------------------------------------------------
+#pragma once
+#include <cstdint>
+
+#include "common/ptx.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+template <int kHeadDim>
+struct BwdTileConfig;
+// clang-format off
+//                                    kBlockM        kBlockN         kWarpsD        kWarpsMdQ
+template <> struct BwdTileConfig<32>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
+template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
+template <> struct BwdTileConfig<96>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
+template <> struct BwdTileConfig<128> { static constexpr int kBlockM = 32, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 2; };
+template <> struct BwdTileConfig<160> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
+template <> struct BwdTileConfig<192> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
+template <> struct BwdTileConfig<224> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
+template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 32, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 1; };
+// clang-format on
+
+// Smallest instantiated head dim >= head_dim (head_dim % 8 == 0, <= 256).
+inline int bwd_rounded_head_dim(int head_dim) {
+  return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : (head_dim + 31) / 32 * 32;
+}
+
+// kBlockN of the 16-bit kernel for a rounded head dim (host side).
+inline int bwd_block_n(int rounded_head_dim) { return rounded_head_dim <= 128 ? 128 : 64; }
+
+template <typename T_, int kHeadDim_>
+struct BwdKernelTraits {
+  using T = T_;
+  using Cfg = BwdTileConfig<kHeadDim_>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = Cfg::kBlockM;
+  static constexpr int kBlockN = Cfg::kBlockN;
+  static constexpr int kNWarps = 8;
+  static constexpr int kNThreads = kNWarps * 32;
+
+  // S^T / dP^T / dK / dV warp grid.
+  static constexpr int kWarpsD = Cfg::kWarpsD;
+  static constexpr int kWarpsN = kNWarps / kWarpsD;
+  static constexpr int kDimPerWarp = kHeadDim / kWarpsD;  // dK/dV columns per warp
+  static constexpr int kQTiles = kBlockM / 8;             // n-tiles of S^T (queries)
+  static_assert(kWarpsD == 1 || kWarpsD == 2, "head dim split over at most two warp groups");
+  static_assert(kWarpsN * kWarpsD == kNWarps, "warp grid must use all warps");
+  static_assert(kBlockN == 16 * kWarpsN, "each warp owns exactly 16 keys (one mma M tile)");
+  static_assert(kHeadDim % 16 == 0 && kDimPerWarp % 16 == 0,
+                "head-dim slices are walked 16 columns at a time (ldmatrix x4)");
+  static_assert(kBlockM % 16 == 0, "queries are the K dim of dV/dK mmas: multiples of 16");
+  static_assert(kBlockM <= 128, "one bit per query in the masks below");
+
+  // dQ warp grid.
+  static constexpr int kWarpsMdQ = Cfg::kWarpsMdQ;
+  static constexpr int kWarpsDdQ = kNWarps / kWarpsMdQ;
+  static constexpr int kRowsdQ = kBlockM / kWarpsMdQ;
+  static constexpr int kColsdQ = kHeadDim / kWarpsDdQ;
+  static_assert(kWarpsMdQ * kWarpsDdQ == kNWarps, "dQ warp grid must use all warps");
+  static_assert(kRowsdQ % 16 == 0 && kColsdQ % 16 == 0, "dQ warp tile: multiples of 16x16");
+
+  // ---- shared memory ----------------------------------------------------
+  // Every [rows][kHeadDim] tile is stored with a row pitch of kHeadDim + 8
+  // elements (one spare 16-byte chunk). ldmatrix reads 8 rows at the same
+  // column chunk; with a pitch of C+1 chunks (C = kHeadDim/8, even) the 8 rows
+  // land on 8 distinct 16-byte bank groups ((C+1) odd), so both ldmatrix and
+  // ldmatrix.trans are conflict-free for every head dim, including the ones
+  // that are not multiples of 64 (where the XOR swizzle does not apply).
+  static constexpr int kRowPitch = kHeadDim + 8;
+  static_assert((kRowPitch / 8) % 2 == 1, "padded pitch must be an odd number of chunks");
+  // dS^T / P^T tiles [kBlockN keys][kBlockM queries], same padding argument.
+  static constexpr int kKeyRowPitch = kBlockM + 8;
+  static_assert((kKeyRowPitch / 8) % 2 == 1, "padded pitch must be an odd number of chunks");
+
+  static constexpr int kStages = 2;  // Q/dO double buffer: load tile m+1 while computing m
+  static constexpr int kKBytes = kBlockN * kRowPitch * 2;
+  static constexpr int kQBytes = kBlockM * kRowPitch * 2;
+  static constexpr int kdSBytes = kBlockN * kKeyRowPitch * 2;
+  // kWarpsD == 2 only: P^T (16-bit) and dP^T (fp32, fragment order) hand-off.
+  static constexpr int kPBytes = kWarpsD == 2 ? kdSBytes : 0;
+  static constexpr int kdPBytes = kWarpsD == 2 ? kBlockN * kBlockM * 4 : 0;
+
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kKBytes;
+  static constexpr int kOffQ = kOffV + kKBytes;                 // [kStages]
+  static constexpr int kOffdO = kOffQ + kStages * kQBytes;      // [kStages]
+  static constexpr int kOffdS = kOffdO + kStages * kQBytes;
+  static constexpr int kOffP = kOffdS + kdSBytes;
+  static constexpr int kOffdP = kOffP + kPBytes;
+  static constexpr int kOffLse = kOffdP + kdPBytes;             // float [kStages][kBlockM]
+  static constexpr int kOffDsum = kOffLse + kStages * kBlockM * 4;  // float [kStages][kBlockM]
+  static constexpr int kSmemBytes = kOffDsum + kStages * kBlockM * 4;
+  static_assert(kSmemBytes <= 227 * 1024, "exceeds the 227 KB opt-in shared memory of sm_90");
+  static_assert(kOffQ % 16 == 0 && kOffdS % 16 == 0 && kOffdP % 16 == 0 && kOffLse % 16 == 0,
+                "16-byte aligned tiles (cp.async / float4)");
+
+  // Global -> shared copy of one [rows][kHeadDim] tile: 16-byte chunks.
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+};
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

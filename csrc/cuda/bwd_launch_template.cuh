@@ -1,0 +1,56 @@
+// run_bwd_impl<T, kHeadDim, kIsCausal>: the 16-bit backward for one compiled
+// configuration (explicitly instantiated in instantiations/bwd_*.cu):
+//   1. zero the fp32 dQ accumulator(s),
+//   2. D = rowsum(dO o O)                       (bwd_preprocess.cuh),
+//   3. main kernel: dK, dV, dQ partial sums      (bwd_kernel.cuh),
+//   4. dq = softmax_scale * sum of dQ splits     (bwd_preprocess.cuh).
+// params.num_splits holds the number of dQ accumulators (1 unless
+// params.deterministic); bwd_dispatch.cu sets it and sizes the workspace.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "../params.h"
+#include "bwd_kernel.cuh"
+#include "bwd_kernel_traits.cuh"
+#include "bwd_preprocess.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+inline void bwd_check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("flash_attn_ext: backward ") + what + " failed: " +
+                             cudaGetErrorString(err));
+  }
+}
+
+template <typename T, int kHeadDim, bool kIsCausal>
+void run_bwd_impl(const AttentionBwdParams& params, cudaStream_t stream) {
+  using Kt = BwdKernelTraits<T, kHeadDim>;
+  const int splits = params.deterministic ? params.num_splits : 1;
+  if (splits < 1) throw std::runtime_error("flash_attn_ext: backward needs num_splits >= 1");
+
+  const size_t accum_bytes = static_cast<size_t>(splits) * params.batch * params.heads *
+                             params.seqlen_q * kHeadDim * sizeof(float);
+  bwd_check_cuda(cudaMemsetAsync(params.dq_accum, 0, accum_bytes, stream), "dQ zeroing");
+  launch_bwd_dot_do_o<T>(params, stream);
+
+  const int num_n_blocks = (params.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN;
+  // Deterministic: `splits` blocks per head, each walking n_blocks
+  // split, split + splits, ... and owning dQ accumulator `split`.
+  const dim3 grid(params.deterministic ? splits : num_n_blocks, params.heads, params.batch);
+  auto kernel = params.deterministic ? &bwd::bwd_main_kernel<Kt, kIsCausal, true>
+                                     : &bwd::bwd_main_kernel<Kt, kIsCausal, false>;
+  bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Kt::kSmemBytes),
+                 "shared-memory opt-in");
+  kernel<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(params);
+
+  launch_bwd_convert_dq<T>(params, kHeadDim, splits, stream);
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

@@ -1,0 +1,140 @@
+// The two small kernels around the main backward kernel, shared by the 16-bit
+// and the fp32 paths (T = __half, __nv_bfloat16 or float):
+//   * bwd_dot_do_o_kernel:  D_i = sum_d dO[i,d] * O[i,d]  (fp32), the row term
+//     of dS = P o (dP - D) (since sum_j P_ij dP_ij = dO_i . O_i).
+//   * bwd_convert_dq_kernel: dq = softmax_scale * sum_{split} dq_accum[split]
+//     in input dtype, with dq's own strides. Splits are summed in the fixed
+//     order 0, 1, ..., so the deterministic mode is bit-reproducible.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "../params.h"
+#include "common/ptx.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+// ---- 8 consecutive elements <-> 8 floats ----------------------------------
+template <typename T>
+FAE_DEVICE void load8(const T* src, float (&out)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = unpack2<T>(w[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+template <>
+FAE_DEVICE void load8<float>(const float* src, float (&out)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(src);
+  const float4 b = *reinterpret_cast<const float4*>(src + 4);
+  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+  out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+}
+
+template <typename T>
+FAE_DEVICE void store8(T* dst, const float (&v)[8]) {
+  uint4 raw;
+  raw.x = pack2<T>(v[0], v[1]);
+  raw.y = pack2<T>(v[2], v[3]);
+  raw.z = pack2<T>(v[4], v[5]);
+  raw.w = pack2<T>(v[6], v[7]);
+  *reinterpret_cast<uint4*>(dst) = raw;
+}
+template <>
+FAE_DEVICE void store8<float>(float* dst, const float (&v)[8]) {
+  *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+  *reinterpret_cast<float4*>(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// ---- D = rowsum(dO o O) -----------------------------------------------------
+// 8 threads per row (each a strided set of 8-element chunks), 32 rows per
+// 256-thread block. grid = (ceil(seqlen_q / 32), heads, batch).
+constexpr int kDotThreadsPerRow = 8;
+constexpr int kDotRowsPerBlock = 256 / kDotThreadsPerRow;
+
+template <typename T>
+__global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const AttentionBwdParams params) {
+  const int row = blockIdx.x * kDotRowsPerBlock + threadIdx.x / kDotThreadsPerRow;
+  const int sub = threadIdx.x % kDotThreadsPerRow;
+  const int h = blockIdx.y, b = blockIdx.z;
+  float acc = 0.f;
+  if (row < params.seqlen_q) {
+    const T* o = static_cast<const T*>(params.out) + b * params.out_strides.batch +
+                 row * params.out_strides.row + h * params.out_strides.head;
+    const T* d_o = static_cast<const T*>(params.dout) + b * params.dout_strides.batch +
+                   row * params.dout_strides.row + h * params.dout_strides.head;
+    for (int c = sub * 8; c < params.head_dim; c += kDotThreadsPerRow * 8) {
+      float ov[8], dov[8];
+      load8<T>(o + c, ov);
+      load8<T>(d_o + c, dov);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc = fmaf(ov[i], dov[i], acc);
+    }
+  }
+  // The 8 threads of a row are 8 consecutive lanes: reduce with xor 1, 2, 4.
+  acc += __shfl_xor_sync(0xffffffff, acc, 1);
+  acc += __shfl_xor_sync(0xffffffff, acc, 2);
+  acc += __shfl_xor_sync(0xffffffff, acc, 4);
+  if (row < params.seqlen_q && sub == 0) {
+    params.dsoftmax_sum[(static_cast<int64_t>(b) * params.heads + h) * params.seqlen_q + row] = acc;
+  }
+}
+
+// ---- dq = scale * sum_split dq_accum[split] ---------------------------------
+// dq_accum layout: [num_splits][batch][heads][seqlen_q][accum_dim] fp32, where
+// accum_dim (>= head_dim, multiple of 8) is the row pitch the main kernel used.
+// One thread per 8 columns. grid = (ceil(seqlen_q * head_dim/8 / 256), heads, batch).
+template <typename T>
+__global__ void __launch_bounds__(256)
+    bwd_convert_dq_kernel(const AttentionBwdParams params, int accum_dim, int num_splits) {
+  const int chunks_per_row = params.head_dim / 8;
+  const int idx = blockIdx.x * 256 + threadIdx.x;
+  if (idx >= params.seqlen_q * chunks_per_row) return;
+  const int row = idx / chunks_per_row;
+  const int col = (idx % chunks_per_row) * 8;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int64_t split_stride =
+      static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q * accum_dim;
+  const float* src = params.dq_accum +
+                     ((static_cast<int64_t>(b) * params.heads + h) * params.seqlen_q + row) *
+                         accum_dim +
+                     col;
+  float sum[8];
+  load8<float>(src, sum);
+  for (int s = 1; s < num_splits; ++s) {  // fixed order: deterministic
+    float part[8];
+    load8<float>(src + s * split_stride, part);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum[i] += part[i];
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) sum[i] *= params.softmax_scale;
+  T* dst = static_cast<T*>(params.dq) + b * params.dq_strides.batch + row * params.dq_strides.row +
+           h * params.dq_strides.head + col;
+  store8<T>(dst, sum);
+}
+
+// Host helpers: launch both with the shapes above.
+template <typename T>
+inline void launch_bwd_dot_do_o(const AttentionBwdParams& params, cudaStream_t stream) {
+  const dim3 grid((params.seqlen_q + kDotRowsPerBlock - 1) / kDotRowsPerBlock, params.heads,
+                  params.batch);
+  bwd_dot_do_o_kernel<T><<<grid, 256, 0, stream>>>(params);
+}
+
+template <typename T>
+inline void launch_bwd_convert_dq(const AttentionBwdParams& params, int accum_dim, int num_splits,
+                                  cudaStream_t stream) {
+  const int64_t chunks = static_cast<int64_t>(params.seqlen_q) * (params.head_dim / 8);
+  const dim3 grid(static_cast<unsigned>((chunks + 255) / 256), params.heads, params.batch);
+  bwd_convert_dq_kernel<T><<<grid, 256, 0, stream>>>(params, accum_dim, num_splits);
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

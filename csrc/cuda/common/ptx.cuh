@@ -1,0 +1,144 @@
+// Thin, typed wrappers around the PTX instructions the sm_80+ kernels use.
+// Everything here is a single instruction (or a handful); the kernels read as
+// tile algorithms on top of these.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace flash_attn_ext {
+namespace cuda {
+
+#define FAE_DEVICE __device__ __forceinline__
+
+// Shared-memory address as the 32-bit value PTX wants.
+FAE_DEVICE uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// ---- cp.async: global -> shared, 16 bytes, bypassing registers ------------
+// When `valid` is false the 16 bytes are zero-filled (src-size 0): this is how
+// out-of-range rows / padded head-dim columns become zeros without branches
+// around the barrier.
+FAE_DEVICE void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem_dst)),
+               "l"(gmem_src), "r"(src_bytes));
+}
+FAE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPendingGroups>
+FAE_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPendingGroups));
+}
+
+// ---- ldmatrix: four 8x8 b16 matrices from shared memory into a warp -------
+// Thread t supplies the row address of row (t % 8) of matrix (t / 8).
+FAE_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(smem_row)));
+}
+FAE_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(smem_row)));
+}
+FAE_DEVICE void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_u32(smem_row)));
+}
+FAE_DEVICE void ldmatrix_x2_trans(uint32_t (&r)[2], const void* smem_row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_u32(smem_row)));
+}
+
+// ---- mma.sync m16n8k16, 16-bit operands, fp32 accumulate (in place) -------
+// Fragment layout (PTX ISA "mma.m16n8k16"): with lane = 4*group + quad,
+//   A (16x16, row):  a[0]=(g, 2q..2q+1) a[1]=(g+8, 2q..) a[2]=(g, 2q+8..) a[3]=(g+8, 2q+8..)
+//   B (16x8,  col):  b[0]=(k=2q..2q+1, n=g) b[1]=(k=2q+8.., n=g)
+//   C (16x8):        c[0..1]=(g, 2q..2q+1) c[2..3]=(g+8, 2q..2q+1)
+template <typename T>
+FAE_DEVICE void mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+
+template <>
+FAE_DEVICE void mma_16816<__half>(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+FAE_DEVICE void mma_16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// ---- packing fp32 pairs into 16-bit pairs ---------------------------------
+template <typename T>
+FAE_DEVICE uint32_t pack2(float lo, float hi);
+template <>
+FAE_DEVICE uint32_t pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+FAE_DEVICE uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+template <typename T>
+FAE_DEVICE float2 unpack2(uint32_t v);
+template <>
+FAE_DEVICE float2 unpack2<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<__half2*>(&v));
+}
+template <>
+FAE_DEVICE float2 unpack2<__nv_bfloat16>(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+}
+
+// ---- fast math ------------------------------------------------------------
+FAE_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Butterfly reductions across the 4 lanes of a quad (the lanes that share an
+// mma row): after the two shuffles every lane holds the quad's result.
+FAE_DEVICE float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return x;
+}
+FAE_DEVICE float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  x += __shfl_xor_sync(0xffffffff, x, 2);
+  return x;
+}
+
+// ---- shared-memory swizzle ------------------------------------------------
+// Tiles are stored as rows of kRowChunks 16-byte chunks (8 halves each).
+// ldmatrix reads 8 rows at the same column chunk; without a swizzle those 8
+// addresses are kRowChunks*16 bytes apart and (for rows of >= 128 bytes) all
+// fall into the same 4 banks: an 8-way conflict. XOR-ing the chunk index with
+// (row % 8) spreads the 8 rows over all 32 banks, for loads (ldmatrix) and for
+// the cp.async stores alike. Needs kRowChunks to be a multiple of 8.
+template <int kRowChunks>
+FAE_DEVICE int swizzled_chunk(int row, int chunk) {
+  static_assert(kRowChunks % 8 == 0, "XOR swizzle needs rows of at least 8 x 16 bytes");
+  return chunk ^ (row & 7);
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

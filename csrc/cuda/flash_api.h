@@ -1,0 +1,43 @@
+// The contract between the torch-facing op layer (ops_cuda.cpp, compiled by
+// the host compiler) and the CUDA kernels (.cu files). Only plain types cross
+// it. The op layer guarantees, before calling in:
+//   * q/k/v/out/dout/dq/dk/dv base pointers are 16-byte aligned,
+//   * head_dim % 8 == 0 and head_dim <= 256 (ops_cuda.cpp pads other head dims),
+//   * every batch/row/head stride is a multiple of 8 elements,
+//   * all tensors live on the current device; `stream` is torch's current stream.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../params.h"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+// ---- forward -------------------------------------------------------------
+// Number of KV splits the forward will use for these params (>= 1): honours
+// params.num_splits when > 0, else a heuristic from the SM count.
+int fwd_num_splits(const AttentionFwdParams& params, int num_sms);
+
+// fp32 scratch (in floats) the forward needs with `num_splits` splits
+// (0 when num_splits == 1). The op layer allocates it and sets
+// params.out_accum / params.lse_accum via fwd_set_workspace.
+int64_t fwd_workspace_floats(const AttentionFwdParams& params, int num_splits);
+void fwd_set_workspace(AttentionFwdParams& params, float* workspace, int num_splits);
+
+// Launches the forward (and the split-KV combine when num_splits > 1).
+// Throws std::runtime_error with a clear message for unsupported configs
+// (e.g. a head dim that was not compiled in).
+void run_fwd(AttentionFwdParams& params, cudaStream_t stream);
+
+// ---- backward ------------------------------------------------------------
+// fp32 scratch (in floats) for D = rowsum(dO*O), the dQ accumulator(s), etc.
+int64_t bwd_workspace_floats(const AttentionBwdParams& params, int num_sms);
+// Points params.dsoftmax_sum / params.dq_accum into `workspace`.
+void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms);
+// Launches preprocess, main kernel and dQ conversion. Zeroes what it accumulates.
+void run_bwd(AttentionBwdParams& params, int num_sms, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

@@ -1,0 +1,244 @@
+// The forward half of flash_api.h: split-KV policy, workspace layout, and the
+// dtype / head-dim / causal dispatch onto the compiled instantiations.
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "flash_api.h"
+#include "fwd_kernel_traits.cuh"
+#include "fwd_launch.h"
+
+namespace flash_attn_ext {
+namespace cuda {
+namespace {
+
+// ---- compiled configurations ------------------------------------------------
+std::string compiled_head_dims() {
+  std::string s;
+  auto add = [&](const char* d) { s += s.empty() ? d : std::string(",") + d; };
+#ifdef FAE_HAS_HDIM_32
+  add("32");
+#endif
+#ifdef FAE_HAS_HDIM_64
+  add("64");
+#endif
+#ifdef FAE_HAS_HDIM_96
+  add("96");
+#endif
+#ifdef FAE_HAS_HDIM_128
+  add("128");
+#endif
+#ifdef FAE_HAS_HDIM_160
+  add("160");
+#endif
+#ifdef FAE_HAS_HDIM_192
+  add("192");
+#endif
+#ifdef FAE_HAS_HDIM_224
+  add("224");
+#endif
+#ifdef FAE_HAS_HDIM_256
+  add("256");
+#endif
+  return s.empty() ? "none" : s;
+}
+
+std::string compiled_dtypes() {
+  std::string s;
+#ifdef FAE_HAS_FP16
+  s += "fp16";
+#endif
+#ifdef FAE_HAS_BF16
+  s += s.empty() ? "bf16" : ",bf16";
+#endif
+  return s.empty() ? "none" : s;
+}
+
+[[noreturn]] void throw_head_dim_not_compiled(int head_dim, int kernel_dim) {
+  throw std::runtime_error("flash_attn_ext: head_dim " + std::to_string(head_dim) +
+                           " (kernel head dim " + std::to_string(kernel_dim) +
+                           ") is not compiled in this build (FLASH_ATTN_EXT_HEAD_DIMS=" +
+                           compiled_head_dims() + ")");
+}
+
+[[noreturn, maybe_unused]] void throw_dtype_not_compiled(const char* dtype) {
+  throw std::runtime_error(std::string("flash_attn_ext: ") + dtype +
+                           " kernels are not compiled in this build (FLASH_ATTN_EXT_DTYPES=" +
+                           compiled_dtypes() + ")");
+}
+
+// ---- tile shape per head dim (host copy of the FwdTileConfig table) --------
+struct TileShape {
+  int block_m;
+  int block_n;
+  int ctas_per_sm;  // estimate: registers (<= 255 per thread) and shared memory
+};
+
+template <int D>
+TileShape tile_shape_of(bool causal) {
+  auto shape = [](auto config) {
+    using C = decltype(config);
+    using Traits = typename C::template Traits<__half>;
+    const int by_regs = 65536 / (Traits::kNThreads * 255) > 0 ? 65536 / (Traits::kNThreads * 255) : 1;
+    const int by_smem = std::max(1, (227 * 1024) / Traits::kSmemBytes);
+    return TileShape{C::kBlockM, C::kBlockN, std::min(by_regs, by_smem)};
+  };
+  return causal ? shape(FwdTileConfig<D, true>{}) : shape(FwdTileConfig<D, false>{});
+}
+
+TileShape tile_shape(int kernel_dim, bool causal) {
+  switch (kernel_dim) {
+    case 32: return tile_shape_of<32>(causal);
+    case 64: return tile_shape_of<64>(causal);
+    case 96: return tile_shape_of<96>(causal);
+    case 128: return tile_shape_of<128>(causal);
+    case 160: return tile_shape_of<160>(causal);
+    case 192: return tile_shape_of<192>(causal);
+    case 224: return tile_shape_of<224>(causal);
+    default: return tile_shape_of<256>(causal);
+  }
+}
+
+int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// FA2's num_splits_heuristic: split only when the CTAs of the unsplit grid
+// fill less than ~80% of one wave, then take the smallest split count whose
+// wave efficiency (ctas / (waves * slots)) is within 85% of the best.
+int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) {
+  if (ctas >= 0.8 * slots) return 1;
+  max_splits = std::min({max_splits, slots, n_blocks});
+  if (max_splits <= 1) return 1;
+  auto eligible = [&](int s) {
+    // s splits that leave the per-split tile count unchanged vs s-1 only add
+    // empty splits.
+    return s == 1 || ceil_div(n_blocks, s) != ceil_div(n_blocks, s - 1);
+  };
+  auto efficiency = [&](int s) {
+    const double waves = static_cast<double>(ctas * s) / slots;
+    return waves / std::ceil(waves);
+  };
+  double best = 0.0;
+  for (int s = 1; s <= max_splits; ++s) {
+    if (eligible(s)) best = std::max(best, efficiency(s));
+  }
+  for (int s = 1; s <= max_splits; ++s) {
+    if (eligible(s) && efficiency(s) >= 0.85 * best) return s;
+  }
+  return 1;
+}
+
+template <typename T>
+void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
+  const int kernel_dim = fwd_rounded_head_dim(params.head_dim);
+  auto run = [&](auto causal_tag, auto dim_tag) {
+    constexpr bool kCausal = decltype(causal_tag)::value;
+    constexpr int kDim = decltype(dim_tag)::value;
+    run_fwd_impl<T, kDim, kCausal>(params, stream);
+  };
+  auto run_dim = [&](auto dim_tag) {
+    if (params.causal) {
+      run(std::true_type{}, dim_tag);
+    } else {
+      run(std::false_type{}, dim_tag);
+    }
+  };
+  switch (kernel_dim) {
+#ifdef FAE_HAS_HDIM_32
+    case 32: return run_dim(std::integral_constant<int, 32>{});
+#endif
+#ifdef FAE_HAS_HDIM_64
+    case 64: return run_dim(std::integral_constant<int, 64>{});
+#endif
+#ifdef FAE_HAS_HDIM_96
+    case 96: return run_dim(std::integral_constant<int, 96>{});
+#endif
+#ifdef FAE_HAS_HDIM_128
+    case 128: return run_dim(std::integral_constant<int, 128>{});
+#endif
+#ifdef FAE_HAS_HDIM_160
+    case 160: return run_dim(std::integral_constant<int, 160>{});
+#endif
+#ifdef FAE_HAS_HDIM_192
+    case 192: return run_dim(std::integral_constant<int, 192>{});
+#endif
+#ifdef FAE_HAS_HDIM_224
+    case 224: return run_dim(std::integral_constant<int, 224>{});
+#endif
+#ifdef FAE_HAS_HDIM_256
+    case 256: return run_dim(std::integral_constant<int, 256>{});
+#endif
+    default: throw_head_dim_not_compiled(params.head_dim, kernel_dim);
+  }
+}
+
+}  // namespace
+
+int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
+  // The fp32 SIMT path has no split-KV.
+  if (params.dtype == DType::kFloat32) return 1;
+  if (params.head_dim <= 0 || params.head_dim > 256) return 1;
+  const TileShape shape = tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal);
+  const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
+  if (params.num_splits > 0) {
+    // Forced: at most one key tile per split, and within the grid's y limit.
+    return std::max(1, std::min({params.num_splits, n_blocks, 65535}));
+  }
+  const int64_t ctas = static_cast<int64_t>(params.batch) * params.heads *
+                       ceil_div(params.seqlen_q, shape.block_m);
+  return num_splits_heuristic(ctas, std::max(1, num_sms) * shape.ctas_per_sm, n_blocks, 128);
+}
+
+int64_t fwd_workspace_floats(const AttentionFwdParams& params, int num_splits) {
+  if (num_splits <= 1 || params.dtype == DType::kFloat32) return 0;
+  const int64_t rows = static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q;
+  return num_splits * rows * (fwd_rounded_head_dim(params.head_dim) + 1);
+}
+
+void fwd_set_workspace(AttentionFwdParams& params, float* workspace, int num_splits) {
+  if (num_splits <= 1 || workspace == nullptr) {
+    params.out_accum = nullptr;
+    params.lse_accum = nullptr;
+    return;
+  }
+  // out_accum [splits, batch, heads, seqlen_q, kernel head dim], then
+  // lse_accum [splits, batch, heads, seqlen_q].
+  const int64_t rows = static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q;
+  params.out_accum = workspace;
+  params.lse_accum = workspace + num_splits * rows * fwd_rounded_head_dim(params.head_dim);
+}
+
+void run_fwd(AttentionFwdParams& params, cudaStream_t stream) {
+  if (params.head_dim <= 0 || params.head_dim % 8 != 0 || params.head_dim > 256) {
+    throw std::runtime_error("flash_attn_ext: CUDA forward needs head_dim % 8 == 0 and <= 256, got " +
+                             std::to_string(params.head_dim));
+  }
+  if (params.heads_k <= 0 || params.heads % params.heads_k != 0) {
+    throw std::runtime_error("flash_attn_ext: heads (" + std::to_string(params.heads) +
+                             ") must be a multiple of heads_k (" +
+                             std::to_string(params.heads_k) + ")");
+  }
+  switch (params.dtype) {
+    case DType::kFloat32:
+      run_fwd_fp32(params, stream);
+      return;
+    case DType::kFloat16:
+#ifdef FAE_HAS_FP16
+      dispatch_head_dim<__half>(params, stream);
+      return;
+#else
+      throw_dtype_not_compiled("fp16");
+#endif
+    case DType::kBFloat16:
+#ifdef FAE_HAS_BF16
+      dispatch_head_dim<__nv_bfloat16>(params, stream);
+      return;
+#else
+      throw_dtype_not_compiled("bf16");
+#endif
+  }
+  throw std::runtime_error("flash_attn_ext: unknown dtype in run_fwd");
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

@@ -1,0 +1,298 @@
+// fp32 forward: a SIMT (FFMA) FlashAttention kernel with true fp32
+// arithmetic (no tensor cores, no tf32). Same semantics as the 16-bit
+// kernels: strided [B,S,H,D] inputs, causal offset, sequence-end masking,
+// natural-log LSE, fully masked rows -> O = 0 and lse = -inf.
+//
+// Tiling: a CTA of 256 threads = 16 x 16 (ty, tx) computes kBlockM = 64
+// query rows against kBlockN = 64-key tiles. Thread (ty, tx) owns
+//   S rows  ty + 16*i (i < 4)  x  S cols  tx + 16*j (j < 4)    (4x4 register tile)
+//   O rows  ty + 16*i          x  O cols  4*tx + 64*c .. +3   (c < kHeadDim/64)
+// Rows and columns are interleaved by 16 so that the 8 threads of one
+// LDS.128 phase read 8 different rows (conflict-free with the +4 float row
+// padding: an odd number of 16-byte chunks per row) or broadcast one row.
+// The 16 threads that share an S row are 16 consecutive lanes, so row max /
+// row sum are 4 xor-shuffles. P goes through shared memory because P V needs
+// a whole P row per thread.
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "../params.h"
+#include "common/ptx.cuh"
+#include "fwd_launch.h"
+#include "fwd_softmax.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+namespace {
+
+constexpr int kFp32BlockM = 64;
+constexpr int kFp32BlockN = 64;
+constexpr int kFp32Threads = 256;
+
+template <int kHeadDim>
+struct Fp32Tile {
+  static_assert(kHeadDim % 64 == 0, "each of 16 threads owns 4-column groups 64 apart");
+  static constexpr int kRowStride = kHeadDim + 4;      // floats; odd number of 16-byte chunks
+  static constexpr int kPStride = kFp32BlockN + 4;     // floats
+  static constexpr int kColGroups = kHeadDim / 64;     // float4 O column groups per thread
+  static constexpr int kSmemFloats =
+      (kFp32BlockM + 2 * kFp32BlockN) * kRowStride + kFp32BlockM * kPStride;
+  static constexpr int kSmemBytes = kSmemFloats * 4;
+  static_assert(kSmemBytes <= 227 * 1024, "fp32 tiles exceed shared memory");
+};
+
+// [kRows x kHeadDim] fp32 tile, zero-filled past valid_rows / head_dim.
+template <int kHeadDim, int kRows>
+__device__ __forceinline__ void load_tile_fp32(float* smem, const float* gmem, int64_t row_stride,
+                                               int valid_rows, int head_dim, int tid) {
+  constexpr int kChunks = kHeadDim / 4;
+  constexpr int kTotal = kRows * kChunks;
+  static_assert(kTotal % kFp32Threads == 0, "tile must split evenly over the threads");
+#pragma unroll
+  for (int i = 0; i < kTotal / kFp32Threads; ++i) {
+    const int idx = tid + i * kFp32Threads;
+    const int row = idx / kChunks;
+    const int chunk = idx % kChunks;
+    const bool valid = row < valid_rows && chunk * 4 < head_dim;
+    cp_async_16(smem + row * Fp32Tile<kHeadDim>::kRowStride + chunk * 4,
+                valid ? gmem + row * row_stride + chunk * 4 : gmem, valid);
+  }
+}
+
+FAE_DEVICE float row_group_max(float x) {  // over the 16 lanes sharing a row
+#pragma unroll
+  for (int off = 1; off < 16; off *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, off));
+  return x;
+}
+FAE_DEVICE float row_group_sum(float x) {
+#pragma unroll
+  for (int off = 1; off < 16; off *= 2) x += __shfl_xor_sync(0xffffffff, x, off);
+  return x;
+}
+
+template <int kHeadDim, bool kIsCausal>
+__global__ void __launch_bounds__(kFp32Threads)
+    flash_fwd_fp32_kernel(const __grid_constant__ AttentionFwdParams params) {
+  using Tile = Fp32Tile<kHeadDim>;
+  constexpr int kBlockM = kFp32BlockM;
+  constexpr int kBlockN = kFp32BlockN;
+  constexpr int kStride = Tile::kRowStride;
+
+  extern __shared__ float4 smem_f4[];
+  float* smem_q = reinterpret_cast<float*>(smem_f4);
+  float* smem_k = smem_q + kBlockM * kStride;
+  float* smem_v = smem_k + kBlockN * kStride;
+  float* smem_p = smem_v + kBlockN * kStride;
+
+  const int tid = threadIdx.x;
+  const int tx = tid % 16;
+  const int ty = tid / 16;
+
+  const int num_m_blocks = ceil_div_dev(params.seqlen_q, kBlockM);
+  const int bh = blockIdx.x / num_m_blocks;
+  int m_block = blockIdx.x % num_m_blocks;
+  if (kIsCausal) m_block = num_m_blocks - 1 - m_block;  // long rows first
+  const int batch = bh / params.heads;
+  const int head = bh % params.heads;
+  const int head_k = head / (params.heads / params.heads_k);
+  const KeyTileRange range = key_tile_range<kBlockM, kBlockN, kIsCausal>(params, m_block, 0, 1);
+
+  const float* q_tile = static_cast<const float*>(params.q) + batch * params.q_strides.batch +
+                        head * params.q_strides.head +
+                        static_cast<int64_t>(m_block) * kBlockM * params.q_strides.row;
+  const float* k_head = static_cast<const float*>(params.k) + batch * params.k_strides.batch +
+                        head_k * params.k_strides.head;
+  const float* v_head = static_cast<const float*>(params.v) + batch * params.v_strides.batch +
+                        head_k * params.v_strides.head;
+
+  float acc_o[4][Tile::kColGroups][4];
+  float row_max[4], row_sum[4];  // log2 domain; row_sum is this thread's share
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    row_max[i] = -INFINITY;
+    row_sum[i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < Tile::kColGroups; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[i][c][e] = 0.f;
+  }
+
+  if (range.end > range.begin) {
+    load_tile_fp32<kHeadDim, kBlockM>(smem_q, q_tile, params.q_strides.row,
+                                      params.seqlen_q - m_block * kBlockM, params.head_dim, tid);
+    cp_async_commit();
+  }
+  const int row_base = m_block * kBlockM + ty;
+  for (int n_block = range.begin; n_block < range.end; ++n_block) {
+    const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
+    const int valid_keys = params.seqlen_k - n_block * kBlockN;
+    __syncthreads();  // every thread is done with the previous K, V and P
+    load_tile_fp32<kHeadDim, kBlockN>(smem_k, k_head + key0 * params.k_strides.row,
+                                      params.k_strides.row, valid_keys, params.head_dim, tid);
+    load_tile_fp32<kHeadDim, kBlockN>(smem_v, v_head + key0 * params.v_strides.row,
+                                      params.v_strides.row, valid_keys, params.head_dim, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- S = Q K^T over the real head dim (padded columns are zero) --------
+    float s[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) s[i][j] = 0.f;
+#pragma unroll 2
+    for (int d = 0; d < params.head_dim; d += 4) {
+      float4 qv[4], kv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        qv[i] = *reinterpret_cast<const float4*>(smem_q + (ty + 16 * i) * kStride + d);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        kv[j] = *reinterpret_cast<const float4*>(smem_k + (tx + 16 * j) * kStride + d);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          s[i][j] = fmaf(qv[i].x, kv[j].x, s[i][j]);
+          s[i][j] = fmaf(qv[i].y, kv[j].y, s[i][j]);
+          s[i][j] = fmaf(qv[i].z, kv[j].z, s[i][j]);
+          s[i][j] = fmaf(qv[i].w, kv[j].w, s[i][j]);
+        }
+    }
+
+    // ---- scale, mask, online softmax; P -> shared memory ------------------
+    const bool needs_mask =
+        key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(params, m_block, n_block);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      int key_limit = params.seqlen_k;
+      if (kIsCausal) key_limit = min(key_limit, row_base + 16 * i + params.causal_offset + 1);
+      float tile_max = row_max[i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        s[i][j] *= params.scale_log2;  // before masking: -inf * (scale <= 0) would be NaN
+        if (needs_mask && n_block * kBlockN + tx + 16 * j >= key_limit) s[i][j] = -INFINITY;
+        tile_max = fmaxf(tile_max, s[i][j]);
+      }
+      const float new_max = row_group_max(tile_max);
+      const float base = new_max == -INFINITY ? 0.f : new_max;  // see OnlineSoftmax
+      const float rescale = fast_exp2(row_max[i] - base);
+      row_max[i] = new_max;
+      float tile_sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float p = fast_exp2(s[i][j] - base);
+        tile_sum += p;
+        smem_p[(ty + 16 * i) * Tile::kPStride + tx + 16 * j] = p;
+      }
+      row_sum[i] = row_sum[i] * rescale + tile_sum;
+#pragma unroll
+      for (int c = 0; c < Tile::kColGroups; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[i][c][e] *= rescale;
+    }
+    __syncthreads();
+
+    // ---- O += P V ----------------------------------------------------------
+#pragma unroll 2
+    for (int j = 0; j < kBlockN; j += 4) {
+      float4 pv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        pv[i] = *reinterpret_cast<const float4*>(smem_p + (ty + 16 * i) * Tile::kPStride + j);
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+        for (int c = 0; c < Tile::kColGroups; ++c) {
+          const float4 v =
+              *reinterpret_cast<const float4*>(smem_v + (j + jj) * kStride + 4 * tx + 64 * c);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float p = jj == 0 ? pv[i].x : jj == 1 ? pv[i].y : jj == 2 ? pv[i].z : pv[i].w;
+            acc_o[i][c][0] = fmaf(p, v.x, acc_o[i][c][0]);
+            acc_o[i][c][1] = fmaf(p, v.y, acc_o[i][c][1]);
+            acc_o[i][c][2] = fmaf(p, v.z, acc_o[i][c][2]);
+            acc_o[i][c][3] = fmaf(p, v.w, acc_o[i][c][3]);
+          }
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: normalise, store O (16-byte stores) and LSE -----------------
+  constexpr float kLn2 = 0.69314718055994531f;
+  float* out_head = static_cast<float*>(params.out) + batch * params.out_strides.batch +
+                    head * params.out_strides.head;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float sum = row_group_sum(row_sum[i]);
+    const bool empty = !(sum > 0.f);
+    const float inv = empty ? 0.f : 1.f / sum;
+    const int row = row_base + 16 * i;
+    if (row >= params.seqlen_q) continue;
+#pragma unroll
+    for (int c = 0; c < Tile::kColGroups; ++c) {
+      const int col = 4 * tx + 64 * c;
+      if (col < params.head_dim) {
+        *reinterpret_cast<float4*>(out_head + row * params.out_strides.row + col) =
+            make_float4(acc_o[i][c][0] * inv, acc_o[i][c][1] * inv, acc_o[i][c][2] * inv,
+                        acc_o[i][c][3] * inv);
+      }
+    }
+    if (tx == 0) {
+      params.lse[static_cast<int64_t>(bh) * params.seqlen_q + row] =
+          empty ? -INFINITY : row_max[i] * kLn2 + logf(sum);
+    }
+  }
+}
+
+template <int kHeadDim, bool kIsCausal>
+void launch_fp32(const AttentionFwdParams& params, cudaStream_t stream) {
+  auto kernel = flash_fwd_fp32_kernel<kHeadDim, kIsCausal>;
+  constexpr int kSmem = Fp32Tile<kHeadDim>::kSmemBytes;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("flash_attn_ext: cudaFuncSetAttribute(fp32 forward): ") +
+                             cudaGetErrorString(err));
+  }
+  const int64_t m_blocks = (params.seqlen_q + kFp32BlockM - 1) / kFp32BlockM;
+  const int64_t grid = m_blocks * params.batch * params.heads;
+  if (grid > 0x7fffffff) throw std::runtime_error("flash_attn_ext: fp32 forward grid too large");
+  kernel<<<static_cast<unsigned>(grid), kFp32Threads, kSmem, stream>>>(params);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("flash_attn_ext: fp32 forward launch: ") +
+                             cudaGetErrorString(err));
+  }
+}
+
+template <int kHeadDim>
+void launch_fp32_causal(const AttentionFwdParams& params, cudaStream_t stream) {
+  if (params.causal) {
+    launch_fp32<kHeadDim, true>(params, stream);
+  } else {
+    launch_fp32<kHeadDim, false>(params, stream);
+  }
+}
+
+}  // namespace
+
+void run_fwd_fp32(const AttentionFwdParams& params, cudaStream_t stream) {
+  // Three tile widths cover every head dim (multiple of 8, <= 256); padded
+  // columns are zero-filled on load and never stored.
+  if (params.head_dim <= 64) {
+    launch_fp32_causal<64>(params, stream);
+  } else if (params.head_dim <= 128) {
+    launch_fp32_causal<128>(params, stream);
+  } else if (params.head_dim <= 256) {
+    launch_fp32_causal<256>(params, stream);
+  } else {
+    throw std::runtime_error("flash_attn_ext: fp32 forward supports head_dim <= 256, got " +
+                             std::to_string(params.head_dim));
+  }
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

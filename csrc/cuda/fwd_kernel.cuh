@@ -1,0 +1,462 @@
+// FlashAttention-2 style forward kernel (sm_80+ mma.sync) and the split-KV
+// combine kernel.
+//
+// One CTA computes one kBlockM-row query tile of one (batch, head) against a
+// contiguous range of key tiles (all of them unless split-KV is on):
+//
+//   prologue   cp.async Q and the first kStages-1 K/V tiles into shared memory
+//              (Q -> registers when Traits::kQInRegs)
+//   main loop  for each key tile n:
+//                wait K_n; prefetch K/V tile n+kStages-1
+//                S = Q K_n^T                       (fp32, in registers)
+//                scale to log2 domain, mask        (only on boundary tiles)
+//                online softmax: P = exp2(S - m), rescale O and row sums
+//                wait V_n;  O += P V_n             (P straight from registers)
+//   epilogue   O /= row_sum, lse = m*ln2 + ln(row_sum);
+//              O -> shared memory -> 16-byte global stores (or fp32 partials
+//              to out_accum / lse_accum when split-KV is on)
+#pragma once
+#include <cmath>
+
+#include "../params.h"
+#include "common/ptx.cuh"
+#include "fwd_kernel_traits.cuh"
+#include "fwd_softmax.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+// ---------------------------------------------------------------------------
+// Global -> shared copy of a [kRows x kHeadDim] tile with 16-byte cp.async.
+// Consecutive threads take consecutive 16-byte chunks of a row (coalesced).
+// Rows >= valid_rows and columns >= head_dim are zero-filled, which is what
+// makes partial tiles and padded head dims safe: zero Q/K columns leave Q K^T
+// unchanged, zero V rows keep 0 * garbage out of P V.
+// `gmem` points at row 0 of the tile, which is always in bounds.
+// ---------------------------------------------------------------------------
+template <typename Traits, typename Layout, int kRows>
+FAE_DEVICE void load_tile_async(typename Traits::T* smem, const typename Traits::T* gmem,
+                                int64_t row_stride, int valid_rows, int head_dim, int tid) {
+  constexpr int kChunks = Traits::kHeadDim / 8;
+  constexpr int kThreads = Traits::kNThreads;
+  if constexpr (kThreads % kChunks == 0) {
+    // Each thread keeps one column chunk and walks rows kRowsPerIter apart:
+    // one base address per thread plus compile-time row increments.
+    constexpr int kRowsPerIter = kThreads / kChunks;
+    static_assert(kRows % kRowsPerIter == 0, "tile rows must split evenly over the threads");
+    const int chunk = tid % kChunks;
+    const int row0 = tid / kChunks;
+    const bool col_valid = chunk * 8 < head_dim;
+    // Stepping the pointer (rather than base + i * stride) keeps the compiler
+    // from hoisting one 64-bit offset per row out of the main loop.
+    const auto* src = gmem + row0 * row_stride + chunk * 8;
+    const int64_t step = kRowsPerIter * row_stride;
+#pragma unroll
+    for (int i = 0; i < kRows / kRowsPerIter; ++i) {
+      const int row = row0 + i * kRowsPerIter;
+      const bool valid = col_valid && row < valid_rows;
+      cp_async_16(smem + Layout::offset(row, chunk), valid ? src : gmem, valid);
+      src += step;
+    }
+  } else {
+    constexpr int kTotal = kRows * kChunks;
+    constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int idx = tid + i * kThreads;
+      if (kTotal % kThreads != 0 && idx >= kTotal) break;
+      const int row = idx / kChunks;
+      const int chunk = idx % kChunks;
+      const bool valid = row < valid_rows && chunk * 8 < head_dim;
+      cp_async_16(smem + Layout::offset(row, chunk),
+                  valid ? gmem + row * row_stride + chunk * 8 : gmem, valid);
+    }
+  }
+}
+
+// A-fragments of the warp's Q rows for head-dim k-step kk (16 columns).
+// ldmatrix.x4: lanes 0-15 address rows 0-15 at chunk 2kk, lanes 16-31 rows
+// 0-15 at chunk 2kk+1, giving a[0..3] = (g,lo) (g+8,lo) (g,hi) (g+8,hi).
+template <typename Traits>
+FAE_DEVICE void load_q_frag(uint32_t (&a)[4], const typename Traits::T* smem_q, int warp_row0,
+                            int m, int kk, int lane) {
+  const int row = warp_row0 + m * 16 + (lane & 15);
+  ldmatrix_x4(a, smem_q + Traits::QLayout::offset(row, 2 * kk + (lane >> 4)));
+}
+
+// S[m] += Q[m] K^T over the whole head dim, for all kBlockN keys of the tile.
+template <typename Traits, typename QFrags>
+FAE_DEVICE void gemm_qk(float (&s)[Traits::kMmaM][Traits::kTilesN][4], const QFrags& q_frags,
+                        const typename Traits::T* smem_q, const typename Traits::T* smem_k,
+                        int warp_row0, int lane) {
+  using T = typename Traits::T;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kStepsD; ++kk) {
+    uint32_t a[Traits::kMmaM][4];
+#pragma unroll
+    for (int m = 0; m < Traits::kMmaM; ++m) {
+      if constexpr (Traits::kQInRegs) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[m][r] = q_frags[m][kk][r];
+      } else {
+        load_q_frag<Traits>(a[m], smem_q, warp_row0, m, kk, lane);
+      }
+    }
+#pragma unroll
+    for (int jn = 0; jn < Traits::kBlockN / 16; ++jn) {
+      // K is [key][dim] = the "col" B operand as stored: no transpose.
+      // Matrices: (keys 0-7, dims lo) (keys 0-7, dims hi) (keys 8-15, lo) (keys 8-15, hi)
+      // = b0/b1 of n-tile 2jn, then b0/b1 of n-tile 2jn+1.
+      uint32_t b[4];
+      const int key = jn * 16 + ((lane >> 4) << 3) + (lane & 7);
+      ldmatrix_x4(b, smem_k + Traits::KVLayout::offset(key, 2 * kk + ((lane >> 3) & 1)));
+      const uint32_t b_lo[2] = {b[0], b[1]};
+      const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+      for (int m = 0; m < Traits::kMmaM; ++m) {
+        mma_16816<T>(s[m][2 * jn], a[m], b_lo);
+        mma_16816<T>(s[m][2 * jn + 1], a[m], b_hi);
+      }
+    }
+  }
+}
+
+// O[m] += P[m] V. The accumulator layout of S for n-tiles (2kk, 2kk+1) is
+// exactly the A-fragment layout of a 16x16 operand, so P is only converted
+// to 16 bits and re-packed, never staged through shared memory.
+template <typename Traits>
+FAE_DEVICE void gemm_pv(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
+                        const float (&p)[Traits::kMmaM][Traits::kTilesN][4],
+                        const typename Traits::T* smem_v, int lane) {
+  using T = typename Traits::T;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kStepsN; ++kk) {
+    uint32_t a[Traits::kMmaM][4];
+#pragma unroll
+    for (int m = 0; m < Traits::kMmaM; ++m) {
+      a[m][0] = pack2<T>(p[m][2 * kk][0], p[m][2 * kk][1]);          // row g,   keys lo
+      a[m][1] = pack2<T>(p[m][2 * kk][2], p[m][2 * kk][3]);          // row g+8, keys lo
+      a[m][2] = pack2<T>(p[m][2 * kk + 1][0], p[m][2 * kk + 1][1]);  // row g,   keys hi
+      a[m][3] = pack2<T>(p[m][2 * kk + 1][2], p[m][2 * kk + 1][3]);  // row g+8, keys hi
+    }
+#pragma unroll
+    for (int jd = 0; jd < Traits::kHeadDim / 16; ++jd) {
+      // V is [key][dim]; the B operand wants (k = key, n = dim) pairs along k,
+      // hence ldmatrix.trans. Matrices: (keys 0-7, dims lo) (keys 8-15, dims lo)
+      // (keys 0-7, dims hi) (keys 8-15, dims hi) = b0/b1 of d-tile 2jd, 2jd+1.
+      uint32_t b[4];
+      const int key = kk * 16 + (lane & 15);
+      ldmatrix_x4_trans(b, smem_v + Traits::KVLayout::offset(key, 2 * jd + (lane >> 4)));
+      const uint32_t b_lo[2] = {b[0], b[1]};
+      const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+      for (int m = 0; m < Traits::kMmaM; ++m) {
+        mma_16816<T>(o[m][2 * jd], a[m], b_lo);
+        mma_16816<T>(o[m][2 * jd + 1], a[m], b_hi);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Main kernel. Grid: x = m-tile + num_m_blocks * (batch*heads + head), y = KV split.
+// ---------------------------------------------------------------------------
+template <typename Traits, bool kIsCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_fwd_kernel(const __grid_constant__ AttentionFwdParams params) {
+  using T = typename Traits::T;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kMmaM = Traits::kMmaM;
+  constexpr int kStages = Traits::kStages;
+  using QLayout = typename Traits::QLayout;
+  using KVLayout = typename Traits::KVLayout;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem_q = reinterpret_cast<T*>(smem_raw);
+  T* smem_k = smem_q + Traits::kSmemQElems;          // kStages K tiles
+  T* smem_v = smem_k + kStages * Traits::kSmemKVElems;  // kStages V tiles
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;  // mma row group
+  const int q = lane % 4;  // lane within the quad
+  const int warp_row0 = warp * Traits::kRowsPerWarp;  // first tile row owned by this warp
+
+  // ---- which tile ----------------------------------------------------------
+  const int num_m_blocks = ceil_div_dev(params.seqlen_q, kBlockM);
+  const int bh = blockIdx.x / num_m_blocks;
+  int m_block = blockIdx.x % num_m_blocks;
+  // Causal tiles further down see more keys; start those first so the short
+  // ones fill the tail of the wave (the x order keeps a head's tiles adjacent
+  // for L2 reuse of its K/V).
+  if (kIsCausal) m_block = num_m_blocks - 1 - m_block;
+  const int batch = bh / params.heads;
+  const int head = bh % params.heads;
+  const int head_k = head / (params.heads / params.heads_k);
+  const int split = blockIdx.y;
+  const int num_splits = gridDim.y;
+
+  const KeyTileRange range =
+      key_tile_range<kBlockM, kBlockN, kIsCausal>(params, m_block, split, num_splits);
+  const int n_tiles = range.end - range.begin;
+
+  const int64_t row_stride_k = params.k_strides.row;
+  const int64_t row_stride_v = params.v_strides.row;
+  const T* q_tile = static_cast<const T*>(params.q) + batch * params.q_strides.batch +
+                    head * params.q_strides.head +
+                    static_cast<int64_t>(m_block) * kBlockM * params.q_strides.row;
+  const T* k_head = static_cast<const T*>(params.k) + batch * params.k_strides.batch +
+                    head_k * params.k_strides.head;
+  const T* v_head = static_cast<const T*>(params.v) + batch * params.v_strides.batch +
+                    head_k * params.v_strides.head;
+
+  auto load_kv_tile = [&](int tile, int slot) {
+    const int n_block = range.begin + tile;
+    const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
+    const int valid_rows = params.seqlen_k - n_block * kBlockN;
+    load_tile_async<Traits, KVLayout, kBlockN>(smem_k + slot * Traits::kSmemKVElems,
+                                               k_head + key0 * row_stride_k, row_stride_k,
+                                               valid_rows, params.head_dim, tid);
+    cp_async_commit();
+    load_tile_async<Traits, KVLayout, kBlockN>(smem_v + slot * Traits::kSmemKVElems,
+                                               v_head + key0 * row_stride_v, row_stride_v,
+                                               valid_rows, params.head_dim, tid);
+    cp_async_commit();
+  };
+  // Keeps the commit-group count uniform past the last tile, so the
+  // cp_async_wait counts below hold for every iteration.
+  auto commit_empty_kv = [] {
+    cp_async_commit();
+    cp_async_commit();
+  };
+
+  float acc_o[kMmaM][Traits::kTilesD][4];
+#pragma unroll
+  for (int m = 0; m < kMmaM; ++m)
+#pragma unroll
+    for (int d = 0; d < Traits::kTilesD; ++d)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc_o[m][d][r] = 0.f;
+  OnlineSoftmax<kMmaM> softmax;
+
+  if (n_tiles > 0) {  // CTA-uniform; an empty range writes O = 0, lse = -inf
+    // ---- prologue: Q, then K/V tiles 0 .. kStages-2 -------------------------
+    // Commit groups in flight, oldest first: Q | K0 | V0 | K1 | V1 | ...
+    load_tile_async<Traits, QLayout, kBlockM>(smem_q, q_tile, params.q_strides.row,
+                                              params.seqlen_q - m_block * kBlockM,
+                                              params.head_dim, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_tiles) {
+        load_kv_tile(s, s);
+      } else {
+        commit_empty_kv();
+      }
+    }
+
+    // Q A-fragments, loaded once (only when they fit in registers).
+    uint32_t q_frags[Traits::kQInRegs ? kMmaM : 1][Traits::kQInRegs ? Traits::kStepsD : 1][4];
+    if constexpr (Traits::kQInRegs) {
+      cp_async_wait<2 * (kStages - 1)>();  // all but the K/V groups: Q has landed
+      __syncthreads();                      // ... for every thread's chunks
+#pragma unroll
+      for (int m = 0; m < kMmaM; ++m)
+#pragma unroll
+        for (int kk = 0; kk < Traits::kStepsD; ++kk)
+          load_q_frag<Traits>(q_frags[m][kk], smem_q, warp_row0, m, kk, lane);
+    }
+
+    const int row_base = m_block * kBlockM + warp_row0 + g;  // lane's first global row
+    // ---- main loop over key tiles --------------------------------------------
+    for (int tile = 0; tile < n_tiles; ++tile) {
+      const int n_block = range.begin + tile;
+      const int slot = tile % kStages;
+      const T* smem_k_tile = smem_k + slot * Traits::kSmemKVElems;
+      const T* smem_v_tile = smem_v + slot * Traits::kSmemKVElems;
+
+      // Groups newer than K_tile: V_tile and 2 per tile tile+1 .. tile+kStages-2.
+      cp_async_wait<2 * kStages - 3>();
+      // K_tile is visible to all threads, and every warp has finished tile-1,
+      // so its slot ((tile-1) % kStages) can be refilled.
+      __syncthreads();
+      const int prefetch = tile + kStages - 1;
+      if (prefetch < n_tiles) {
+        load_kv_tile(prefetch, prefetch % kStages);
+      } else {
+        commit_empty_kv();
+      }
+
+      float acc_s[kMmaM][Traits::kTilesN][4];
+#pragma unroll
+      for (int m = 0; m < kMmaM; ++m)
+#pragma unroll
+        for (int j = 0; j < Traits::kTilesN; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc_s[m][j][r] = 0.f;
+      gemm_qk<Traits>(acc_s, q_frags, smem_q, smem_k_tile, warp_row0, lane);
+
+      const int col_base = n_block * kBlockN + 2 * q;
+      if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(params, m_block, n_block)) {
+        scale_and_mask<true, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
+                                        params.seqlen_k, params.causal_offset);
+      } else {
+        scale_and_mask<false, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
+                                         params.seqlen_k, params.causal_offset);
+      }
+      softmax.update(acc_s, acc_o);
+
+      // Groups newer than V_tile: 2 per tile tile+1 .. tile+kStages-1.
+      cp_async_wait<2 * kStages - 2>();
+      __syncthreads();  // V_tile visible to all threads
+      gemm_pv<Traits>(acc_o, acc_s, smem_v_tile, lane);
+    }
+    cp_async_wait<0>();  // only empty groups remain; keeps the smem reuse below obviously safe
+  }
+
+  // ---- epilogue --------------------------------------------------------------
+  float lse[kMmaM][2];
+  softmax.finalize(acc_o, lse);
+
+  const int64_t rows_total = static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q;
+  const int row_in_head0 = m_block * kBlockM + warp_row0;  // global row of warp row 0
+
+  if (num_splits == 1) {
+    // O -> shared memory (the warp's own Q rows: no other warp touches them,
+    // so a warp barrier suffices) -> 16-byte coalesced global stores.
+    T* smem_o = smem_q;
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m)
+#pragma unroll
+      for (int d = 0; d < Traits::kTilesD; ++d)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = warp_row0 + m * 16 + h * 8 + g;
+          *reinterpret_cast<uint32_t*>(smem_o + QLayout::offset(row, d) + 2 * q) =
+              pack2<T>(acc_o[m][d][2 * h], acc_o[m][d][2 * h + 1]);
+        }
+    __syncwarp();
+
+    constexpr int kChunks = Traits::kHeadDim / 8;
+    constexpr int kChunksPerLane = Traits::kRowsPerWarp * kChunks / 32;
+    T* out_head = static_cast<T*>(params.out) + batch * params.out_strides.batch +
+                  head * params.out_strides.head;
+#pragma unroll
+    for (int i = 0; i < kChunksPerLane; ++i) {
+      const int idx = lane + 32 * i;
+      const int r = idx / kChunks;
+      const int c = idx % kChunks;
+      const int row = row_in_head0 + r;
+      if (row < params.seqlen_q && c * 8 < params.head_dim) {
+        *reinterpret_cast<uint4*>(out_head + row * params.out_strides.row + c * 8) =
+            *reinterpret_cast<const uint4*>(smem_o + QLayout::offset(warp_row0 + r, c));
+      }
+    }
+    if (q == 0) {
+      float* lse_head = params.lse + static_cast<int64_t>(bh) * params.seqlen_q;
+#pragma unroll
+      for (int m = 0; m < kMmaM; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row_in_head0 + m * 16 + h * 8 + g;
+          if (row < params.seqlen_q) lse_head[row] = lse[m][h];
+        }
+    }
+  } else {
+    // Split-KV partials, fp32, normalised by this split's own row sum:
+    //   out_accum[split][b][h][row][0:kHeadDim], lse_accum[split][b][h][row].
+    // Each quad writes 32 contiguous bytes per (row, 8-column tile).
+    const int64_t split_row0 = split * rows_total + static_cast<int64_t>(bh) * params.seqlen_q;
+    float* o_accum = params.out_accum + split_row0 * Traits::kHeadDim;
+    float* l_accum = params.lse_accum + split_row0;
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row_in_head0 + m * 16 + h * 8 + g;
+        if (row >= params.seqlen_q) continue;
+#pragma unroll
+        for (int d = 0; d < Traits::kTilesD; ++d) {
+          const int col = d * 8 + 2 * q;
+          if (col < params.head_dim) {
+            *reinterpret_cast<float2*>(o_accum + static_cast<int64_t>(row) * Traits::kHeadDim +
+                                       col) = make_float2(acc_o[m][d][2 * h], acc_o[m][d][2 * h + 1]);
+          }
+        }
+        if (q == 0) l_accum[row] = lse[m][h];
+      }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Split-KV combine: one warp per query row.
+//   lse   = log(sum_s exp(lse_s))            (-inf when every split is empty)
+//   O     = sum_s exp(lse_s - lse) * O_s     (O_s already normalised per split)
+// Lane l owns head-dim columns [8l, 8l+8): 256 columns = 32 lanes x 8, one
+// 16-byte store per lane.
+// ---------------------------------------------------------------------------
+constexpr int kCombineWarps = 8;
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    flash_fwd_combine_kernel(const __grid_constant__ AttentionFwdParams params) {
+  static_assert(kHeadDim <= 32 * 8, "one 8-column chunk per lane");
+  const int lane = threadIdx.x % 32;
+  const int64_t rows_total = static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
+  if (r >= rows_total) return;  // warp-uniform; no block barriers below
+  const int num_splits = params.num_splits;
+  const float* lse_split = params.lse_accum + r;  // split s at lse_split[s * rows_total]
+
+  float max_lse = -INFINITY;
+  for (int s = lane; s < num_splits; s += 32) max_lse = fmaxf(max_lse, lse_split[s * rows_total]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, off));
+
+  float lse = -INFINITY;
+  if (max_lse != -INFINITY) {
+    float sum = 0.f;
+    for (int s = lane; s < num_splits; s += 32) sum += expf(lse_split[s * rows_total] - max_lse);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+    lse = max_lse + logf(sum);
+  }
+
+  const int col = lane * 8;
+  if (col < params.head_dim) {
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+    if (lse != -INFINITY) {
+      for (int s = 0; s < num_splits; ++s) {
+        const float lse_s = lse_split[s * rows_total];
+        if (lse_s == -INFINITY) continue;  // empty split: contributes nothing
+        const float w = expf(lse_s - lse);
+        const float* o_s = params.out_accum + (s * rows_total + r) * kHeadDim + col;
+        const float4 lo = *reinterpret_cast<const float4*>(o_s);
+        const float4 hi = *reinterpret_cast<const float4*>(o_s + 4);
+        acc[0] += w * lo.x; acc[1] += w * lo.y; acc[2] += w * lo.z; acc[3] += w * lo.w;
+        acc[4] += w * hi.x; acc[5] += w * hi.y; acc[6] += w * hi.z; acc[7] += w * hi.w;
+      }
+    }
+    const int64_t bh = r / params.seqlen_q;
+    const int row = static_cast<int>(r % params.seqlen_q);
+    const int batch = static_cast<int>(bh / params.heads);
+    const int head = static_cast<int>(bh % params.heads);
+    T* dst = static_cast<T*>(params.out) + batch * params.out_strides.batch +
+             row * params.out_strides.row + head * params.out_strides.head + col;
+    uint4 packed;
+    packed.x = pack2<T>(acc[0], acc[1]);
+    packed.y = pack2<T>(acc[2], acc[3]);
+    packed.z = pack2<T>(acc[4], acc[5]);
+    packed.w = pack2<T>(acc[6], acc[7]);
+    *reinterpret_cast<uint4*>(dst) = packed;
+  }
+  if (lane == 0) params.lse[r] = lse;
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

@@ -1,0 +1,185 @@
+// Compile-time shape of one forward kernel configuration (tile sizes, warp
+// split, shared-memory layout) plus the table that picks a configuration per
+// head dim. Everything the kernel derives from the tile shape lives here, with
+// a static_assert for every assumption the kernel makes about it.
+#pragma once
+#include "common/ptx.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+// ---------------------------------------------------------------------------
+// Shared-memory layout of one [kRows x kCols] tile of 16-bit elements.
+//
+// ldmatrix reads 8 rows at the same 16-byte column chunk. To keep those 8
+// addresses in 8 different 16-byte bank groups we either
+//   * XOR-swizzle the chunk index with (row % 8) when a row holds a multiple of
+//     8 chunks (head dims 64, 128, 192, 256): no wasted memory, or
+//   * pad every row by one chunk otherwise (head dims 32, 96, 160, 224 have
+//     an even number of chunks, so the padded row stride is an odd number of
+//     chunks and rows r = 0..7 land on 8 distinct chunk positions mod 8).
+// Both layouts are conflict-free for ldmatrix (8 rows, same chunk), for the
+// cp.async stores (consecutive threads fill consecutive chunks of a row) and
+// for the epilogue's 32-bit fragment stores (row g, chunk j, word q).
+// ---------------------------------------------------------------------------
+template <int kRows, int kCols>
+struct SmemTileLayout {
+  static constexpr int kChunks = kCols / 8;  // 16-byte chunks per row
+  static constexpr bool kSwizzled = kChunks % 8 == 0;
+  static constexpr int kRowStride = kSwizzled ? kCols : kCols + 8;  // in elements
+  static constexpr int kElems = kRows * kRowStride;
+
+  static_assert(kCols % 16 == 0, "tile columns must be a multiple of 16 (one mma k-step)");
+  static_assert(kSwizzled || kChunks % 2 == 0,
+                "padded layout needs an even chunk count so the padded stride is odd");
+
+  // Element offset of 16-byte chunk `chunk` of row `row`.
+  static FAE_DEVICE int offset(int row, int chunk) {
+    if constexpr (kSwizzled) {
+      return row * kRowStride + swizzled_chunk<kChunks>(row, chunk) * 8;
+    } else {
+      return row * kRowStride + chunk * 8;
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Kernel traits.
+//
+//   T          __half or __nv_bfloat16
+//   kHeadDim   instantiated head dim (multiple of 16); the real head dim may be
+//              smaller (multiple of 8), extra columns are zero-filled
+//   kBlockM    query rows per CTA
+//   kBlockN    key rows per K/V tile
+//   kNWarps    warps per CTA; warp w owns query rows [w*kRowsPerWarp, +kRowsPerWarp)
+//   kStages    K/V tiles resident in shared memory (>= 2): tile n+kStages-1 is
+//              loaded while tile n is computed
+//   kQInRegs   keep Q's mma A-fragments in registers for the whole kernel
+//              (else re-read them from shared memory with ldmatrix each tile:
+//              saves kMmaM*kHeadDim/4 registers, costs shared-memory bandwidth)
+//
+// Warp map of one CTA (example kBlockM=128, kNWarps=4, kRowsPerWarp=32):
+//
+//            K/V tile columns 0 .. kBlockN-1 (shared by all warps)
+//          +------------------------------------------+
+//   rows   | warp 0: m-tile 0 (rows   0..15)          |  each warp computes
+//   0..31  |         m-tile 1 (rows  16..31)          |  S = Q K^T for all
+//          +------------------------------------------+  kBlockN columns of
+//  32..63  | warp 1: rows 32..63                      |  its own rows, keeps
+//          +------------------------------------------+  its own softmax
+//  64..95  | warp 2: rows 64..95                      |  statistics and O rows:
+//          +------------------------------------------+  no inter-warp
+//  96..127 | warp 3: rows 96..127                     |  reduction (FA2 split)
+//          +------------------------------------------+
+//
+// Inside one 16x8 mma accumulator (lane = 4*g + q):
+//      cols  2q 2q+1
+//   row g    c0  c1      row g+8   c2  c3
+// so each lane holds 2 rows per m-tile and the 4 lanes of a quad share a row.
+// ---------------------------------------------------------------------------
+template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_,
+          bool kQInRegs_>
+struct FwdKernelTraits {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kQInRegs = kQInRegs_;
+
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kRowsPerWarp = kBlockM / kNWarps;
+  static constexpr int kMmaM = kRowsPerWarp / 16;  // 16-row m-tiles per warp
+  static constexpr int kTilesN = kBlockN / 8;      // 8-col n-tiles of S per m-tile
+  static constexpr int kTilesD = kHeadDim / 8;     // 8-col n-tiles of O per m-tile
+  static constexpr int kStepsD = kHeadDim / 16;    // k-steps of Q K^T
+  static constexpr int kStepsN = kBlockN / 16;     // k-steps of P V
+
+  using QLayout = SmemTileLayout<kBlockM, kHeadDim>;   // also stages the O tile
+  using KVLayout = SmemTileLayout<kBlockN, kHeadDim>;  // one K or V tile
+
+  static constexpr int kSmemQElems = QLayout::kElems;
+  static constexpr int kSmemKVElems = KVLayout::kElems;
+  static constexpr int kSmemBytes =
+      (kSmemQElems + 2 * kStages * kSmemKVElems) * static_cast<int>(sizeof(T));
+
+  static_assert(sizeof(T) == 2, "the tensor-core kernel handles 16-bit types only");
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256,
+                "kHeadDim must be a multiple of 16 (mma k-step) and <= 256");
+  static_assert(kBlockM % kNWarps == 0, "kBlockM must split evenly over the warps");
+  static_assert(kRowsPerWarp % 16 == 0, "each warp must own whole 16-row mma tiles");
+  static_assert(kMmaM >= 1 && kMmaM <= 4, "1..4 m-tiles per warp");
+  static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (P V k-step)");
+  static_assert(kHeadDim % 16 == 0, "ldmatrix.x4 on V loads pairs of 8-column O tiles");
+  static_assert(kStages >= 2, "the K/V pipeline needs at least double buffering");
+  static_assert((kRowsPerWarp * (kHeadDim / 8)) % 32 == 0,
+                "the epilogue's warp-local store needs whole 16-byte chunks per lane");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the 227 KB per-CTA limit");
+};
+
+// ---------------------------------------------------------------------------
+// Configuration table: which traits each (head dim, causal) uses.
+//
+//  kHeadDim | BlockM | BlockN | warps | rows/warp | stages | Q in regs | smem (KB) | regs sm80/sm90
+//  ---------+--------+--------+-------+-----------+--------+-----------+-----------+---------------
+//     32    |  128   |   64   |   4   |    32     |   2    |    yes    |    30     |  195 / 198
+//     64    |  128   |   64   |   4   |    32     |   2    |    yes    |    48     |  248 / 250
+//     96    |  128   |   64   |   8   |    16     |   2    |    yes    |    78     |  198 / 198
+//    128    |  128   |   64   |   8   |    16     |   2    |    yes    |    96     |  216 / 224
+//    160    |  128   |   64   |   8   |    16     |   2    |    no     |   126     |  237 / 234
+//    192    |  128   |   64   |   8   |    16     |   2    |    no     |   144     |  253 / 253
+//    224    |  128   |   64   |   8   |    16     |   2    |    no     |   175     |  ~250-255
+//    256    |  128   |   64   |   8   |    16     |   2    |    no     |   192     |  251 / 253
+// (register counts from ptxas -v, CUDA 13.0, no spills; see the report in the
+// commit message for causal variants.)
+//
+// Why:
+//  * 32 rows per warp (2 m-tiles) for D <= 64: every K/V fragment read from
+//    shared memory feeds two mma's, halving shared-memory traffic per flop vs
+//    16 rows per warp (FA2's choice for all head dims). The cost is registers
+//    (O = D floats/lane, S = BlockN floats/lane, Q = D/2 words/lane): at
+//    BlockN=128 both D=32 and D=64 spilled (ptxas schedules K fragment loads
+//    of a whole k-loop ahead), so BlockN=64.
+//  * D >= 96: 2 m-tiles per warp spilled at every BlockN >= 64 with the
+//    causal mask (D=128: 128x64 -> ~60 B, 128x32 causal -> ~40 B of spills),
+//    so 8 warps x 16 rows. Q stays in registers up to D=128 (saves re-reading
+//    Q from shared memory every key tile); from D=160 it no longer fits next
+//    to O (D/2 floats) and is re-read with ldmatrix.
+//  * All configurations run one 8-warp CTA or two 4-warp CTAs per SM
+//    (registers are the limit, not shared memory), i.e. 8 warps per SM.
+//  * 2 stages: K/V tile n+1 streams in during the whole of tile n (both the
+//    Q K^T and the P V halves); a third stage would not fit at D >= 224.
+// These are starting points: every column is a template parameter of
+// FwdKernelTraits, so alternatives can be measured by editing one line.
+// ---------------------------------------------------------------------------
+template <int kHeadDim, bool kIsCausal>
+struct FwdTileConfig;
+
+#define FAE_FWD_CONFIG(D, BM, BN, WARPS, STAGES, QREGS)                            \
+  template <bool kIsCausal>                                                        \
+  struct FwdTileConfig<D, kIsCausal> {                                             \
+    static constexpr int kBlockM = BM, kBlockN = BN, kNWarps = WARPS;              \
+    static constexpr int kStages = STAGES;                                         \
+    static constexpr bool kQInRegs = QREGS;                                        \
+    template <typename T>                                                          \
+    using Traits = FwdKernelTraits<T, D, BM, BN, WARPS, STAGES, QREGS>;            \
+  };
+
+FAE_FWD_CONFIG(32, 128, 64, 4, 2, true)
+FAE_FWD_CONFIG(64, 128, 64, 4, 2, true)
+FAE_FWD_CONFIG(96, 128, 64, 8, 2, true)
+FAE_FWD_CONFIG(128, 128, 64, 8, 2, true)
+FAE_FWD_CONFIG(160, 128, 64, 8, 2, false)
+FAE_FWD_CONFIG(192, 128, 64, 8, 2, false)
+FAE_FWD_CONFIG(224, 128, 64, 8, 2, false)
+FAE_FWD_CONFIG(256, 128, 64, 8, 2, false)
+#undef FAE_FWD_CONFIG
+
+// Smallest instantiated head dim >= head_dim (head dims are multiples of 32).
+inline constexpr int fwd_rounded_head_dim(int head_dim) {
+  return head_dim <= 32 ? 32 : (head_dim + 31) / 32 * 32;
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

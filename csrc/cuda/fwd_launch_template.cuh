@@ -1,0 +1,78 @@
+// Host-side launcher of one forward configuration. Included by the generated
+// instantiations/fwd_<dtype>_hdim<D>_<causal|full>.cu files, each of which
+// instantiates run_fwd_impl once (so configurations compile in parallel).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "../params.h"
+#include "fwd_kernel.cuh"
+#include "fwd_kernel_traits.cuh"
+#include "fwd_launch.h"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+inline void fwd_check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("flash_attn_ext: ") + what + ": " +
+                             cudaGetErrorString(err));
+  }
+}
+
+template <typename T, int kHeadDim, bool kIsCausal>
+void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+  using Config = FwdTileConfig<kHeadDim, kIsCausal>;
+  using Traits = typename Config::template Traits<T>;
+  static_assert(std::is_same<typename Traits::T, T>::value, "traits dtype mismatch");
+
+  if (params.head_dim > kHeadDim || params.head_dim % 8 != 0) {
+    throw std::runtime_error("flash_attn_ext: internal error: head_dim " +
+                             std::to_string(params.head_dim) + " dispatched to kernel head dim " +
+                             std::to_string(kHeadDim));
+  }
+  const int num_splits = params.num_splits > 1 ? params.num_splits : 1;
+  if (num_splits > 1 && (params.out_accum == nullptr || params.lse_accum == nullptr)) {
+    throw std::runtime_error(
+        "flash_attn_ext: internal error: split-KV forward without a workspace "
+        "(call fwd_set_workspace)");
+  }
+  if (num_splits > 65535) {
+    throw std::runtime_error("flash_attn_ext: num_splits " + std::to_string(num_splits) +
+                             " exceeds the grid limit 65535");
+  }
+
+  const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t grid_x = num_m_blocks * params.batch * params.heads;
+  if (grid_x > 0x7fffffff) {
+    throw std::runtime_error("flash_attn_ext: batch * heads * ceil(seqlen_q / " +
+                             std::to_string(Traits::kBlockM) + ") = " + std::to_string(grid_x) +
+                             " exceeds the CUDA grid limit");
+  }
+
+  auto kernel = flash_fwd_kernel<Traits, kIsCausal>;
+  constexpr int kSmemBytes = Traits::kSmemBytes;
+  if (kSmemBytes > 48 * 1024) {
+    fwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kSmemBytes),
+                   "cudaFuncSetAttribute(forward kernel shared memory)");
+  }
+  AttentionFwdParams launch_params = params;
+  launch_params.num_splits = num_splits;
+  kernel<<<dim3(static_cast<unsigned>(grid_x), num_splits), Traits::kNThreads, kSmemBytes,
+           stream>>>(launch_params);
+  fwd_check_cuda(cudaGetLastError(), "forward kernel launch");
+
+  if (num_splits > 1) {
+    const int64_t rows = static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q;
+    const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
+    flash_fwd_combine_kernel<T, kHeadDim>
+        <<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(launch_params);
+    fwd_check_cuda(cudaGetLastError(), "split-KV combine kernel launch");
+  }
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

@@ -1,0 +1,179 @@
+// Building blocks of the forward main loop that act on the S = Q K^T
+// accumulator fragments: which key tiles a CTA visits, the causal /
+// sequence-end mask, and the online softmax (running max and sum per row).
+//
+// Fragment convention (see fwd_kernel_traits.cuh): s[m][j][e] is the mma
+// accumulator of m-tile m (16 rows) and 8-column n-tile j; with lane = 4g + q,
+//   e = 0,1 -> row g,   columns 8j + 2q + {0,1}
+//   e = 2,3 -> row g+8, columns 8j + 2q + {0,1}
+// so index (m, h = e / 2) names one of the lane's 2*kMmaM rows.
+#pragma once
+#include <cmath>
+
+#include "../params.h"
+#include "common/ptx.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+FAE_DEVICE constexpr int ceil_div_dev(int a, int b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------
+// Key tiles [begin, end) that one CTA (query tile m_block, KV split `split`)
+// must visit. Causal: tiles entirely above the diagonal of the tile's last
+// valid row are skipped. Split-KV: the nominal tiles 0..n_blocks-1 are cut into
+// num_splits contiguous ranges, then intersected with the causal bound, so a
+// split may end up empty (it then writes O = 0, lse = -inf).
+// ---------------------------------------------------------------------------
+struct KeyTileRange {
+  int begin;
+  int end;
+};
+
+template <int kBlockM, int kBlockN, bool kIsCausal>
+FAE_DEVICE KeyTileRange key_tile_range(const AttentionFwdParams& params, int m_block, int split,
+                                       int num_splits) {
+  const int n_blocks = ceil_div_dev(params.seqlen_k, kBlockN);
+  int end = n_blocks;
+  if (kIsCausal) {
+    const int last_row = min((m_block + 1) * kBlockM, params.seqlen_q) - 1;
+    const int last_key = last_row + params.causal_offset;  // last key any row may see
+    end = last_key < 0 ? 0 : min(end, last_key / kBlockN + 1);
+  }
+  const int per_split = ceil_div_dev(n_blocks, num_splits);
+  const int begin = split * per_split;
+  end = min(end, begin + per_split);
+  return {begin, max(begin, end)};
+}
+
+// Whether key tile n_block needs the element mask: it crosses seqlen_k, or
+// (causal) some key of it lies right of the diagonal of the tile's first row.
+template <int kBlockM, int kBlockN, bool kIsCausal>
+FAE_DEVICE bool key_tile_needs_mask(const AttentionFwdParams& params, int m_block, int n_block) {
+  const int tile_end = (n_block + 1) * kBlockN;  // one past the tile's last key
+  if (tile_end > params.seqlen_k) return true;
+  return kIsCausal && tile_end - 1 > m_block * kBlockM + params.causal_offset;
+}
+
+// ---------------------------------------------------------------------------
+// S (raw dot products) -> scaled log2-domain scores, with invisible keys set
+// to -inf. The scale is applied before the max so a negative softmax_scale
+// is handled exactly, and before the mask so -inf never meets a 0 or negative
+// scale (-inf * 0 = NaN).
+//   row_base: global query row of the lane's row (m = 0, h = 0)
+//   col_base: global key of the lane's column (j = 0, e = 0)
+// ---------------------------------------------------------------------------
+template <bool kMask, bool kIsCausal, int kMmaM, int kTilesN>
+FAE_DEVICE void scale_and_mask(float (&s)[kMmaM][kTilesN][4], float scale_log2, int row_base,
+                               int col_base, int seqlen_k, int causal_offset) {
+#pragma unroll
+  for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // keys < key_limit are visible to this row
+      int key_limit = seqlen_k;
+      if (kIsCausal) key_limit = min(key_limit, row_base + m * 16 + h * 8 + causal_offset + 1);
+#pragma unroll
+      for (int j = 0; j < kTilesN; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[m][j][2 * h + e];
+          x *= scale_log2;
+          if (kMask && col_base + j * 8 + e >= key_limit) x = -INFINITY;
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Online softmax state for the lane's 2*kMmaM rows.
+//   row_max: running max of the scaled (log2-domain) scores, -inf while the
+//            row has seen no visible key
+//   row_sum: this lane's share of sum(exp2(score - row_max)); the 4 lanes of a
+//            quad are only reduced in finalize() (rescaling is per row, so
+//            partial sums can be rescaled independently)
+// ---------------------------------------------------------------------------
+template <int kMmaM>
+struct OnlineSoftmax {
+  float row_max[kMmaM][2];
+  float row_sum[kMmaM][2];
+
+  FAE_DEVICE OnlineSoftmax() {
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_max[m][h] = -INFINITY;
+        row_sum[m][h] = 0.f;
+      }
+    }
+  }
+
+  // Turns the scores s into probabilities p = exp2(s - new_max) in place,
+  // and rescales the O accumulator and the running sum by exp2(old - new).
+  template <int kTilesN, int kTilesD>
+  FAE_DEVICE void update(float (&s)[kMmaM][kTilesN][4], float (&o)[kMmaM][kTilesD][4]) {
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float new_max = row_max[m][h];
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) {
+          new_max = fmaxf(new_max, fmaxf(s[m][j][2 * h], s[m][j][2 * h + 1]));
+        }
+        new_max = quad_max(new_max);
+        // A row with no visible key so far keeps max = -inf. Subtracting 0
+        // instead makes every exp2 below exp2(-inf) = 0 rather than NaN, and
+        // the rescale exp2(-inf - 0) = 0 multiplies an O row that is 0 anyway.
+        const float base = new_max == -INFINITY ? 0.f : new_max;
+        const float rescale = fast_exp2(row_max[m][h] - base);
+        row_max[m][h] = new_max;
+
+        float tile_sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = fast_exp2(s[m][j][2 * h + e] - base);
+            s[m][j][2 * h + e] = p;
+            tile_sum += p;
+          }
+        }
+        row_sum[m][h] = row_sum[m][h] * rescale + tile_sum;
+#pragma unroll
+        for (int d = 0; d < kTilesD; ++d) {
+          o[m][d][2 * h] *= rescale;
+          o[m][d][2 * h + 1] *= rescale;
+        }
+      }
+    }
+  }
+
+  // Normalises O by the row sums and returns the natural-log LSE per row.
+  // Rows that never saw a visible key have sum 0: O stays exactly 0 and
+  // lse = -inf (no 1/0, no -inf - -inf).
+  template <int kTilesD>
+  FAE_DEVICE void finalize(float (&o)[kMmaM][kTilesD][4], float (&lse)[kMmaM][2]) {
+    constexpr float kLn2 = 0.69314718055994531f;
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float sum = quad_sum(row_sum[m][h]);
+        const bool empty = !(sum > 0.f);
+        const float inv = empty ? 0.f : 1.f / sum;
+        lse[m][h] = empty ? -INFINITY : row_max[m][h] * kLn2 + logf(sum);
+#pragma unroll
+        for (int d = 0; d < kTilesD; ++d) {
+          o[m][d][2 * h] *= inv;
+          o[m][d][2 * h + 1] *= inv;
+        }
+      }
+    }
+  }
+};
+
+}  // namespace cuda
+}  // namespace flash_attn_ext
