@@ -9,6 +9,7 @@ Environment variables (all optional):
   FLASH_ATTN_EXT_HEAD_DIMS="64,128" only build these kernel head dims (iteration speed);
                                     default all of 32,64,96,128,160,192,224,256
   FLASH_ATTN_EXT_DTYPES="bf16"      only build these 16-bit kernel dtypes (fp16,bf16)
+  FLASH_ATTN_EXT_NVCC_EXTRA="..."   extra nvcc flags (tile-tuning defines, see bench/tune_tiles.sh)
   MAX_JOBS=N                        parallel compile jobs (ninja), honoured by torch
 """
 import glob
@@ -110,6 +111,8 @@ def build_extension():
                   "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                   "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
                   "-lineinfo", "--threads", "2"] + defines + _gencode_flags()
+    # Extra nvcc flags, e.g. the tile-tuning defines of bench/tune_tiles.sh.
+    nvcc_flags += os.environ.get("FLASH_ATTN_EXT_NVCC_EXTRA", "").split()
     if os.environ.get("FLASH_ATTN_EXT_VERBOSE_PTXAS", "0") not in ("", "0"):
         nvcc_flags.append("-Xptxas=-v")
     print(f"flash_attn_ext: building with CUDA {torch.version.cuda}, nvcc flags {nvcc_flags}")

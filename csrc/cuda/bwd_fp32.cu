@@ -58,6 +58,9 @@ __device__ __forceinline__ void load_tile(float* s, const float* g, int64_t row_
   }
 }
 
+__device__ __forceinline__ void add4(float4& acc, const float4& x) {
+  acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+}
 __device__ __forceinline__ void fma4(float4& acc, float s, const float4& v) {
   acc.x = fmaf(s, v.x, acc.x);
   acc.y = fmaf(s, v.y, acc.y);
@@ -173,15 +176,20 @@ __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdPa
       __syncthreads();
 
       // ---- dV += P^T dO, dK += dS^T Q: key `lane`, columns 32c + 4*warp ------
-#pragma unroll 4
-      for (int i = 0; i < BM; ++i) {
-        const float p = sP[i * kPP + lane], ds = sdS[i * kPP + lane];
+      // Summed per query tile first, then added to the running total: a
+      // two-level sum keeps fp32 rounding error growing with seqlen_q / BM
+      // instead of seqlen_q (a long sequential sum loses ~sqrt(n) ulps).
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          const int col = 32 * c + 4 * warp;
-          fma4(acc_dv[c], p, *reinterpret_cast<const float4*>(sdO + i * kPitch + col));
-          fma4(acc_dk[c], ds, *reinterpret_cast<const float4*>(sQ + i * kPitch + col));
+      for (int c = 0; c < kCols; ++c) {
+        const int col = 32 * c + 4 * warp;
+        float4 tile_dv = make_float4(0.f, 0.f, 0.f, 0.f), tile_dk = tile_dv;
+#pragma unroll 4
+        for (int i = 0; i < BM; ++i) {
+          fma4(tile_dv, sP[i * kPP + lane], *reinterpret_cast<const float4*>(sdO + i * kPitch + col));
+          fma4(tile_dk, sdS[i * kPP + lane], *reinterpret_cast<const float4*>(sQ + i * kPitch + col));
         }
+        add4(acc_dv[c], tile_dv);
+        add4(acc_dk[c], tile_dk);
       }
 
       // ---- dQ += dS K: query `lane`, columns 32c + 4*warp ---------------------

@@ -56,6 +56,7 @@
 // (Exact numbers: BwdKernelTraits::kSmemBytes; ptxas figures in the report.)
 // ---------------------------------------------------------------------------
 #pragma once
+#include <type_traits>
 #include <cstdint>
 
 #include "common/ptx.cuh"
@@ -64,17 +65,33 @@ namespace flash_attn_ext {
 namespace cuda {
 
 template <int kHeadDim>
-struct BwdTileConfig;
+struct BwdTileConfigDefault;
 // clang-format off
 //                                    kBlockM        kBlockN         kWarpsD        kWarpsMdQ
-template <> struct BwdTileConfig<32>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
-template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
-template <> struct BwdTileConfig<96>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
-template <> struct BwdTileConfig<128> { static constexpr int kBlockM = 32, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 2; };
-template <> struct BwdTileConfig<160> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
-template <> struct BwdTileConfig<192> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
-template <> struct BwdTileConfig<224> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
-template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 32, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 1; };
+template <> struct BwdTileConfigDefault<32>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
+template <> struct BwdTileConfigDefault<64>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
+template <> struct BwdTileConfigDefault<96>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
+template <> struct BwdTileConfigDefault<128> { static constexpr int kBlockM = 32, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 2; };
+template <> struct BwdTileConfigDefault<160> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
+template <> struct BwdTileConfigDefault<192> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
+template <> struct BwdTileConfigDefault<224> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
+template <> struct BwdTileConfigDefault<256> { static constexpr int kBlockM = 32, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 1; };
+
+// Tuning builds (bench/tune_tiles.sh) replace one head dim's entry:
+//   -DFAE_BWD_TUNE_D=128 -DFAE_BWD_TUNE_BM=64 -DFAE_BWD_TUNE_BN=128
+//   -DFAE_BWD_TUNE_WARPS_D=1 -DFAE_BWD_TUNE_WARPS_M_DQ=4
+#if defined(FAE_BWD_TUNE_D)
+struct BwdTileConfigTune {
+  static constexpr int kBlockM = FAE_BWD_TUNE_BM, kBlockN = FAE_BWD_TUNE_BN,
+                       kWarpsD = FAE_BWD_TUNE_WARPS_D, kWarpsMdQ = FAE_BWD_TUNE_WARPS_M_DQ;
+};
+template <int kHeadDim>
+struct BwdTileConfig : std::conditional_t<kHeadDim == FAE_BWD_TUNE_D, BwdTileConfigTune,
+                                          BwdTileConfigDefault<kHeadDim>> {};
+#else
+template <int kHeadDim>
+struct BwdTileConfig : BwdTileConfigDefault<kHeadDim> {};
+#endif
 // clang-format on
 
 // Smallest instantiated head dim >= head_dim (head_dim % 8 == 0, <= 256).

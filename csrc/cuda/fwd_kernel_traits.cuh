@@ -3,6 +3,7 @@
 // head dim. Everything the kernel derives from the tile shape lives here, with
 // a static_assert for every assumption the kernel makes about it.
 #pragma once
+#include <type_traits>
 #include "common/ptx.cuh"
 
 namespace flash_attn_ext {
@@ -154,16 +155,18 @@ struct FwdKernelTraits {
 // FwdKernelTraits, so alternatives can be measured by editing one line.
 // ---------------------------------------------------------------------------
 template <int kHeadDim, bool kIsCausal>
-struct FwdTileConfig;
+struct FwdTileConfigDefault;
 
-#define FAE_FWD_CONFIG(D, BM, BN, WARPS, STAGES, QREGS)                            \
+#define FAE_FWD_CONFIG_BODY(D, BM, BN, WARPS, STAGES, QREGS)                       \
+  static constexpr int kBlockM = BM, kBlockN = BN, kNWarps = WARPS;                \
+  static constexpr int kStages = STAGES;                                           \
+  static constexpr bool kQInRegs = QREGS;                                          \
+  template <typename T>                                                            \
+  using Traits = FwdKernelTraits<T, D, BM, BN, WARPS, STAGES, QREGS>;
+#define FAE_FWD_CONFIG(D, ...)                                                     \
   template <bool kIsCausal>                                                        \
-  struct FwdTileConfig<D, kIsCausal> {                                             \
-    static constexpr int kBlockM = BM, kBlockN = BN, kNWarps = WARPS;              \
-    static constexpr int kStages = STAGES;                                         \
-    static constexpr bool kQInRegs = QREGS;                                        \
-    template <typename T>                                                          \
-    using Traits = FwdKernelTraits<T, D, BM, BN, WARPS, STAGES, QREGS>;            \
+  struct FwdTileConfigDefault<D, kIsCausal> {                                      \
+    FAE_FWD_CONFIG_BODY(D, __VA_ARGS__)                                            \
   };
 
 FAE_FWD_CONFIG(32, 128, 64, 4, 2, true)
@@ -175,6 +178,24 @@ FAE_FWD_CONFIG(192, 128, 64, 8, 2, false)
 FAE_FWD_CONFIG(224, 128, 64, 8, 2, false)
 FAE_FWD_CONFIG(256, 128, 64, 8, 2, false)
 #undef FAE_FWD_CONFIG
+
+// Tuning builds (bench/tune_tiles.sh) replace one head dim's entry without
+// editing this table (nvcc splits -D values at commas, hence one define each):
+//   -DFAE_FWD_TUNE_D=128 -DFAE_FWD_TUNE_BM=128 -DFAE_FWD_TUNE_BN=128
+//   -DFAE_FWD_TUNE_WARPS=8 -DFAE_FWD_TUNE_STAGES=2 -DFAE_FWD_TUNE_QREGS=true
+#if defined(FAE_FWD_TUNE_D)
+struct FwdTileConfigTune {
+  FAE_FWD_CONFIG_BODY(FAE_FWD_TUNE_D, FAE_FWD_TUNE_BM, FAE_FWD_TUNE_BN, FAE_FWD_TUNE_WARPS,
+                      FAE_FWD_TUNE_STAGES, FAE_FWD_TUNE_QREGS)
+};
+template <int kHeadDim, bool kIsCausal>
+struct FwdTileConfig
+    : std::conditional_t<kHeadDim == FAE_FWD_TUNE_D, FwdTileConfigTune,
+                         FwdTileConfigDefault<kHeadDim, kIsCausal>> {};
+#else
+template <int kHeadDim, bool kIsCausal>
+struct FwdTileConfig : FwdTileConfigDefault<kHeadDim, kIsCausal> {};
+#endif
 
 // Smallest instantiated head dim >= head_dim (head dims are multiples of 32).
 inline constexpr int fwd_rounded_head_dim(int head_dim) {
