@@ -6,6 +6,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/fae_out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
+# The GPU image's default CXX (/opt/gcc wrapper) built an extension whose error-message
+# formatting segfaulted (libstdc++ mismatch with the runtime); the system compiler is fine.
+if [[ -x /usr/bin/g++ && "${CXX:-}" == /opt/gcc/* ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 steps=${*:-build test bench}
 export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 export FLASH_ATTN_EXT_CUDA_ARCHS=${FLASH_ATTN_EXT_CUDA_ARCHS:-80;90}

@@ -8,6 +8,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/fae_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
+# The GPU image's default CXX (/opt/gcc wrapper) built an extension whose error-message
+# formatting segfaulted (libstdc++ mismatch with the runtime); the system compiler is fine.
+if [[ -x /usr/bin/g++ && "${CXX:-}" == /opt/gcc/* ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 export MAX_JOBS=${MAX_JOBS:-16} FLASH_ATTN_EXT_CUDA_ARCHS=${FLASH_ATTN_EXT_CUDA_ARCHS:-90} FLASH_ATTN_EXT_DTYPES=bf16
 for variant in "$@"; do
   read -r pass D a b c d e <<< "$variant"
