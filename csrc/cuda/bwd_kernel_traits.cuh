@@ -64,6 +64,13 @@
 namespace flash_attn_ext {
 namespace cuda {
 
+// Measured on an H200 (2026-11-21, bf16, bench/tune_tiles.sh: geomean of
+// ours/torch-flash backward TFLOP/s over S in {2k, 8k} x causal {0, 1}),
+// as (kBlockM, kBlockN, kWarpsD, kWarpsMdQ):
+//   D=64 : (64,128,1,4) 0.841 (chosen) | (128,128,1,8) 0.854, spills | (32,128,1,2) 0.664
+//   D=128: (64,128,1,2) 0.828 (chosen; ptxas reports small spills, still the fastest) |
+//          (64,128,1,4) 0.805 | (32,128,1,2) 0.707
+//   D=256: (32,64,2,1) 0.677 (chosen) | (32,64,2,2) 0.671; (64,64,2,4) exceeds 227 KB smem
 template <int kHeadDim>
 struct BwdTileConfigDefault;
 // clang-format off
@@ -71,7 +78,7 @@ struct BwdTileConfigDefault;
 template <> struct BwdTileConfigDefault<32>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
 template <> struct BwdTileConfigDefault<64>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
 template <> struct BwdTileConfigDefault<96>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
-template <> struct BwdTileConfigDefault<128> { static constexpr int kBlockM = 32, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 2; };
+template <> struct BwdTileConfigDefault<128> { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 2; };
 template <> struct BwdTileConfigDefault<160> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
 template <> struct BwdTileConfigDefault<192> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
 template <> struct BwdTileConfigDefault<224> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };

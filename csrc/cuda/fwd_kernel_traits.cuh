@@ -127,7 +127,7 @@ struct FwdKernelTraits {
 //     32    |  128   |   64   |   4   |    32     |   2    |    yes    |    30     |  195 / 198
 //     64    |  128   |   64   |   4   |    32     |   2    |    yes    |    48     |  248 / 250
 //     96    |  128   |   64   |   8   |    16     |   2    |    yes    |    78     |  198 / 198
-//    128    |  128   |   64   |   8   |    16     |   2    |    yes    |    96     |  216 / 224
+//    128    |  128   |  128   |   8   |    16     |   2    |    yes    |   160     |  see tuning
 //    160    |  128   |   64   |   8   |    16     |   2    |    no     |   126     |  237 / 234
 //    192    |  128   |   64   |   8   |    16     |   2    |    no     |   144     |  253 / 253
 //    224    |  128   |   64   |   8   |    16     |   2    |    no     |   175     |  ~250-255
@@ -151,6 +151,12 @@ struct FwdKernelTraits {
 //    (registers are the limit, not shared memory), i.e. 8 warps per SM.
 //  * 2 stages: K/V tile n+1 streams in during the whole of tile n (both the
 //    Q K^T and the P V halves); a third stage would not fit at D >= 224.
+// Measured on an H200 (2026-11-21, bf16, bench/tune_tiles.sh: geomean of
+// ours/torch-flash forward TFLOP/s over S in {2k, 8k} x causal {0, 1}):
+//   D=64 : 128x64x4w 1.030 (chosen) | 128x128x8w 0.848 | 64x64x4w 0.928
+//   D=128: 128x128x8w 0.942 (chosen) | 128x64x8w 0.864 | 128x96x8w 0.898 |
+//          128x64x8w 3 stages 0.871 | 64x64x4w 0.897 | 64x128x4w 0.793 | 128x32x4w 0.777
+//   D=256: 128x64x8w 0.956 (chosen) | 64x64x4w 0.753 | 128x32x8w 0.793
 // These are starting points: every column is a template parameter of
 // FwdKernelTraits, so alternatives can be measured by editing one line.
 // ---------------------------------------------------------------------------
@@ -172,7 +178,7 @@ struct FwdTileConfigDefault;
 FAE_FWD_CONFIG(32, 128, 64, 4, 2, true)
 FAE_FWD_CONFIG(64, 128, 64, 4, 2, true)
 FAE_FWD_CONFIG(96, 128, 64, 8, 2, true)
-FAE_FWD_CONFIG(128, 128, 64, 8, 2, true)
+FAE_FWD_CONFIG(128, 128, 128, 8, 2, true)
 FAE_FWD_CONFIG(160, 128, 64, 8, 2, false)
 FAE_FWD_CONFIG(192, 128, 64, 8, 2, false)
 FAE_FWD_CONFIG(224, 128, 64, 8, 2, false)
