@@ -31,6 +31,8 @@ def parse_args(argv=None):
     p.add_argument("--seqlens", default=None, help="comma list (default 512..16384 on GPU, 2048 on CPU)")
     p.add_argument("--causal", default="0,1", help="comma list of 0/1")
     p.add_argument("--pass", dest="passes", default="fwd,bwd", help="fwd, bwd, fwd_bwd (comma list)")
+    p.add_argument("--seqlen-q", type=int, default=None,
+                   help="fixed query length (e.g. 1 for decoding); keys use --seqlens")
     p.add_argument("--batch", type=int, default=None, help="default 16384/S on GPU, 1 on CPU")
     p.add_argument("--heads", type=int, default=None, help="default 2048/D on GPU, 8 on CPU")
     p.add_argument("--backends", default=None,
@@ -79,6 +81,18 @@ def time_ms(fn, device):
     return statistics.median(times) * 1e3
 
 
+def peak_extra_mb(fn, device):
+    """Peak memory a call allocates beyond what is live before it (inputs), in MB."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def bench_one(backend, q, k, v, causal, passes, device, deterministic):
     fn = make_fn(backend, causal, deterministic)
     res = {}
@@ -87,12 +101,15 @@ def bench_one(backend, q, k, v, causal, passes, device, deterministic):
     except Exception as e:  # backend refuses this input
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"}
     dout = torch.randn_like(out)
+    res["fwd_mem"] = peak_extra_mb(lambda: fn(q, k, v), device)
     if "fwd" in passes:
         with torch.no_grad():
             res["fwd"] = time_ms(lambda: fn(q, k, v), device)
     if "bwd" in passes:
         out = fn(q, k, v)
         res["bwd"] = time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), device)
+        res["bwd_mem"] = peak_extra_mb(
+            lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), device)
     if "fwd_bwd" in passes:
         res["fwd_bwd"] = time_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), device)
     return res
@@ -118,10 +135,11 @@ def main(argv=None):
             for causal in causals:
                 B = args.batch or (max(1, 16384 // S) if gpu else 1)
                 H = args.heads or (max(1, 2048 // hdim) if gpu else 8)
+                Sq = args.seqlen_q or S
                 gen = torch.Generator().manual_seed(0)
-                q, k, v = (torch.randn(B, H, S, hdim, generator=gen).to(device, dtype).requires_grad_()
-                           for _ in range(3))
-                flops_fwd = 4 * B * H * S * S * hdim / (2 if causal else 1)
+                q, k, v = (torch.randn(B, H, n, hdim, generator=gen).to(device, dtype).requires_grad_()
+                           for n in (Sq, S, S))
+                flops_fwd = 4 * B * H * Sq * S * hdim / (2 if causal and Sq == S else 1)
                 flops = {"fwd": flops_fwd, "bwd": 2.5 * flops_fwd, "fwd_bwd": 3.5 * flops_fwd}
                 results = {}
                 for be in backends:
@@ -131,11 +149,13 @@ def main(argv=None):
                     ours = results.get("ours", {}).get(p)
                     for name, res in results.items():
                         ms = res.get(p)
-                        row = dict(dtype=str(dtype).replace("torch.", ""), hdim=hdim, B=B, H=H, S=S,
+                        mem = res.get(f"{p}_mem")
+                        row = dict(dtype=str(dtype).replace("torch.", ""), hdim=hdim, B=B, H=H, Sq=Sq, S=S,
                                    causal=int(causal), pass_=p, backend=name,
                                    ms=f"{ms:.4g}" if ms else "",
                                    tflops=f"{flops[p] / ms / 1e9:.4g}" if ms else "",
                                    ours_speedup=f"{ms / ours:.2f}" if ms and ours else "",
+                                   peak_extra_mb=f"{mem:.1f}" if mem is not None else "",
                                    note=res.get("error", ""))
                         rows.append(row)
                 print(f"  done D={hdim} S={S} causal={int(causal)}", file=sys.stderr, flush=True)
@@ -149,27 +169,28 @@ def main(argv=None):
 
 
 def print_table(rows, backends):
-    keys = sorted({(r["dtype"], r["hdim"], r["S"], r["causal"], r["pass_"]) for r in rows},
+    keys = sorted({(r["dtype"], r["hdim"], r["S"], r["causal"], r["pass_"], r["Sq"]) for r in rows},
                   key=lambda t: (t[4], t[1], t[3], t[2]))
     names = list(dict.fromkeys(r["backend"] for r in rows))
-    by = {(r["dtype"], r["hdim"], r["S"], r["causal"], r["pass_"], r["backend"]): r for r in rows}
-    header = ["pass", "dtype", "D", "S", "causal"] + [f"{n} TF/s" for n in names] + \
-        [f"ours/{n}" for n in names if n != "ours"]
+    by = {(r["dtype"], r["hdim"], r["S"], r["causal"], r["pass_"], r["Sq"], r["backend"]): r for r in rows}
+    header = ["pass", "dtype", "D", "Sq", "Sk", "causal"] + [f"{n} TF/s" for n in names] + \
+        [f"ours/{n}" for n in names if n != "ours"] + ["ours peak extra MB"]
     print("\n" + " | ".join(header))
     ratios = {n: [] for n in names if n != "ours"}
     for key in keys:
-        cells = [key[4], key[0], str(key[1]), str(key[2]), str(key[3])]
+        cells = [key[4], key[0], str(key[1]), str(key[5]), str(key[2]), str(key[3])]
         tf = {n: by.get(key + (n,), {}).get("tflops", "") for n in names}
         cells += [tf[n] or by.get(key + (n,), {}).get("note", "-")[:20] or "-" for n in names]
         for n in names:
             if n == "ours":
                 continue
             if tf["ours"] and tf[n]:
-                r = float(by[key + ("ours",)]["ms"]) ** -1 * float(by[key + (n,)]["ms"])
+                r = float(by[key + (n,)]["ms"]) / float(by[key + ("ours",)]["ms"])
                 ratios[n].append(r)
                 cells.append(f"{r:.2f}")
             else:
                 cells.append("-")
+        cells.append(by.get(key + ("ours",), {}).get("peak_extra_mb") or "-")
         print(" | ".join(cells))
     for n, rs in ratios.items():
         if rs:
