@@ -73,12 +73,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   at::Tensor v = kernel_friendly(v_in, head_dim_padded);
   AttentionFwdParams p = make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right);
 
-  at::Tensor out = head_dim_padded == head_dim && is_aligned_16(q_in) ? at::empty_like(q_in)
-                                                                      : at::empty_like(q);
-  if (!is_aligned_16(out)) out = at::empty(q.sizes(), q.options());
+  // `out` has the layout the fake kernel promises (empty_like(q)); the kernel
+  // writes into it directly unless it needs a padded / aligned scratch copy.
+  at::Tensor out = at::empty_like(q_in);
+  const bool write_direct = head_dim_padded == head_dim && is_aligned_16(out);
+  at::Tensor out_kernel = write_direct ? out : at::empty(q.sizes(), q.options());
   at::Tensor lse = empty_lse(q);
-  p.out = out.data_ptr();
-  p.out_strides = strides_of(out);
+  p.out = out_kernel.data_ptr();
+  p.out_strides = strides_of(out_kernel);
   p.lse = lse.data_ptr<float>();
   p.num_splits = static_cast<int>(num_splits);
 
@@ -93,15 +95,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   auto stream = at::cuda::getCurrentCUDAStream().stream();
   call_kernels([&] { cuda::run_fwd(p, stream); });
 
-  if (head_dim_padded != head_dim) {
-    at::Tensor sliced = out.narrow(3, 0, head_dim);
-    out = at::empty_like(q_in);
-    out.copy_(sliced);
-  } else if (out.strides() != at::empty_like(q_in).strides()) {
-    at::Tensor like = at::empty_like(q_in);
-    like.copy_(out);
-    out = like;
-  }
+  if (!write_direct) out.copy_(out_kernel.narrow(3, 0, head_dim));
   return {out, lse};
 }
 
@@ -124,12 +118,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
                                          causal_bottom_right, deterministic);
 
-  const bool direct = head_dim_padded == head_dim;
-  auto grad_like = [&](const at::Tensor& user, const at::Tensor& kernel_in) {
-    at::Tensor g = direct ? at::empty_like(user) : at::empty_like(kernel_in);
-    return is_aligned_16(g) ? g : at::empty(kernel_in.sizes(), kernel_in.options());
+  // Gradients are allocated in the layout of their input (what the fake kernel
+  // promises) and written directly unless a padded / aligned scratch is needed.
+  const bool same_head_dim = head_dim_padded == head_dim;
+  at::Tensor dq_user = at::empty_like(q_in), dk_user = at::empty_like(k_in),
+             dv_user = at::empty_like(v_in);
+  auto kernel_grad = [&](const at::Tensor& user, const at::Tensor& kernel_in) {
+    return same_head_dim && is_aligned_16(user) ? user : at::empty(kernel_in.sizes(), kernel_in.options());
   };
-  at::Tensor dq = grad_like(q_in, q), dk = grad_like(k_in, k), dv = grad_like(v_in, v);
+  at::Tensor dq = kernel_grad(dq_user, q), dk = kernel_grad(dk_user, k), dv = kernel_grad(dv_user, v);
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
@@ -143,13 +140,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   auto stream = at::cuda::getCurrentCUDAStream().stream();
   call_kernels([&] { cuda::run_bwd(p, sms, stream); });
 
-  auto to_user = [&](at::Tensor g, const at::Tensor& user) {
-    at::Tensor like = at::empty_like(user);
-    if (g.size(3) == user.size(3) && g.strides() == like.strides()) return g;
-    like.copy_(g.narrow(3, 0, user.size(3)));
-    return like;
+  auto to_user = [&](at::Tensor& user, const at::Tensor& g) {
+    if (!g.is_same(user)) user.copy_(g.narrow(3, 0, head_dim));
   };
-  return {to_user(dq, q_in), to_user(dk, k_in), to_user(dv, v_in)};
+  to_user(dq_user, dq);
+  to_user(dk_user, dk);
+  to_user(dv_user, dv);
+  return {dq_user, dk_user, dv_user};
 }
 
 }  // namespace
