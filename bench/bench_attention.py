@@ -39,6 +39,8 @@ def parse_args(argv=None):
                    help="comma list of ours,flash,efficient,cudnn,math (default: all that apply)")
     p.add_argument("--deterministic", action="store_true", help="our backward in deterministic mode")
     p.add_argument("--csv", default=None, help="write every row to this CSV file")
+    p.add_argument("--quick", action="store_true",
+                   help="one small config (D=64, S=1024 on CPU; D=128, S=4096 on GPU): a demo")
     return p.parse_args(argv)
 
 
@@ -119,6 +121,9 @@ def main(argv=None):
     args = parse_args(argv)
     device = args.device
     gpu = device == "cuda"
+    if args.quick:
+        args.hdims = args.hdims or ("128" if gpu else "64")
+        args.seqlens = args.seqlens or ("4096" if gpu else "1024")
     dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]
     hdims = [int(x) for x in (args.hdims or ("64,128,256" if gpu else "64")).split(",")]
     seqlens = [int(x) for x in (args.seqlens or ("512,1024,2048,4096,8192,16384" if gpu else "2048")).split(",")]
