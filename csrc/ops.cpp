@@ -44,12 +44,7 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   at::Tensor dk = at::empty_like(k);
   at::Tensor dv = at::empty_like(v);
   at::Tensor dsoftmax_sum = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-  p.dq = dq.data_ptr();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
-  p.dq_strides = strides_of(dq);
-  p.dk_strides = strides_of(dk);
-  p.dv_strides = strides_of(dv);
+  set_grad_outputs(p, dq, dk, dv);
   p.dsoftmax_sum = dsoftmax_sum.data_ptr<float>();
   cpu::run_bwd(p);
   return {dq, dk, dv};

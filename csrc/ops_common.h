@@ -107,6 +107,17 @@ inline at::Tensor empty_lse(const at::Tensor& q) {
   return at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
 }
 
+// Points the backward params at the gradient outputs.
+inline void set_grad_outputs(AttentionBwdParams& p, const at::Tensor& dq, const at::Tensor& dk,
+                             const at::Tensor& dv) {
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dq_strides = strides_of(dq);
+  p.dk_strides = strides_of(dk);
+  p.dv_strides = strides_of(dv);
+}
+
 inline AttentionBwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q,
                                           const at::Tensor& k, const at::Tensor& v,
                                           const at::Tensor& out, const at::Tensor& lse,

@@ -127,12 +127,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     return same_head_dim && is_aligned_16(user) ? user : at::empty(kernel_in.sizes(), kernel_in.options());
   };
   at::Tensor dq = kernel_grad(dq_user, q), dk = kernel_grad(dk_user, k), dv = kernel_grad(dv_user, v);
-  p.dq = dq.data_ptr();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
-  p.dq_strides = strides_of(dq);
-  p.dk_strides = strides_of(dk);
-  p.dv_strides = strides_of(dv);
+  set_grad_outputs(p, dq, dk, dv);
 
   const int sms = num_sms();
   at::Tensor workspace = at::empty({cuda::bwd_workspace_floats(p, sms)}, q.options().dtype(at::kFloat));
