@@ -1,0 +1,24 @@
+#!/usr/bin/env python3
+"""Split-KV sweep for decoding shapes: time our forward with forced num_splits against the
+heuristic (num_splits=0), to tune csrc/cuda/fwd_dispatch.cu's heuristic.
+
+  python bench/decode_splits.py   # B=8, H=32, Sq=1, D=128, bf16, Sk = 8k..64k
+"""
+import torch
+from triton.testing import do_bench
+
+import flash_attn_ext as fa
+
+B, H, D = 8, 32, 128
+splits = [0, 1, 2, 4, 8, 16, 32]
+print("Sk | " + " | ".join(f"splits={s} GB/s" for s in splits))
+for Sk in (8192, 16384, 32768, 65536):
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Sk, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    bytes_moved = 2 * k.numel() * k.element_size()
+    cells = []
+    for s in splits:
+        ms = do_bench(lambda: fa.flash_attn_func(q, k, v, num_splits=s), warmup=25, rep=100,
+                      return_mode="median")
+        cells.append(f"{bytes_moved / ms / 1e6:.0f}")
+    print(f"{Sk} | " + " | ".join(cells), flush=True)
