@@ -1,22 +1,31 @@
 #!/usr/bin/env python3
-"""Split-KV sweep for decoding shapes: time our forward with forced num_splits against the
-heuristic (num_splits=0), to tune csrc/cuda/fwd_dispatch.cu's heuristic.
+"""Split-KV sweep for decoding shapes: K/V read bandwidth of our forward with forced
+num_splits, next to the heuristic (num_splits=0) and torch's cuDNN backend, to tune
+csrc/cuda/fwd_dispatch.cu's heuristic for the small-M decode tile.
 
   python bench/decode_splits.py   # B=8, H=32, Sq=1, D=128, bf16, Sk = 8k..64k
 """
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import flash_attn_ext as fa
 
 B, H, D = 8, 32, 128
-splits = [0, 1, 2, 4, 8, 16, 32]
-print("Sk | " + " | ".join(f"splits={s} GB/s" for s in splits))
+splits = [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48]
+print("Sk | cudnn GB/s | " + " | ".join(f"splits={s}" for s in splits))
 for Sk in (8192, 16384, 32768, 65536):
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, Sk, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     bytes_moved = 2 * k.numel() * k.element_size()
-    cells = []
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt)
+
+    cells = [f"{bytes_moved / do_bench(cudnn, warmup=25, rep=100, return_mode='median') / 1e6:.0f}"]
     for s in splits:
         ms = do_bench(lambda: fa.flash_attn_func(q, k, v, num_splits=s), warmup=25, rep=100,
                       return_mode="median")

@@ -26,7 +26,7 @@ if [[ " $steps " == *" test "* ]]; then
   (cd tests && timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -40)
 fi
 if [[ " $steps " == *" bench "* ]]; then
-  timeout ${BENCH_TIMEOUT:-300} $PY bench/bench_attention.py ${BENCH_ARGS:-} --csv "$OUT/bench.csv" 2> "$OUT/bench.err" | tee "$OUT/bench.log"
+  timeout ${BENCH_TIMEOUT:-300} $PY ${BENCH_PY:-bench/bench_attention.py} ${BENCH_ARGS:-} --csv "$OUT/bench.csv" 2> "$OUT/bench.err" | tee "$OUT/bench.log"
 fi
 if [[ " $steps " == *" sanitize "* ]]; then
   $PY bench/sanitize_case.py --help > /dev/null 2>&1 && for tool in memcheck racecheck; do

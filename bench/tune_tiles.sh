@@ -4,6 +4,8 @@
 #   bash bench/tune_tiles.sh "fwd 128 128 128 8 2 true" "bwd 128 64 128 1 4" ...
 # fwd variant: fwd D BLOCK_M BLOCK_N WARPS STAGES Q_IN_REGS
 # bwd variant: bwd D BLOCK_M BLOCK_N WARPS_D WARPS_M_DQ
+# decode variant: dec D BLOCK_N STAGES   (the seqlen_q <= 16 tile; timed on the decode shape
+#   B=8, H=32, Sq=1, Sk=8k..64k against every SDPA backend)
 # Results (one line per variant, geomean ours/flash) go to stdout and $OUT/tune.csv.
 set -uo pipefail
 OUT=${OUT:-/tmp/fae_out}; mkdir -p "$OUT"
@@ -14,7 +16,14 @@ if [[ -x /usr/bin/g++ && "${CXX:-}" == /opt/gcc/* ]]; then export CXX=/usr/bin/g
 export MAX_JOBS=${MAX_JOBS:-16} FLASH_ATTN_EXT_CUDA_ARCHS=${FLASH_ATTN_EXT_CUDA_ARCHS:-90} FLASH_ATTN_EXT_DTYPES=bf16
 for variant in "$@"; do
   read -r pass D a b c d e <<< "$variant"
-  if [[ $pass == fwd ]]; then
+  bench_args=(--hdims "$D" --seqlens ${TUNE_SEQLENS:-2048,8192} --causal 0,1 --pass "$pass" --backends ours,flash)
+  want="geomean ours/flash"
+  if [[ $pass == dec ]]; then
+    defs="-DFAE_FWD_DECODE_TUNE_BN=$a -DFAE_FWD_DECODE_TUNE_STAGES=$b"
+    bench_args=(--hdims "$D" --seqlen-q 1 --seqlens 8192,16384,32768,65536 --batch 8 --heads 32
+                --causal 0 --pass fwd --backends ours,flash,efficient,cudnn)
+    want="geomean ours/"
+  elif [[ $pass == fwd ]]; then
     defs="-DFAE_FWD_TUNE_D=$D -DFAE_FWD_TUNE_BM=$a -DFAE_FWD_TUNE_BN=$b -DFAE_FWD_TUNE_WARPS=$c -DFAE_FWD_TUNE_STAGES=$d -DFAE_FWD_TUNE_QREGS=$e"
   else
     defs="-DFAE_BWD_TUNE_D=$D -DFAE_BWD_TUNE_BM=$a -DFAE_BWD_TUNE_BN=$b -DFAE_BWD_TUNE_WARPS_D=$c -DFAE_BWD_TUNE_WARPS_M_DQ=$d"
@@ -25,7 +34,6 @@ for variant in "$@"; do
     echo "$variant: BUILD FAILED"; grep -m3 error "$log"; continue
   fi
   spills=$(grep -E "spill stores" "$log" | grep -v " 0 bytes spill" | wc -l)
-  res=$(python3 bench/bench_attention.py --hdims "$D" --seqlens ${TUNE_SEQLENS:-2048,8192} --causal 0,1 \
-        --pass "$pass" --backends ours,flash 2>/dev/null | grep "geomean ours/flash")
+  res=$(python3 ${BENCH_PY:-bench/bench_attention.py} "${bench_args[@]}" 2>/dev/null | grep "$want" | tr '\n' ' ')
   echo "$variant | spilling kernels: $spills | $res" | tee -a "$OUT/tune.csv"
 done

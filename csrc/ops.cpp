@@ -1,6 +1,6 @@
 // Operator schemas (TORCH_LIBRARY) and the CPU implementations.
 //
-//   flash_attn_ext::fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits)
+//   flash_attn_ext::fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits, tile)
 //       -> (out, lse)
 //   flash_attn_ext::bwd(dout, q, k, v, out, lse, softmax_scale, causal,
 //                       causal_bottom_right, deterministic) -> (dq, dk, dv)
@@ -20,10 +20,10 @@ namespace flash_attn_ext {
 static std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, double softmax_scale,
                                                   bool causal, bool causal_bottom_right,
-                                                  int64_t num_splits) {
+                                                  int64_t num_splits, int64_t tile) {
   AttentionFwdParams p = make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right);
   TORCH_CHECK(q.device().is_cpu(), "flash_attn_ext: fwd (CPU) got q on ", q.device());
-  TORCH_CHECK(num_splits >= 0, "flash_attn_ext: num_splits must be >= 0, got ", num_splits);
+  check_fwd_tuning_args(num_splits, tile);  // accepted and ignored: one CPU kernel
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = empty_lse(q);
   p.out = out.data_ptr();
@@ -53,7 +53,7 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
 TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
-      "bool causal_bottom_right, int num_splits=0) -> (Tensor out, Tensor lse)");
+      "bool causal_bottom_right, int num_splits=0, int tile=0) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float softmax_scale, bool causal, bool causal_bottom_right, bool deterministic=False) "

@@ -103,6 +103,13 @@ inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor&
 // Outputs keep the memory layout of the matching input when that input is
 // dense (so SDPA's [B,H,S,D] stays [B,H,S,D]); empty_like falls back to a
 // contiguous [B,S,H,D] tensor otherwise. python/ops.py's fake mirrors this.
+// The forward's tuning knobs (both only steer the CUDA 16-bit kernels).
+inline void check_fwd_tuning_args(int64_t num_splits, int64_t tile) {
+  TORCH_CHECK(num_splits >= 0, "flash_attn_ext: num_splits must be >= 0, got ", num_splits);
+  TORCH_CHECK(tile >= kFwdTileAuto && tile <= kFwdTileSmallM,
+              "flash_attn_ext: tile must be 0 (auto), 1 (large) or 2 (small-M), got ", tile);
+}
+
 inline at::Tensor empty_lse(const at::Tensor& q) {
   return at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
 }

@@ -24,6 +24,8 @@ struct TensorStrides {
   int64_t head = 0;
 };
 
+enum FwdTile : int { kFwdTileAuto = 0, kFwdTileLarge = 1, kFwdTileSmallM = 2 };
+
 struct AttentionFwdParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -54,6 +56,10 @@ struct AttentionFwdParams {
 
   // Split-KV (CUDA): 0 = heuristic, 1 = off, n > 1 = force n splits.
   int num_splits = 0;
+  // Forward tile family (CUDA 16-bit kernels): kFwdTileAuto picks by shape
+  // (the small-M "decode" tile when seqlen_q <= 16), the others force one;
+  // the autotuner (flash_attn_ext/autotune.py) times both.
+  int fwd_tile = 0;
   // Scratch for split-KV partial results, owned by the caller (fp32):
   //   out_accum [num_splits, batch, heads, seqlen_q, head_dim_rounded]
   //   lse_accum [num_splits, batch, heads, seqlen_q]

@@ -61,7 +61,7 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
         _check_rank(t, name, "[batch, seqlen, heads, head_dim]")
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, lse = FlashAttnFunction.apply(q, k, v, scale, bool(causal), True, bool(deterministic),
-                                       int(num_splits))
+                                       int(num_splits), 0)
     if return_attn_probs:
         return out, lse, None
     if return_lse:
@@ -88,5 +88,5 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         _check_rank(t, name, "[batch, heads, seqlen, head_dim]")
     softmax_scale = _default_scale(query.shape[-1]) if scale is None else float(scale)
     q, k, v = [t.transpose(1, 2) for t in (query, key, value)]
-    out, _ = FlashAttnFunction.apply(q, k, v, softmax_scale, bool(is_causal), False, False, 0)
+    out, _ = FlashAttnFunction.apply(q, k, v, softmax_scale, bool(is_causal), False, False, 0, 0)
     return out.transpose(1, 2)

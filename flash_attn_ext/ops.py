@@ -1,7 +1,7 @@
 """Loads the native operators and makes them autograd- and compile-friendly.
 
-torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0)
-    -> (out, lse)
+torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0,
+                             tile=0) -> (out, lse)
 torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, softmax_scale, causal,
                              causal_bottom_right, deterministic=False) -> (dq, dk, dv)
 
@@ -19,6 +19,8 @@ except ImportError as e:  # pragma: no cover - only on broken installs
         "flash_attn_ext: the native extension flash_attn_ext._C could not be loaded "
         f"({e}). Build it with `pip install --no-build-isolation .` against the torch "
         "you are running (the extension is tied to the torch version it was built with).") from e
+
+from . import autotune  # noqa: E402
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -56,7 +58,7 @@ def _check_qkv(q, k, v):
 
 
 @torch.library.register_fake("flash_attn_ext::fwd")
-def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0):
+def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0, tile=0):
     _check_qkv(q, k, v)
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
@@ -76,17 +78,24 @@ def _last_dim_contiguous(t):
 
 class FlashAttnFunction(torch.autograd.Function):
     """out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, causal_bottom_right,
-    deterministic, num_splits). lse is returned but not differentiable."""
+    deterministic, num_splits, tile). lse is returned but not differentiable.
+
+    num_splits = 0 and tile = 0 mean "choose": by the built-in heuristics, or by timing
+    when the autotuner is on (flash_attn_ext.autotune)."""
 
     @staticmethod
-    def forward(q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, num_splits):
+    def forward(q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, num_splits,
+                tile):
         q, k, v = [_last_dim_contiguous(t) for t in (q, k, v)]
+        if num_splits == 0 and tile == 0 and autotune.is_enabled():
+            num_splits, tile = autotune.choose_forward_config(q, k, v, softmax_scale, causal,
+                                                              causal_bottom_right)
         return torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right,
-                                            num_splits)
+                                            num_splits, tile)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, _ = inputs
+        q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, _, _ = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale = softmax_scale
@@ -102,4 +111,4 @@ class FlashAttnFunction(torch.autograd.Function):
         dq, dk, dv = torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, ctx.softmax_scale,
                                                   ctx.causal, ctx.causal_bottom_right,
                                                   ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None

@@ -191,3 +191,21 @@ def test_bwd_bad_lse():
         torch.ops.flash_attn_ext.bwd(out, q, k, v, out, lse[:, :, :-1], 0.125, False, True, False)
     with pytest.raises(RuntimeError, match="dout"):
         torch.ops.flash_attn_ext.bwd(out[:, :-1], q, k, v, out, lse, 0.125, False, True, False)
+
+
+def test_autotune_is_a_noop_on_cpu():
+    q, k, v = make_qkv(1, 17, 17, 2, 32, torch.float32, "cpu", requires_grad=False)
+    fa.autotune.clear_cache()
+    expected = fa.flash_attn_func(q, k, v, causal=True)
+    with fa.autotune.enabled():
+        assert fa.autotune.is_enabled()
+        out = fa.flash_attn_func(q, k, v, causal=True)
+    assert not fa.autotune.is_enabled()
+    assert torch.equal(out, expected)
+    assert fa.autotune.cache_info()["entries"] == {}
+
+
+def test_fwd_op_rejects_bad_tile():
+    q, k, v = make_qkv(1, 4, 4, 1, 8, torch.float32, "cpu", requires_grad=False)
+    with pytest.raises(RuntimeError, match="tile must be"):
+        torch.ops.flash_attn_ext.fwd(q, k, v, 1.0, False, False, 0, 3)

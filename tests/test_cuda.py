@@ -31,6 +31,20 @@ def test_split_kv_matches_no_split(dtype, head_dim, causal, seqlen_q, seqlen_k):
         assert (lse - lse1)[finite].abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [32, 96, 160, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(2, 1), (5, 33), (16, 1000), (17, 500)])
+def test_decode_tile(dtype, head_dim, causal, seqlen_q, seqlen_k):
+    # seqlen_q <= 16 runs the one-warp decode tile (17: the regular tile), with and
+    # without split-KV, including bottom-right causal rows that see no key.
+    q, k, v = make_qkv(3, seqlen_q, seqlen_k, 2, head_dim, dtype, DEVICE, requires_grad=False)
+    (ref, *_), (base, *_) = reference_and_baseline(q, k, v, torch.zeros_like(q), causal, True)
+    for splits in (1, 4, 0):
+        out = fa.flash_attn_func(q, k, v, causal=causal, num_splits=splits)
+        assert_fa_rule(out, ref, base, 2, what=f"out(num_splits={splits})")
+
+
 @pytest.mark.parametrize("seqlen", [16384, 65536])
 @pytest.mark.parametrize("causal", [False, True])
 def test_long_sequence(seqlen, causal):
@@ -110,3 +124,33 @@ def test_training_step_matches_sdpa():
     ours = fa.scaled_dot_product_attention(q, k, v, is_causal=True)
     theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert max_err(ours, theirs) < 2e-2
+
+
+@pytest.mark.parametrize("tile", [1, 2])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 300), (40, 77), (300, 1000)])
+def test_forced_tile_family(tile, seqlen_q, seqlen_k):
+    # Either tile family is correct for any shape (the autotuner may pick either).
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 3, 128, torch.bfloat16, DEVICE, requires_grad=False)
+    (ref, *_), (base, *_) = reference_and_baseline(q, k, v, torch.zeros_like(q), True, True)
+    for splits in (0, 1, 3):
+        out, _ = torch.ops.flash_attn_ext.fwd(q, k, v, 128 ** -0.5, True, True, splits, tile)
+        assert_fa_rule(out, ref, base, 2, what=f"out(tile={tile}, num_splits={splits})")
+
+
+def test_autotune_caches_a_correct_choice(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_EXT_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
+    fa.autotune.clear_cache()
+    q, k, v = make_qkv(2, 3, 2000, 4, 64, torch.float16, DEVICE, requires_grad=True)
+    expected = fa.flash_attn_func(q, k, v, causal=True)
+    with fa.autotune.enabled():
+        out = fa.flash_attn_func(q, k, v, causal=True)
+        out.sum().backward()  # autograd still works through a tuned forward
+        out2 = fa.flash_attn_func(q, k, v, causal=True)
+    info = fa.autotune.cache_info()
+    assert info["tuned"] == 1 and info["hits"] == 1, info
+    (key, choice), = info["entries"].items()
+    assert key.startswith("sm") and "float16|64|causal_br" in key
+    assert (tmp_path / "cache.json").exists()
+    assert torch.equal(out, out2)
+    assert (out.float() - expected.float()).abs().max().item() < 2e-3
+    fa.autotune.clear_cache()

@@ -76,27 +76,29 @@ struct TileShape {
 };
 
 template <int D>
-TileShape tile_shape_of(bool causal) {
+TileShape tile_shape_of(bool causal, bool decode) {
   auto shape = [](auto config) {
     using C = decltype(config);
     using Traits = typename C::template Traits<__half>;
-    const int by_regs = 65536 / (Traits::kNThreads * 255) > 0 ? 65536 / (Traits::kNThreads * 255) : 1;
+    // Up to 255 registers per thread, 64K per SM, at most 32 CTAs per SM.
+    const int by_regs = std::max(1, std::min(32, 65536 / (Traits::kNThreads * 255)));
     const int by_smem = std::max(1, (227 * 1024) / Traits::kSmemBytes);
     return TileShape{C::kBlockM, C::kBlockN, std::min(by_regs, by_smem)};
   };
+  if (decode) return shape(FwdTileConfigDecode<D>{});
   return causal ? shape(FwdTileConfig<D, true>{}) : shape(FwdTileConfig<D, false>{});
 }
 
-TileShape tile_shape(int kernel_dim, bool causal) {
+TileShape tile_shape(int kernel_dim, bool causal, bool decode) {
   switch (kernel_dim) {
-    case 32: return tile_shape_of<32>(causal);
-    case 64: return tile_shape_of<64>(causal);
-    case 96: return tile_shape_of<96>(causal);
-    case 128: return tile_shape_of<128>(causal);
-    case 160: return tile_shape_of<160>(causal);
-    case 192: return tile_shape_of<192>(causal);
-    case 224: return tile_shape_of<224>(causal);
-    default: return tile_shape_of<256>(causal);
+    case 32: return tile_shape_of<32>(causal, decode);
+    case 64: return tile_shape_of<64>(causal, decode);
+    case 96: return tile_shape_of<96>(causal, decode);
+    case 128: return tile_shape_of<128>(causal, decode);
+    case 160: return tile_shape_of<160>(causal, decode);
+    case 192: return tile_shape_of<192>(causal, decode);
+    case 224: return tile_shape_of<224>(causal, decode);
+    default: return tile_shape_of<256>(causal, decode);
   }
 }
 
@@ -178,7 +180,8 @@ int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
   // The fp32 SIMT path has no split-KV.
   if (params.dtype == DType::kFloat32) return 1;
   if (params.head_dim <= 0 || params.head_dim > 256) return 1;
-  const TileShape shape = tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal);
+  const TileShape shape = tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal,
+                                     fwd_uses_decode_tile(params));
   const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
   if (params.num_splits > 0) {
     // Forced: at most one key tile per split, and within the grid's y limit.

@@ -3,9 +3,10 @@
 // kernels: strided [B,S,H,D] inputs, causal offset, sequence-end masking,
 // natural-log LSE, fully masked rows -> O = 0 and lse = -inf.
 //
-// Tiling: a CTA of 256 threads = 16 x 16 (ty, tx) computes kBlockM = 64
-// query rows against kBlockN = 64-key tiles. Thread (ty, tx) owns
-//   S rows  ty + 16*i (i < 4)  x  S cols  tx + 16*j (j < 4)    (4x4 register tile)
+// Tiling: a CTA of 256 threads = 16 x 16 (ty, tx) computes kBlockM = 16*R
+// query rows (R = 8 at D <= 64, else 4) against kBlockN = 64-key tiles.
+// Thread (ty, tx) owns
+//   S rows  ty + 16*i (i < R)  x  S cols  tx + 16*j (j < 4)    (R x 4 register tile)
 //   O rows  ty + 16*i          x  O cols  4*tx + 64*c .. +3   (c < kHeadDim/64)
 // Rows and columns are interleaved by 16 so that the 8 threads of one
 // LDS.128 phase read 8 different rows (conflict-free with the +4 float row
@@ -26,18 +27,27 @@ namespace flash_attn_ext {
 namespace cuda {
 namespace {
 
-constexpr int kFp32BlockM = 64;
 constexpr int kFp32BlockN = 64;
 constexpr int kFp32Threads = 256;
+
+#ifndef FAE_FP32_ROWS_D64  // tuning builds: -DFAE_FP32_ROWS_D64=4
+#define FAE_FP32_ROWS_D64 8
+#endif
 
 template <int kHeadDim>
 struct Fp32Tile {
   static_assert(kHeadDim % 64 == 0, "each of 16 threads owns 4-column groups 64 apart");
+  // Query rows per thread (kBlockM = 16 * kRowsPerThread). At D=64, 8 rows
+  // (128-row tiles) make every K/V value read from shared memory feed twice
+  // the FFMAs of 4 rows, and the register cost (S and O: 64 floats) still
+  // allows two CTAs per SM; at D >= 128 O alone would be 64+ floats per 4 rows.
+  static constexpr int kRowsPerThread = kHeadDim <= 64 ? FAE_FP32_ROWS_D64 : 4;
+  static constexpr int kBlockM = 16 * kRowsPerThread;
   static constexpr int kRowStride = kHeadDim + 4;      // floats; odd number of 16-byte chunks
   static constexpr int kPStride = kFp32BlockN + 4;     // floats
   static constexpr int kColGroups = kHeadDim / 64;     // float4 O column groups per thread
   static constexpr int kSmemFloats =
-      (kFp32BlockM + 2 * kFp32BlockN) * kRowStride + kFp32BlockM * kPStride;
+      (kBlockM + 2 * kFp32BlockN) * kRowStride + kBlockM * kPStride;
   static constexpr int kSmemBytes = kSmemFloats * 4;
   static_assert(kSmemBytes <= 227 * 1024, "fp32 tiles exceed shared memory");
 };
@@ -71,11 +81,15 @@ FAE_DEVICE float row_group_sum(float x) {
   return x;
 }
 
+// Two CTAs per SM at D <= 64 (<= 128 registers per thread): 16 warps hide the
+// shared-memory latency of the FFMA loops; without the bound ptxas spends ~156
+// registers on unrolled loads and only one CTA fits.
 template <int kHeadDim, bool kIsCausal>
-__global__ void __launch_bounds__(kFp32Threads)
+__global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
     flash_fwd_fp32_kernel(const __grid_constant__ AttentionFwdParams params) {
   using Tile = Fp32Tile<kHeadDim>;
-  constexpr int kBlockM = kFp32BlockM;
+  constexpr int kBlockM = Tile::kBlockM;
+  constexpr int kRows = Tile::kRowsPerThread;
   constexpr int kBlockN = kFp32BlockN;
   constexpr int kStride = Tile::kRowStride;
 
@@ -106,10 +120,10 @@ __global__ void __launch_bounds__(kFp32Threads)
   const float* v_head = static_cast<const float*>(params.v) + batch * params.v_strides.batch +
                         head_k * params.v_strides.head;
 
-  float acc_o[4][Tile::kColGroups][4];
-  float row_max[4], row_sum[4];  // log2 domain; row_sum is this thread's share
+  float acc_o[kRows][Tile::kColGroups][4];
+  float row_max[kRows], row_sum[kRows];  // log2 domain; row_sum is this thread's share
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < kRows; ++i) {
     row_max[i] = -INFINITY;
     row_sum[i] = 0.f;
 #pragma unroll
@@ -118,41 +132,57 @@ __global__ void __launch_bounds__(kFp32Threads)
       for (int e = 0; e < 4; ++e) acc_o[i][c][e] = 0.f;
   }
 
+  // K and V have one buffer each but separate commit groups, so each load
+  // overlaps the other half of the tile's work: K_{n+1} streams in during
+  // softmax and P V of tile n, V_{n+1} during Q K_{n+1}^T. (A second buffer
+  // per tile would cost 35 KB at D=64 and drop the CTAs per SM from 3 to 2.)
+  // Commit groups, oldest first: Q+K_0 | V_0 | K_1 | V_1 | ...
+  auto load_k = [&](int n_block) {
+    const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
+    load_tile_fp32<kHeadDim, kBlockN>(smem_k, k_head + key0 * params.k_strides.row,
+                                      params.k_strides.row, params.seqlen_k - n_block * kBlockN,
+                                      params.head_dim, tid);
+    cp_async_commit();
+  };
+  auto load_v = [&](int n_block) {
+    const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
+    load_tile_fp32<kHeadDim, kBlockN>(smem_v, v_head + key0 * params.v_strides.row,
+                                      params.v_strides.row, params.seqlen_k - n_block * kBlockN,
+                                      params.head_dim, tid);
+    cp_async_commit();
+  };
   if (range.end > range.begin) {
     load_tile_fp32<kHeadDim, kBlockM>(smem_q, q_tile, params.q_strides.row,
                                       params.seqlen_q - m_block * kBlockM, params.head_dim, tid);
-    cp_async_commit();
+    load_k(range.begin);
+    load_v(range.begin);
   }
   const int row_base = m_block * kBlockM + ty;
   for (int n_block = range.begin; n_block < range.end; ++n_block) {
-    const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
-    const int valid_keys = params.seqlen_k - n_block * kBlockN;
-    __syncthreads();  // every thread is done with the previous K, V and P
-    load_tile_fp32<kHeadDim, kBlockN>(smem_k, k_head + key0 * params.k_strides.row,
-                                      params.k_strides.row, valid_keys, params.head_dim, tid);
-    load_tile_fp32<kHeadDim, kBlockN>(smem_v, v_head + key0 * params.v_strides.row,
-                                      params.v_strides.row, valid_keys, params.head_dim, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
+    const bool has_next = n_block + 1 < range.end;
+    cp_async_wait<1>();  // Q and K_n landed (V_n may still be in flight)
     __syncthreads();
 
     // ---- S = Q K^T over the real head dim (padded columns are zero) --------
-    float s[4][4];
+    float s[kRows][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < kRows; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) s[i][j] = 0.f;
-#pragma unroll 2
-    for (int d = 0; d < params.head_dim; d += 4) {
-      float4 qv[4], kv[4];
+    // Compile-time trip count (padded columns are zero). Unrolled by 4 with 4
+    // rows per thread; with 8 rows not at all: the 128-register cap (two CTAs
+    // per SM) spills otherwise, as does a full unroll at 4 rows.
+#pragma unroll(kRows >= 8 ? 1 : 4)
+    for (int d = 0; d < kHeadDim; d += 4) {
+      float4 qv[kRows], kv[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < kRows; ++i)
         qv[i] = *reinterpret_cast<const float4*>(smem_q + (ty + 16 * i) * kStride + d);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         kv[j] = *reinterpret_cast<const float4*>(smem_k + (tx + 16 * j) * kStride + d);
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < kRows; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           s[i][j] = fmaf(qv[i].x, kv[j].x, s[i][j]);
@@ -162,11 +192,18 @@ __global__ void __launch_bounds__(kFp32Threads)
         }
     }
 
+    __syncthreads();  // every thread is done with K_n (and with P of tile n-1)
+    if (has_next) {
+      load_k(n_block + 1);
+    } else {
+      cp_async_commit();  // empty group: keeps the wait counts uniform
+    }
+
     // ---- scale, mask, online softmax; P -> shared memory ------------------
     const bool needs_mask =
         key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(params, m_block, n_block);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kRows; ++i) {
       int key_limit = params.seqlen_k;
       if (kIsCausal) key_limit = min(key_limit, row_base + 16 * i + params.causal_offset + 1);
       float tile_max = row_max[i];
@@ -193,14 +230,15 @@ __global__ void __launch_bounds__(kFp32Threads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_o[i][c][e] *= rescale;
     }
-    __syncthreads();
+    cp_async_wait<1>();  // V_n landed (K_{n+1} may still be in flight)
+    __syncthreads();     // ... for every thread's chunks, and P is complete
 
     // ---- O += P V ----------------------------------------------------------
-#pragma unroll 2
+#pragma unroll 4
     for (int j = 0; j < kBlockN; j += 4) {
-      float4 pv[4];
+      float4 pv[kRows];
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < kRows; ++i)
         pv[i] = *reinterpret_cast<const float4*>(smem_p + (ty + 16 * i) * Tile::kPStride + j);
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
@@ -209,7 +247,7 @@ __global__ void __launch_bounds__(kFp32Threads)
           const float4 v =
               *reinterpret_cast<const float4*>(smem_v + (j + jj) * kStride + 4 * tx + 64 * c);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
+          for (int i = 0; i < kRows; ++i) {
             const float p = jj == 0 ? pv[i].x : jj == 1 ? pv[i].y : jj == 2 ? pv[i].z : pv[i].w;
             acc_o[i][c][0] = fmaf(p, v.x, acc_o[i][c][0]);
             acc_o[i][c][1] = fmaf(p, v.y, acc_o[i][c][1]);
@@ -219,14 +257,21 @@ __global__ void __launch_bounds__(kFp32Threads)
         }
       }
     }
+    __syncthreads();  // every thread is done with V_n
+    if (has_next) {
+      load_v(n_block + 1);
+    } else {
+      cp_async_commit();
+    }
   }
+  cp_async_wait<0>();
 
   // ---- epilogue: normalise, store O (16-byte stores) and LSE -----------------
   constexpr float kLn2 = 0.69314718055994531f;
   float* out_head = static_cast<float*>(params.out) + batch * params.out_strides.batch +
                     head * params.out_strides.head;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < kRows; ++i) {
     const float sum = row_group_sum(row_sum[i]);
     const bool empty = !(sum > 0.f);
     const float inv = empty ? 0.f : 1.f / sum;
@@ -257,7 +302,8 @@ void launch_fp32(const AttentionFwdParams& params, cudaStream_t stream) {
     throw std::runtime_error(std::string("flash_attn_ext: cudaFuncSetAttribute(fp32 forward): ") +
                              cudaGetErrorString(err));
   }
-  const int64_t m_blocks = (params.seqlen_q + kFp32BlockM - 1) / kFp32BlockM;
+  constexpr int kBlockM = Fp32Tile<kHeadDim>::kBlockM;
+  const int64_t m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
   const int64_t grid = m_blocks * params.batch * params.heads;
   if (grid > 0x7fffffff) throw std::runtime_error("flash_attn_ext: fp32 forward grid too large");
   kernel<<<static_cast<unsigned>(grid), kFp32Threads, kSmem, stream>>>(params);

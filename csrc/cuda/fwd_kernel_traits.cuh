@@ -4,6 +4,7 @@
 // a static_assert for every assumption the kernel makes about it.
 #pragma once
 #include <type_traits>
+#include "../params.h"
 #include "common/ptx.cuh"
 
 namespace flash_attn_ext {
@@ -202,6 +203,49 @@ struct FwdTileConfig
 template <int kHeadDim, bool kIsCausal>
 struct FwdTileConfig : FwdTileConfigDefault<kHeadDim, kIsCausal> {};
 #endif
+
+// ---------------------------------------------------------------------------
+// Decode configuration: used instead of the table above when seqlen_q <= 16
+// (token-by-token generation, speculative decoding).
+//
+// The 128-row tiles above would spend 8x (D <= 64: 4x) the tensor-core work
+// of the real rows on padding, which made decode compute-bound at ~2.5 TB/s of
+// K/V traffic. Here one warp owns one 16-row m-tile (the mma minimum) and a CTA
+// is that single warp, so many small CTAs (6 per SM at D=128) stream disjoint
+// key ranges (split-KV fills the GPU) and each SM keeps several K/V tiles in
+// flight, which is what a bandwidth-bound kernel needs.
+//
+//  kHeadDim | BlockM | BlockN | warps | stages | Q in regs | smem (KB)
+//  ---------+--------+--------+-------+--------+-----------+----------
+//   <= 128  |   16   |   32   |   1   |   2    |    yes    |  18 (D=64), 36 (D=128)
+//   >= 160  |   16   |   32   |   1   |   2    |    no     |  72 (D=256)
+// Q leaves registers from D=160 on for the same reason as in the table above
+// (O alone is D/2 floats per lane).
+// ---------------------------------------------------------------------------
+inline constexpr int kFwdDecodeMaxSeqlenQ = 16;
+
+#ifndef FAE_FWD_DECODE_TUNE_BN
+#define FAE_FWD_DECODE_TUNE_BN 32
+#endif
+#ifndef FAE_FWD_DECODE_TUNE_STAGES
+#define FAE_FWD_DECODE_TUNE_STAGES 2
+#endif
+template <int kHeadDim>
+struct FwdTileConfigDecode {
+  FAE_FWD_CONFIG_BODY(kHeadDim, 16, FAE_FWD_DECODE_TUNE_BN, 1, FAE_FWD_DECODE_TUNE_STAGES,
+                      (kHeadDim <= 128))
+};
+static_assert(FwdTileConfigDecode<128>::kBlockM >= kFwdDecodeMaxSeqlenQ,
+              "one decode tile must hold every query row");
+
+// Host and kernel-launch side agree on the tile through this one predicate.
+// The decode tile is a plain 16-row tile, correct for any seqlen_q; forcing it
+// (params.fwd_tile) lets the autotuner try it on other small-grid shapes.
+inline bool fwd_uses_decode_tile(const AttentionFwdParams& params) {
+  if (params.fwd_tile == kFwdTileSmallM) return true;
+  if (params.fwd_tile == kFwdTileLarge) return false;
+  return params.seqlen_q <= kFwdDecodeMaxSeqlenQ;
+}
 
 // Smallest instantiated head dim >= head_dim (head dims are multiples of 32).
 inline constexpr int fwd_rounded_head_dim(int head_dim) {

@@ -22,28 +22,11 @@ inline void fwd_check_cuda(cudaError_t err, const char* what) {
   }
 }
 
-template <typename T, int kHeadDim, bool kIsCausal>
-void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream) {
-  using Config = FwdTileConfig<kHeadDim, kIsCausal>;
-  using Traits = typename Config::template Traits<T>;
-  static_assert(std::is_same<typename Traits::T, T>::value, "traits dtype mismatch");
-
-  if (params.head_dim > kHeadDim || params.head_dim % 8 != 0) {
-    throw std::runtime_error("flash_attn_ext: internal error: head_dim " +
-                             std::to_string(params.head_dim) + " dispatched to kernel head dim " +
-                             std::to_string(kHeadDim));
-  }
+// Launches one traits configuration: the main kernel, then the combine kernel
+// when split-KV is on.
+template <typename Traits, bool kIsCausal>
+void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
   const int num_splits = params.num_splits > 1 ? params.num_splits : 1;
-  if (num_splits > 1 && (params.out_accum == nullptr || params.lse_accum == nullptr)) {
-    throw std::runtime_error(
-        "flash_attn_ext: internal error: split-KV forward without a workspace "
-        "(call fwd_set_workspace)");
-  }
-  if (num_splits > 65535) {
-    throw std::runtime_error("flash_attn_ext: num_splits " + std::to_string(num_splits) +
-                             " exceeds the grid limit 65535");
-  }
-
   const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t grid_x = num_m_blocks * params.batch * params.heads;
   if (grid_x > 0x7fffffff) {
@@ -68,9 +51,35 @@ void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream) {
   if (num_splits > 1) {
     const int64_t rows = static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q;
     const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
-    flash_fwd_combine_kernel<T, kHeadDim>
+    flash_fwd_combine_kernel<typename Traits::T, Traits::kHeadDim>
         <<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(launch_params);
     fwd_check_cuda(cudaGetLastError(), "split-KV combine kernel launch");
+  }
+}
+
+template <typename T, int kHeadDim, bool kIsCausal>
+void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+  if (params.head_dim > kHeadDim || params.head_dim % 8 != 0) {
+    throw std::runtime_error("flash_attn_ext: internal error: head_dim " +
+                             std::to_string(params.head_dim) + " dispatched to kernel head dim " +
+                             std::to_string(kHeadDim));
+  }
+  if (params.num_splits > 1 && (params.out_accum == nullptr || params.lse_accum == nullptr)) {
+    throw std::runtime_error(
+        "flash_attn_ext: internal error: split-KV forward without a workspace "
+        "(call fwd_set_workspace)");
+  }
+  if (params.num_splits > 65535) {
+    throw std::runtime_error("flash_attn_ext: num_splits " + std::to_string(params.num_splits) +
+                             " exceeds the grid limit 65535");
+  }
+  // The split count was chosen (fwd_num_splits) for the same tile as here.
+  if (fwd_uses_decode_tile(params)) {
+    launch_fwd<typename FwdTileConfigDecode<kHeadDim>::template Traits<T>, kIsCausal>(params,
+                                                                                      stream);
+  } else {
+    launch_fwd<typename FwdTileConfig<kHeadDim, kIsCausal>::template Traits<T>, kIsCausal>(
+        params, stream);
   }
 }
 

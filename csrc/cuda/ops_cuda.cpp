@@ -59,11 +59,11 @@ void call_kernels(F&& f) {
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                             const at::Tensor& v_in, double softmax_scale,
                                             bool causal, bool causal_bottom_right,
-                                            int64_t num_splits) {
+                                            int64_t num_splits, int64_t tile) {
   // Validate the user's tensors first so messages name their shapes.
   make_fwd_params(q_in, k_in, v_in, softmax_scale, causal, causal_bottom_right);
   check_cuda_inputs(q_in);
-  TORCH_CHECK(num_splits >= 0, "flash_attn_ext: num_splits must be >= 0, got ", num_splits);
+  check_fwd_tuning_args(num_splits, tile);
   const c10::cuda::CUDAGuard guard(q_in.device());
 
   const int64_t head_dim = q_in.size(3);
@@ -83,6 +83,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   p.out_strides = strides_of(out_kernel);
   p.lse = lse.data_ptr<float>();
   p.num_splits = static_cast<int>(num_splits);
+  p.fwd_tile = static_cast<int>(tile);
 
   const int splits = cuda::fwd_num_splits(p, num_sms());
   p.num_splits = splits;
