@@ -128,7 +128,7 @@ struct FwdKernelTraits {
 //     32    |  128   |   64   |   4   |    32     |   2    |    yes    |    30     |  195 / 198
 //     64    |  128   |   64   |   4   |    32     |   2    |    yes    |    48     |  248 / 250
 //     96    |  128   |   64   |   8   |    16     |   2    |    yes    |    78     |  198 / 198
-//    128    |  128   |  128   |   8   |    16     |   2    |    yes    |   160     |  see tuning
+//    128    |  128   |   64   |   4   |    32     |   2    |    no     |    96     |  255 (56 B spill)
 //    160    |  128   |   64   |   8   |    16     |   2    |    no     |   126     |  237 / 234
 //    192    |  128   |   64   |   8   |    16     |   2    |    no     |   144     |  253 / 253
 //    224    |  128   |   64   |   8   |    16     |   2    |    no     |   175     |  ~250-255
@@ -145,9 +145,11 @@ struct FwdKernelTraits {
 //    of a whole k-loop ahead), so BlockN=64.
 //  * D >= 96: 2 m-tiles per warp spilled at every BlockN >= 64 with the
 //    causal mask (D=128: 128x64 -> ~60 B, 128x32 causal -> ~40 B of spills),
-//    so 8 warps x 16 rows. Q stays in registers up to D=128 (saves re-reading
-//    Q from shared memory every key tile); from D=160 it no longer fits next
-//    to O (D/2 floats) and is re-read with ldmatrix.
+//    so 8 warps x 16 rows, except at D=128 where 4 warps x 32 rows with Q
+//    re-read from shared memory measured faster despite ~56 B of spills (the
+//    halved K/V fragment traffic outweighs them). Q stays in registers for
+//    D=96 (saves re-reading it every key tile); from D=160 it no longer fits
+//    next to O (D/2 floats) and is re-read with ldmatrix.
 //  * All configurations run one 8-warp CTA or two 4-warp CTAs per SM
 //    (registers are the limit, not shared memory), i.e. 8 warps per SM.
 //  * 2 stages: K/V tile n+1 streams in during the whole of tile n (both the
@@ -155,8 +157,10 @@ struct FwdKernelTraits {
 // Measured on an H200 (2026-11-21, bf16, bench/tune_tiles.sh: geomean of
 // ours/torch-flash forward TFLOP/s over S in {2k, 8k} x causal {0, 1}):
 //   D=64 : 128x64x4w 1.030 (chosen) | 128x128x8w 0.848 | 64x64x4w 0.928
-//   D=128: 128x128x8w 0.942 (chosen) | 128x64x8w 0.864 | 128x96x8w 0.898 |
+//   D=128: 128x128x8w 0.942 | 128x64x8w 0.864 | 128x96x8w 0.898 |
 //          128x64x8w 3 stages 0.871 | 64x64x4w 0.897 | 64x128x4w 0.793 | 128x32x4w 0.777
+//          second round, same run: 128x64x4w Q from smem 0.957 (min 0.95; chosen: FA2's
+//          tile, 56 B of spills) | 128x128x8w 0.946 (min 0.90) | 128x64x4w 3 stages 0.766
 //   D=256: 128x64x8w 0.956 (chosen) | 64x64x4w 0.753 | 128x32x8w 0.793
 // These are starting points: every column is a template parameter of
 // FwdKernelTraits, so alternatives can be measured by editing one line.
@@ -179,7 +183,7 @@ struct FwdTileConfigDefault;
 FAE_FWD_CONFIG(32, 128, 64, 4, 2, true)
 FAE_FWD_CONFIG(64, 128, 64, 4, 2, true)
 FAE_FWD_CONFIG(96, 128, 64, 8, 2, true)
-FAE_FWD_CONFIG(128, 128, 128, 8, 2, true)
+FAE_FWD_CONFIG(128, 128, 64, 4, 2, false)
 FAE_FWD_CONFIG(160, 128, 64, 8, 2, false)
 FAE_FWD_CONFIG(192, 128, 64, 8, 2, false)
 FAE_FWD_CONFIG(224, 128, 64, 8, 2, false)
