@@ -60,13 +60,16 @@ FAE_DEVICE void load_tile_async(typename Kt::T* smem_tile, const typename Kt::T*
   }
 }
 
-// acc[kQTiles][4] += A B^T over the full head dim, where A is 16 rows (keys) of
-// sA and B is all kBlockM rows (queries) of sB, both [rows][kHeadDim] tiles.
-// Result in mma C layout: acc[j] = rows g, g+8 x queries 8j + 2q, 8j + 2q + 1.
-template <typename Kt>
-FAE_DEVICE void gemm_keys_by_queries(float (&acc)[Kt::kQTiles][4], const typename Kt::T* sA,
+// acc[kM][kN][4] += A B^T over the full head dim, where A is kM*16 rows (keys)
+// of sA and B is kN*8 rows (queries) of sB, both [rows][kHeadDim] tiles.
+// Result in mma C layout: acc[m][j] = keys 16m + g, 16m + g + 8 x queries
+// 8j + 2q, 8j + 2q + 1. Every B fragment feeds kM mma's and every A fragment
+// kN: with kM = 2 that is half the shared-memory reads per mma of kM = 1.
+template <typename Kt, int kM, int kN>
+FAE_DEVICE void gemm_keys_by_queries(float (&acc)[kM][kN][4], const typename Kt::T* sA,
                                      const typename Kt::T* sB, int lane) {
   using T = typename Kt::T;
+  static_assert(kN % 2 == 0, "queries come in pairs of 8-wide n-tiles (ldmatrix x4)");
   // A (row-major 16x16 per k-step): ldmatrix x4 matrices = (rows 0-7, k 0-7),
   // (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15) = a[0..3].
   const T* a_row = sA + (lane % 8 + 8 * ((lane / 8) % 2)) * Kt::kRowPitch + 8 * (lane / 16);
@@ -77,25 +80,31 @@ FAE_DEVICE void gemm_keys_by_queries(float (&acc)[Kt::kQTiles][4], const typenam
   // of the head dim and blow the register budget (dK/dV stay resident).
 #pragma unroll 1
   for (int kk = 0; kk < Kt::kHeadDim / 16; ++kk) {
-    uint32_t a[4];
-    ldmatrix_x4(a, a_row + kk * 16);
+    uint32_t a[kM][4];
 #pragma unroll
-    for (int jj = 0; jj < Kt::kQTiles / 2; ++jj) {
+    for (int m = 0; m < kM; ++m) ldmatrix_x4(a[m], a_row + m * 16 * Kt::kRowPitch + kk * 16);
+#pragma unroll
+    for (int jj = 0; jj < kN / 2; ++jj) {
       uint32_t b[4];
       ldmatrix_x4(b, b_row + jj * 16 * Kt::kRowPitch + kk * 16);
       const uint32_t b_lo[2] = {b[0], b[1]};
       const uint32_t b_hi[2] = {b[2], b[3]};
-      mma_16816<T>(acc[2 * jj], a, b_lo);
-      mma_16816<T>(acc[2 * jj + 1], a, b_hi);
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+        mma_16816<T>(acc[m][2 * jj], a[m], b_lo);
+        mma_16816<T>(acc[m][2 * jj + 1], a[m], b_hi);
+      }
     }
   }
 }
 
-// acc[kDimPerWarp/8][4] += A_kq (16 keys x 16 queries, mma A fragment) *
-// sB[queries kq*16.., columns col0..col0+kDimPerWarp) (row-major, read with
-// ldmatrix.trans because the contraction runs down sB's rows).
+// acc[m][kDimPerWarp/8][4] += A_m (16 keys x 16 queries, mma A fragment) *
+// sB[16 queries, columns col0..col0+kDimPerWarp) (row-major, read with
+// ldmatrix.trans because the contraction runs down sB's rows), for the
+// kMmaKeys m-tiles of the warp: each B fragment feeds kMmaKeys mma's.
 template <typename Kt>
-FAE_DEVICE void gemm_accumulate_kv(float (&acc)[Kt::kDimPerWarp / 8][4], const uint32_t (&a)[4],
+FAE_DEVICE void gemm_accumulate_kv(float (&acc)[Kt::kMmaKeys][Kt::kDimPerWarp / 8][4],
+                                   const uint32_t (&a)[Kt::kMmaKeys][4],
                                    const typename Kt::T* sB_rows, int lane) {
   using T = typename Kt::T;
   // x4.trans matrices = (k 0-7, n 0-7) -> b[0] of n-tile 2nn, (k 8-15, n 0-7)
@@ -107,8 +116,11 @@ FAE_DEVICE void gemm_accumulate_kv(float (&acc)[Kt::kDimPerWarp / 8][4], const u
     ldmatrix_x4_trans(b, b_row + nn * 16);
     const uint32_t b_lo[2] = {b[0], b[1]};
     const uint32_t b_hi[2] = {b[2], b[3]};
-    mma_16816<T>(acc[2 * nn], a, b_lo);
-    mma_16816<T>(acc[2 * nn + 1], a, b_hi);
+#pragma unroll
+    for (int m = 0; m < Kt::kMmaKeys; ++m) {
+      mma_16816<T>(acc[m][2 * nn], a[m], b_lo);
+      mma_16816<T>(acc[m][2 * nn + 1], a[m], b_hi);
+    }
   }
 }
 
@@ -137,31 +149,51 @@ FAE_DEVICE void store_a_fragment(typename Kt::T* tile, const uint32_t (&a)[4], i
   *reinterpret_cast<uint32_t*>(base + 8 * Kt::kKeyRowPitch + 8) = a[3];
 }
 
-// P^T and dS^T from S^T (in: acc_s) and dP^T (in: acc_dp), in place.
-// lse2 = lse * log2(e) per query, +inf for padded / fully-masked rows (so
-// P = exp2(-inf) = 0, never NaN); dsum = D per query.
-template <typename Kt, bool kIsCausal>
-FAE_DEVICE void softmax_backward(float (&acc_s)[Kt::kQTiles][4], float (&acc_dp)[Kt::kQTiles][4],
+// P^T and dS^T from S^T (in: acc_s) and dP^T (in: acc_dp), in place, for kM
+// 16-key m-tiles starting at key0 and kN 8-query n-tiles starting at query0.
+// lse2 = lse * log2(e) per query (from query0), +inf for padded /
+// fully-masked rows (so P = exp2(-inf) = 0, never NaN); dsum = D per query.
+template <typename Kt, bool kIsCausal, int kM, int kN>
+FAE_DEVICE void softmax_backward(float (&acc_s)[kM][kN][4], float (&acc_dp)[kM][kN][4],
                                  const float* lse2, const float* dsum, float scale_log2,
                                  bool apply_mask, int key0, int query0, int seqlen_k,
                                  int causal_offset, int lane) {
   const int g = lane / 4, q4 = lane % 4;
 #pragma unroll
-  for (int j = 0; j < Kt::kQTiles; ++j) {
+  for (int j = 0; j < kN; ++j) {
     const int q_local = j * 8 + 2 * q4;
     const float2 l2 = *reinterpret_cast<const float2*>(lse2 + q_local);
     const float2 dd = *reinterpret_cast<const float2*>(dsum + q_local);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      float p = fast_exp2(acc_s[j][c] * scale_log2 - ((c & 1) ? l2.y : l2.x));
-      if (apply_mask) {
-        const int key = key0 + g + ((c & 2) ? 8 : 0);
-        const int query = query0 + q_local + (c & 1);
-        const bool visible = key < seqlen_k && (!kIsCausal || key <= query + causal_offset);
-        p = visible ? p : 0.f;
+    for (int m = 0; m < kM; ++m) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float p = fast_exp2(acc_s[m][j][c] * scale_log2 - ((c & 1) ? l2.y : l2.x));
+        if (apply_mask) {
+          const int key = key0 + 16 * m + g + ((c & 2) ? 8 : 0);
+          const int query = query0 + q_local + (c & 1);
+          const bool visible = key < seqlen_k && (!kIsCausal || key <= query + causal_offset);
+          p = visible ? p : 0.f;
+        }
+        acc_s[m][j][c] = p;
+        acc_dp[m][j][c] = p * (acc_dp[m][j][c] - ((c & 1) ? dd.y : dd.x));
       }
-      acc_s[j][c] = p;
-      acc_dp[j][c] = p * (acc_dp[j][c] - ((c & 1) ? dd.y : dd.x));
+    }
+  }
+}
+
+// Writes the 16-bit A fragments of acc (kM key m-tiles x kN query n-tiles, C
+// layout) into a [keys][queries] tile at (key_row0, query_col0).
+template <typename Kt, int kM, int kN>
+FAE_DEVICE void store_key_query_tile(typename Kt::T* tile, const float (&acc)[kM][kN][4],
+                                     int key_row0, int query_col0, int lane) {
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int kq = 0; kq < kN / 2; ++kq) {
+      uint32_t a[4];
+      c_to_a_fragment<typename Kt::T>(a, acc[m][2 * kq], acc[m][2 * kq + 1]);
+      store_a_fragment<Kt>(tile, a, key_row0 + 16 * m, query_col0 + 16 * kq, lane);
     }
   }
 }
@@ -180,14 +212,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
   T* sQ = reinterpret_cast<T*>(smem + Kt::kOffQ);    // [kStages][kBlockM][kPitch]
   T* sdO = reinterpret_cast<T*>(smem + Kt::kOffdO);  // [kStages][kBlockM][kPitch]
   T* sdS = reinterpret_cast<T*>(smem + Kt::kOffdS);  // dS^T [kBlockN][kKeyRowPitch]
-  T* sP = reinterpret_cast<T*>(smem + Kt::kOffP);    // P^T, kWarpsD == 2 only
-  float* sdP = reinterpret_cast<float*>(smem + Kt::kOffdP);  // dP^T fragments, kWarpsD == 2
+  T* sP = reinterpret_cast<T*>(smem + Kt::kOffP);    // P^T [kBlockN][kKeyRowPitch]
+  float* sdP = reinterpret_cast<float*>(smem + Kt::kOffdP);  // dP^T fragments, split phase only
   float* sLse2 = reinterpret_cast<float*>(smem + Kt::kOffLse);  // [kStages][kBlockM]
   float* sDsum = reinterpret_cast<float*>(smem + Kt::kOffDsum);  // [kStages][kBlockM]
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int wn = warp % Kt::kWarpsN;  // which 16 keys
-  const int wd = warp / Kt::kWarpsN;  // which head-dim slice of dK/dV (and, if 2, S^T vs dP^T)
+  const int wk = warp % Kt::kWarpsKeys;  // which kKeysPerWarp keys (every phase)
+  // dK/dV phase: which head-dim half; S^T phase: which query half (tiled) or
+  // S^T vs dP^T (split).
+  const int wd = warp / Kt::kWarpsKeys;
+  const int warp_key0 = wk * Kt::kKeysPerWarp;
   const int h = blockIdx.y, b = blockIdx.z;
   const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, head_dim = params.head_dim;
   const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
@@ -264,12 +299,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
     }
     cp_async_commit();
 
-    float acc_dv[kDimPerWarp / 8][4];
-    float acc_dk[kDimPerWarp / 8][4];
+    float acc_dv[Kt::kMmaKeys][kDimPerWarp / 8][4];
+    float acc_dk[Kt::kMmaKeys][kDimPerWarp / 8][4];
 #pragma unroll
-    for (int i = 0; i < kDimPerWarp / 8; ++i) {
+    for (int m = 0; m < Kt::kMmaKeys; ++m) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) acc_dv[i][c] = acc_dk[i][c] = 0.f;
+      for (int i = 0; i < kDimPerWarp / 8; ++i) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc_dv[m][i][c] = acc_dk[m][i][c] = 0.f;
+      }
     }
 
     for (int m_block = m_begin; m_block < num_m_blocks; ++m_block) {
@@ -294,80 +332,102 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
       // (Query rows >= seqlen_q need none: their lse2 = +inf gives P = 0.)
       const bool apply_mask = key0 + kBlockN > seqlen_k ||
                               (kIsCausal && query0 + params.causal_offset < key0 + kBlockN - 1);
-      const int warp_key0 = wn * 16;
 
-      if constexpr (Kt::kWarpsD == 1) {
-        // ---- S^T, dP^T, P^T, dS^T: all in this warp's registers -----------
-        float acc_s[kQTiles][4], acc_dp[kQTiles][4];
+      if constexpr (Kt::kLayout == BwdLayout::kRegisters) {
+        // ---- S^T, dP^T, P^T, dS^T of 16 keys x all queries in registers -----
+        float acc_s[1][kQTiles][4], acc_dp[1][kQTiles][4];
 #pragma unroll
         for (int j = 0; j < kQTiles; ++j) {
 #pragma unroll
-          for (int c = 0; c < 4; ++c) acc_s[j][c] = acc_dp[j][c] = 0.f;
+          for (int c = 0; c < 4; ++c) acc_s[0][j][c] = acc_dp[0][j][c] = 0.f;
         }
-        gemm_keys_by_queries<Kt>(acc_s, sK + warp_key0 * kPitch, sQ_m, lane);
-        gemm_keys_by_queries<Kt>(acc_dp, sV + warp_key0 * kPitch, sdO_m, lane);
-        softmax_backward<Kt, kIsCausal>(acc_s, acc_dp, lse2_m, dsum_m, params.scale_log2,
-                                        apply_mask, key0 + warp_key0, query0, seqlen_k,
-                                        params.causal_offset, lane);
-        // ---- dV += P^T dO, dK += dS^T Q; dS^T to smem for dQ ------------------
+        gemm_keys_by_queries<Kt, 1, kQTiles>(acc_s, sK + warp_key0 * kPitch, sQ_m, lane);
+        gemm_keys_by_queries<Kt, 1, kQTiles>(acc_dp, sV + warp_key0 * kPitch, sdO_m, lane);
+        softmax_backward<Kt, kIsCausal, 1, kQTiles>(
+            acc_s, acc_dp, lse2_m, dsum_m, params.scale_log2, apply_mask, key0 + warp_key0,
+            query0, seqlen_k, params.causal_offset, lane);
+        // dV += P^T dO, dK += dS^T Q straight from the accumulators (their C
+        // layout is the A layout); only dS^T goes to smem, for dQ.
 #pragma unroll
         for (int kq = 0; kq < kBlockM / 16; ++kq) {
-          uint32_t a_p[4], a_ds[4];
-          c_to_a_fragment<T>(a_p, acc_s[2 * kq], acc_s[2 * kq + 1]);
-          c_to_a_fragment<T>(a_ds, acc_dp[2 * kq], acc_dp[2 * kq + 1]);
-          store_a_fragment<Kt>(sdS, a_ds, warp_key0, kq * 16, lane);
+          uint32_t a_p[1][4], a_ds[1][4];
+          c_to_a_fragment<T>(a_p[0], acc_s[0][2 * kq], acc_s[0][2 * kq + 1]);
+          c_to_a_fragment<T>(a_ds[0], acc_dp[0][2 * kq], acc_dp[0][2 * kq + 1]);
+          store_a_fragment<Kt>(sdS, a_ds[0], warp_key0, kq * 16, lane);
           gemm_accumulate_kv<Kt>(acc_dv, a_p, sdO_m + kq * 16 * kPitch, lane);
           gemm_accumulate_kv<Kt>(acc_dk, a_ds, sQ_m + kq * 16 * kPitch, lane);
         }
         __syncthreads();  // dS^T complete before the dQ product reads all of it
+      } else if constexpr (Kt::kTiledSdP) {
+        // ---- S^T, dP^T for 32 keys x kBlockM/2 queries; P^T, dS^T -> smem ----
+        constexpr int kM = Kt::kMmaKeys;
+        const int warp_q0 = wd * Kt::kQueriesPerWarpS;
+        float acc_s[kM][kQTiles][4], acc_dp[kM][kQTiles][4];
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+#pragma unroll
+          for (int j = 0; j < kQTiles; ++j) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc_s[m][j][c] = acc_dp[m][j][c] = 0.f;
+          }
+        }
+        gemm_keys_by_queries<Kt, kM, kQTiles>(acc_s, sK + warp_key0 * kPitch,
+                                              sQ_m + warp_q0 * kPitch, lane);
+        gemm_keys_by_queries<Kt, kM, kQTiles>(acc_dp, sV + warp_key0 * kPitch,
+                                              sdO_m + warp_q0 * kPitch, lane);
+        softmax_backward<Kt, kIsCausal, kM, kQTiles>(
+            acc_s, acc_dp, lse2_m + warp_q0, dsum_m + warp_q0, params.scale_log2, apply_mask,
+            key0 + warp_key0, query0 + warp_q0, seqlen_k, params.causal_offset, lane);
+        store_key_query_tile<Kt, kM, kQTiles>(sP, acc_s, warp_key0, warp_q0, lane);
+        store_key_query_tile<Kt, kM, kQTiles>(sdS, acc_dp, warp_key0, warp_q0, lane);
       } else {
-        // ---- group 0: S^T = K Q^T;  group 1: dP^T = V dO^T ----------------
-        float acc[kQTiles][4];
+        // ---- group 0: S^T = K Q^T;  group 1: dP^T = V dO^T (16 keys each) ---
+        float acc[1][kQTiles][4];
 #pragma unroll
         for (int j = 0; j < kQTiles; ++j) {
 #pragma unroll
-          for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
+          for (int c = 0; c < 4; ++c) acc[0][j][c] = 0.f;
         }
-        gemm_keys_by_queries<Kt>(acc, (wd == 0 ? sK : sV) + warp_key0 * kPitch,
-                                 wd == 0 ? sQ_m : sdO_m, lane);
-        // Fragment-order hand-off: lane l of warp (wn, 1) writes what lane l of
-        // warp (wn, 0) needs, 16 contiguous bytes per lane (conflict-free).
-        float4* dp_frag = reinterpret_cast<float4*>(sdP) + (wn * kQTiles) * 32 + lane;
+        gemm_keys_by_queries<Kt, 1, kQTiles>(acc, (wd == 0 ? sK : sV) + warp_key0 * kPitch,
+                                             wd == 0 ? sQ_m : sdO_m, lane);
+        // Fragment-order hand-off: lane l of warp (wk, 1) writes what lane l of
+        // warp (wk, 0) needs, 16 contiguous bytes per lane (conflict-free).
+        float4* dp_frag = reinterpret_cast<float4*>(sdP) + (wk * kQTiles) * 32 + lane;
         if (wd == 1) {
 #pragma unroll
           for (int j = 0; j < kQTiles; ++j)
-            dp_frag[j * 32] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+            dp_frag[j * 32] = make_float4(acc[0][j][0], acc[0][j][1], acc[0][j][2], acc[0][j][3]);
         }
         __syncthreads();
         if (wd == 0) {
-          float acc_dp[kQTiles][4];
+          float acc_dp[1][kQTiles][4];
 #pragma unroll
           for (int j = 0; j < kQTiles; ++j) {
             const float4 v = dp_frag[j * 32];
-            acc_dp[j][0] = v.x, acc_dp[j][1] = v.y, acc_dp[j][2] = v.z, acc_dp[j][3] = v.w;
+            acc_dp[0][j][0] = v.x, acc_dp[0][j][1] = v.y, acc_dp[0][j][2] = v.z,
+            acc_dp[0][j][3] = v.w;
           }
-          softmax_backward<Kt, kIsCausal>(acc, acc_dp, lse2_m, dsum_m, params.scale_log2,
-                                          apply_mask, key0 + warp_key0, query0, seqlen_k,
-                                          params.causal_offset, lane);
-#pragma unroll
-          for (int kq = 0; kq < kBlockM / 16; ++kq) {
-            uint32_t a_p[4], a_ds[4];
-            c_to_a_fragment<T>(a_p, acc[2 * kq], acc[2 * kq + 1]);
-            c_to_a_fragment<T>(a_ds, acc_dp[2 * kq], acc_dp[2 * kq + 1]);
-            store_a_fragment<Kt>(sP, a_p, warp_key0, kq * 16, lane);
-            store_a_fragment<Kt>(sdS, a_ds, warp_key0, kq * 16, lane);
-          }
+          softmax_backward<Kt, kIsCausal, 1, kQTiles>(
+              acc, acc_dp, lse2_m, dsum_m, params.scale_log2, apply_mask, key0 + warp_key0,
+              query0, seqlen_k, params.causal_offset, lane);
+          store_key_query_tile<Kt, 1, kQTiles>(sP, acc, warp_key0, 0, lane);
+          store_key_query_tile<Kt, 1, kQTiles>(sdS, acc_dp, warp_key0, 0, lane);
         }
+      }
+      // ---- dV += P^T dO, dK += dS^T Q for this warp's keys x head-dim half ----
+      if constexpr (Kt::kLayout != BwdLayout::kRegisters) {
         __syncthreads();  // P^T, dS^T complete (also for the dQ product below)
-        // ---- both groups: dV, dK for their head-dim slice -------------------
         const int a_off = (warp_key0 + lane % 8 + 8 * ((lane / 8) % 2)) * Kt::kKeyRowPitch +
                           8 * (lane / 16);
         const int col0 = wd * kDimPerWarp;
 #pragma unroll
         for (int kq = 0; kq < kBlockM / 16; ++kq) {
-          uint32_t a_p[4], a_ds[4];
-          ldmatrix_x4(a_p, sP + a_off + kq * 16);
-          ldmatrix_x4(a_ds, sdS + a_off + kq * 16);
+          uint32_t a_p[Kt::kMmaKeys][4], a_ds[Kt::kMmaKeys][4];
+#pragma unroll
+          for (int m = 0; m < Kt::kMmaKeys; ++m) {
+            ldmatrix_x4(a_p[m], sP + a_off + m * 16 * Kt::kKeyRowPitch + kq * 16);
+            ldmatrix_x4(a_ds[m], sdS + a_off + m * 16 * Kt::kKeyRowPitch + kq * 16);
+          }
           gemm_accumulate_kv<Kt>(acc_dv, a_p, sdO_m + kq * 16 * kPitch + col0, lane);
           gemm_accumulate_kv<Kt>(acc_dk, a_ds, sQ_m + kq * 16 * kPitch + col0, lane);
         }
@@ -453,15 +513,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
       const int g = lane / 4, q4 = lane % 4;
       const float scale = params.softmax_scale;
 #pragma unroll
-      for (int ni = 0; ni < kDimPerWarp / 8; ++ni) {
-        const int col = wd * kDimPerWarp + ni * 8 + 2 * q4;
+      for (int m = 0; m < Kt::kMmaKeys; ++m) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = wn * 16 + g + 8 * half;
-          *reinterpret_cast<uint32_t*>(sV + row * kPitch + col) =
-              pack2<T>(acc_dv[ni][2 * half], acc_dv[ni][2 * half + 1]);
-          *reinterpret_cast<uint32_t*>(sK + row * kPitch + col) =
-              pack2<T>(acc_dk[ni][2 * half] * scale, acc_dk[ni][2 * half + 1] * scale);
+        for (int ni = 0; ni < kDimPerWarp / 8; ++ni) {
+          const int col = wd * kDimPerWarp + ni * 8 + 2 * q4;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = warp_key0 + 16 * m + g + 8 * half;
+            *reinterpret_cast<uint32_t*>(sV + row * kPitch + col) =
+                pack2<T>(acc_dv[m][ni][2 * half], acc_dv[m][ni][2 * half + 1]);
+            *reinterpret_cast<uint32_t*>(sK + row * kPitch + col) =
+                pack2<T>(acc_dk[m][ni][2 * half] * scale, acc_dk[m][ni][2 * half + 1] * scale);
+          }
         }
       }
     }

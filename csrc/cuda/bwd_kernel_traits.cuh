@@ -71,26 +71,37 @@ namespace cuda {
 //   D=128: (64,128,1,2) 0.828 (chosen; ptxas reports small spills, still the fastest) |
 //          (64,128,1,4) 0.805 | (32,128,1,2) 0.707
 //   D=256: (32,64,2,1) 0.677 (chosen) | (32,64,2,2) 0.671; (64,64,2,4) exceeds 227 KB smem
+// How the 8 warps split the S^T / dP^T work and the dK / dV accumulators.
+enum class BwdLayout {
+  kRegisters,  // 8 key groups of 16 keys x the whole head dim; S^T, dP^T, P^T, dS^T
+               // of a warp's keys stay in its registers (dS^T also to smem for dQ)
+  kTiled,      // 4 key groups of 32 keys x 2 head-dim halves; each warp computes
+               // S^T and dP^T for 32 keys x kBlockM/2 queries, P^T / dS^T via smem
+  kSplit,      // 4 key groups of 16 keys x 2 head-dim halves; half the warps compute
+               // S^T, half dP^T (hand-off through smem), P^T / dS^T via smem
+};
+
 template <int kHeadDim>
 struct BwdTileConfigDefault;
 // clang-format off
-//                                    kBlockM        kBlockN         kWarpsD        kWarpsMdQ
-template <> struct BwdTileConfigDefault<32>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
-template <> struct BwdTileConfigDefault<64>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
-template <> struct BwdTileConfigDefault<96>  { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 4; };
-template <> struct BwdTileConfigDefault<128> { static constexpr int kBlockM = 64, kBlockN = 128, kWarpsD = 1, kWarpsMdQ = 2; };
-template <> struct BwdTileConfigDefault<160> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
-template <> struct BwdTileConfigDefault<192> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
-template <> struct BwdTileConfigDefault<224> { static constexpr int kBlockM = 64, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 4; };
-template <> struct BwdTileConfigDefault<256> { static constexpr int kBlockM = 32, kBlockN = 64,  kWarpsD = 2, kWarpsMdQ = 1; };
+//                                    kBlockM        kBlockN         kWarpsMdQ       layout
+template <> struct BwdTileConfigDefault<32>  { static constexpr int kBlockM = 64, kBlockN = 128,  kWarpsMdQ = 4; static constexpr BwdLayout kLayout = BwdLayout::kRegisters; };
+template <> struct BwdTileConfigDefault<64>  { static constexpr int kBlockM = 64, kBlockN = 128,  kWarpsMdQ = 4; static constexpr BwdLayout kLayout = BwdLayout::kRegisters; };
+template <> struct BwdTileConfigDefault<96>  { static constexpr int kBlockM = 64, kBlockN = 128,  kWarpsMdQ = 4; static constexpr BwdLayout kLayout = BwdLayout::kRegisters; };
+template <> struct BwdTileConfigDefault<128> { static constexpr int kBlockM = 64, kBlockN = 128,  kWarpsMdQ = 2; static constexpr BwdLayout kLayout = BwdLayout::kTiled; };
+template <> struct BwdTileConfigDefault<160> { static constexpr int kBlockM = 64, kBlockN = 64,   kWarpsMdQ = 4; static constexpr BwdLayout kLayout = BwdLayout::kSplit; };
+template <> struct BwdTileConfigDefault<192> { static constexpr int kBlockM = 64, kBlockN = 64,   kWarpsMdQ = 4; static constexpr BwdLayout kLayout = BwdLayout::kSplit; };
+template <> struct BwdTileConfigDefault<224> { static constexpr int kBlockM = 64, kBlockN = 64,   kWarpsMdQ = 4; static constexpr BwdLayout kLayout = BwdLayout::kSplit; };
+template <> struct BwdTileConfigDefault<256> { static constexpr int kBlockM = 32, kBlockN = 64,   kWarpsMdQ = 1; static constexpr BwdLayout kLayout = BwdLayout::kSplit; };
 
 // Tuning builds (bench/tune_tiles.sh) replace one head dim's entry:
 //   -DFAE_BWD_TUNE_D=128 -DFAE_BWD_TUNE_BM=64 -DFAE_BWD_TUNE_BN=128
-//   -DFAE_BWD_TUNE_WARPS_D=1 -DFAE_BWD_TUNE_WARPS_M_DQ=4
+//   -DFAE_BWD_TUNE_WARPS_M_DQ=4 -DFAE_BWD_TUNE_LAYOUT=kTiled
 #if defined(FAE_BWD_TUNE_D)
 struct BwdTileConfigTune {
   static constexpr int kBlockM = FAE_BWD_TUNE_BM, kBlockN = FAE_BWD_TUNE_BN,
-                       kWarpsD = FAE_BWD_TUNE_WARPS_D, kWarpsMdQ = FAE_BWD_TUNE_WARPS_M_DQ;
+                       kWarpsMdQ = FAE_BWD_TUNE_WARPS_M_DQ;
+  static constexpr BwdLayout kLayout = BwdLayout::FAE_BWD_TUNE_LAYOUT;
 };
 template <int kHeadDim>
 struct BwdTileConfig : std::conditional_t<kHeadDim == FAE_BWD_TUNE_D, BwdTileConfigTune,
@@ -119,16 +130,25 @@ struct BwdKernelTraits {
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
 
-  // S^T / dP^T / dK / dV warp grid.
-  static constexpr int kWarpsD = Cfg::kWarpsD;
-  static constexpr int kWarpsN = kNWarps / kWarpsD;
+  // dK / dV warp grid: kWarpsKeys key groups x kWarpsD head-dim slices.
+  static constexpr BwdLayout kLayout = Cfg::kLayout;
+  static constexpr int kWarpsKeys = kLayout == BwdLayout::kRegisters ? 8 : 4;
+  static constexpr int kWarpsD = kNWarps / kWarpsKeys;
+  static constexpr int kKeysPerWarp = kBlockN / kWarpsKeys;
+  static constexpr int kMmaKeys = kKeysPerWarp / 16;      // 16-key m-tiles per warp
   static constexpr int kDimPerWarp = kHeadDim / kWarpsD;  // dK/dV columns per warp
-  static constexpr int kQTiles = kBlockM / 8;             // n-tiles of S^T (queries)
-  static_assert(kWarpsD == 1 || kWarpsD == 2, "head dim split over at most two warp groups");
-  static_assert(kWarpsN * kWarpsD == kNWarps, "warp grid must use all warps");
-  static_assert(kBlockN == 16 * kWarpsN, "each warp owns exactly 16 keys (one mma M tile)");
+  static_assert(kWarpsKeys * kWarpsD == kNWarps, "warp grid must use all warps");
+  static_assert(kKeysPerWarp == (kLayout == BwdLayout::kTiled ? 32 : 16),
+                "kRegisters / kSplit own 16 keys per warp (kBlockN = 128 / 64), kTiled 32 "
+                "(kBlockN = 128)");
   static_assert(kHeadDim % 16 == 0 && kDimPerWarp % 16 == 0,
                 "head-dim slices are walked 16 columns at a time (ldmatrix x4)");
+
+  // S^T / dP^T phase: queries per warp (kTiled: half the tile, else all).
+  static constexpr bool kTiledSdP = kLayout == BwdLayout::kTiled;
+  static constexpr int kQueriesPerWarpS = kTiledSdP ? kBlockM / 2 : kBlockM;
+  static constexpr int kQTiles = kQueriesPerWarpS / 8;  // 8-query n-tiles of S^T per warp
+  static_assert(kQueriesPerWarpS % 16 == 0, "queries are walked 16 at a time (ldmatrix x4)");
   static_assert(kBlockM % 16 == 0, "queries are the K dim of dV/dK mmas: multiples of 16");
   static_assert(kBlockM <= 128, "one bit per query in the masks below");
 
@@ -157,9 +177,10 @@ struct BwdKernelTraits {
   static constexpr int kKBytes = kBlockN * kRowPitch * 2;
   static constexpr int kQBytes = kBlockM * kRowPitch * 2;
   static constexpr int kdSBytes = kBlockN * kKeyRowPitch * 2;
-  // kWarpsD == 2 only: P^T (16-bit) and dP^T (fp32, fragment order) hand-off.
-  static constexpr int kPBytes = kWarpsD == 2 ? kdSBytes : 0;
-  static constexpr int kdPBytes = kWarpsD == 2 ? kBlockN * kBlockM * 4 : 0;
+  // P^T (16-bit, same layout as dS^T) unless it stays in registers; kSplit
+  // only: dP^T hand-off (fp32, fragment order).
+  static constexpr int kPBytes = kLayout == BwdLayout::kRegisters ? 0 : kdSBytes;
+  static constexpr int kdPBytes = kLayout == BwdLayout::kSplit ? kBlockN * kBlockM * 4 : 0;
 
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKBytes;
