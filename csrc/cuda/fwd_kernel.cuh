@@ -61,7 +61,10 @@ FAE_DEVICE void load_tile_async(typename Traits::T* smem, const typename Traits:
   } else {
     constexpr int kTotal = kRows * kChunks;
     constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
-#pragma unroll
+    // Partial unroll when one warp copies a wide tile (decode tile, D=224: 28
+    // copies per row group): fully unrolled, ptxas kept every address live
+    // and spilled ~850 bytes.
+#pragma unroll(kIters <= 8 ? kIters : 4)
     for (int i = 0; i < kIters; ++i) {
       const int idx = tid + i * kThreads;
       if (kTotal % kThreads != 0 && idx >= kTotal) break;
