@@ -6,22 +6,32 @@
 // Work decomposition ("key-major", one thread block per K/V tile):
 //
 //   block (n_block, h, b) owns keys [n_block*kBlockN, +kBlockN) and loops over
-//   query tiles of kBlockM rows. 8 warps. Warp w owns the 16 keys
-//   [wn*16, wn*16+16) of the tile (wn = w % kWarpsN) and the head-dim slice
-//   [wd*kDimPerWarp, +kDimPerWarp) of dK/dV (wd = w / kWarpsN).
+//   query tiles of kBlockM rows. 8 warps; three layouts (BwdLayout, chosen per
+//   head dim in the table below):
 //
-//   kWarpsD == 1 (head dim <= 128), kBlockN = 128:
+//   kRegisters (D <= 96), kBlockN = 128:
 //       keys  0..15 | 16..31 | ... | 112..127      x  all head-dim columns
 //       warp    0   |   1    | ... |    7
 //     Each warp computes S^T = K Q^T and dP^T = V dO^T for its 16 keys and all
 //     kBlockM queries. The accumulator layout of S^T (rows = keys) *is* the
 //     A-operand layout of dV += P^T dO and dK += dS^T Q, so P^T and dS^T
-//     never leave registers for those two products.
+//     never leave registers for those two products (dS^T also goes to smem
+//     for dQ).
 //
-//   kWarpsD == 2 (head dim > 128), kBlockN = 64:
+//   kTiled (D = 128), kBlockN = 128:
+//       S^T / dP^T:  keys 0..31 | 32..63 | 64..95 | 96..127
+//         queries [0, BM/2)      warp 0 |   1    |   2    |   3
+//         queries [BM/2, BM)     warp 4 |   5    |   6    |   7
+//       dK / dV:     same key groups; warps 0-3 cols [0, D/2), 4-7 [D/2, D)
+//     A 32 x 32 S^T tile per warp makes every ldmatrix fragment feed two
+//     mma's (kRegisters: one), which matters once D is large enough for
+//     shared-memory bandwidth to limit; the price is P^T / dS^T through
+//     shared memory (the dK/dV warp grid differs from the S^T one).
+//
+//   kSplit (D > 128), kBlockN = 64:
 //       keys  0..15 | 16..31 | 32..47 | 48..63
-//       warp    0   |   1    |   2    |   3     (wd = 0: S^T,  dK/dV cols [0, D/2))
-//       warp    4   |   5    |   6    |   7     (wd = 1: dP^T, dK/dV cols [D/2, D))
+//       warp    0   |   1    |   2    |   3     (S^T,  dK/dV cols [0, D/2))
+//       warp    4   |   5    |   6    |   7     (dP^T, dK/dV cols [D/2, D))
 //     Holding 16 x D fp32 dK and dV per warp would need D registers per
 //     thread (256 at D = 256), so the head dim of dK/dV is split over two
 //     warp groups. Group 0 computes S^T, group 1 computes dP^T (same cost), group
@@ -37,23 +47,23 @@
 //     split in deterministic mode).
 //
 // Register budget (fp32 accumulators per thread, 255 max, 1 block of 256
-// threads per SM): dK + dV = kDimPerWarp, S^T + dP^T = kBlockM (kWarpsD == 1)
-// or kBlockM/2 (+ kBlockM/2 for the dP^T copy in group 0, kWarpsD == 2), dQ
-// tile (only live after dK/dV) = kBlockM*kHeadDim/256. ptxas adds ~60-90
-// registers of addresses / fragments on top; all configs land at 160-255
-// registers without spills (see the report / FAE ptxas logs).
+// threads per SM): dK + dV = 2 * kKeysPerWarp * kDimPerWarp / 32, S^T + dP^T
+// = kKeysPerWarp * kQueriesPerWarpS / 16 (kSplit: half, plus the dP^T copy),
+// dQ tile (only live after dK/dV) = kBlockM*kHeadDim/256. ptxas adds ~60-90
+// registers of addresses / fragments on top; all configs land at 150-255
+// registers (D=128 causal: 48 B of spills).
 //
 // Configuration table (smem: H100/H200 allow up to 227 KB per block):
-//   D    BM  BN  WD MdQ  dKV+S/dP  smem      why
-//   32   64  128  1  4   32 + 64    59 KB    big BN halves the dQ atomics
-//   64   64  128  1  4   64 + 64    91 KB    FA2's 64x128 tile
-//   96   64  128  1  4   96 + 64   123 KB
-//   128  32  128  1  2  128 + 32   113 KB    BM = 64 needs 128+64 fp32 regs: spills
-//   160  64   64  2  4   80 + 64   161 KB    head dim of dK/dV split over 2 groups
-//   192  64   64  2  4   96 + 64   185 KB
-//   224  64   64  2  4  112 + 64   209 KB    (MdQ = 4 is the only legal dQ grid)
-//   256  32   64  2  1  128 + 32   151 KB    BM = 64 would need 237 KB of smem
-// (Exact numbers: BwdKernelTraits::kSmemBytes; ptxas figures in the report.)
+//   D    BM  BN  layout     MdQ  smem      why
+//   32   64  128 registers  4    59 KB    big BN halves the dQ atomics
+//   64   64  128 registers  4    91 KB    FA2's 64x128 tile
+//   96   64  128 registers  4   123 KB
+//   128  64  128 tiled      2   177 KB    see the measurements below
+//   160  64   64 split      4   161 KB    head dim of dK/dV split over 2 groups
+//   192  64   64 split      4   185 KB
+//   224  64   64 split      4   209 KB    (MdQ = 4 is the only legal dQ grid)
+//   256  32   64 split      1   151 KB    BM = 64 would need 237 KB of smem
+// (Exact numbers: BwdKernelTraits::kSmemBytes.)
 // ---------------------------------------------------------------------------
 #pragma once
 #include <type_traits>
@@ -68,8 +78,11 @@ namespace cuda {
 // ours/torch-flash backward TFLOP/s over S in {2k, 8k} x causal {0, 1}),
 // as (kBlockM, kBlockN, kWarpsD, kWarpsMdQ):
 //   D=64 : (64,128,1,4) 0.841 (chosen) | (128,128,1,8) 0.854, spills | (32,128,1,2) 0.664
-//   D=128: (64,128,1,2) 0.828 (chosen; ptxas reports small spills, still the fastest) |
+//   D=128: (64,128,1,2) 0.828 (ptxas reports small spills, still the fastest) |
 //          (64,128,1,4) 0.805 | (32,128,1,2) 0.707
+// Layouts (full bench grid, bf16, ours/FA2 geomean over S 512..16k x causal):
+//   D=64 : registers 0.88 (chosen) | tiled 0.80
+//   D=128: tiled 0.88 (chosen)     | registers ~0.83 (tune set above)
 //   D=256: (32,64,2,1) 0.677 (chosen) | (32,64,2,2) 0.671; (64,64,2,4) exceeds 227 KB smem
 // How the 8 warps split the S^T / dP^T work and the dK / dV accumulators.
 enum class BwdLayout {
