@@ -135,22 +135,16 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
   // K and V have one buffer each but separate commit groups, so each load
   // overlaps the other half of the tile's work: K_{n+1} streams in during
   // softmax and P V of tile n, V_{n+1} during Q K_{n+1}^T. (A second buffer
-  // per tile would cost 35 KB at D=64 and drop the CTAs per SM from 3 to 2.)
+  // per tile would cost 35 KB at D=64 and drop the CTAs per SM from 2 to 1.)
   // Commit groups, oldest first: Q+K_0 | V_0 | K_1 | V_1 | ...
-  auto load_k = [&](int n_block) {
+  auto load_key_tile = [&](float* smem, const float* head, int64_t row_stride, int n_block) {
     const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
-    load_tile_fp32<kHeadDim, kBlockN>(smem_k, k_head + key0 * params.k_strides.row,
-                                      params.k_strides.row, params.seqlen_k - n_block * kBlockN,
-                                      params.head_dim, tid);
+    load_tile_fp32<kHeadDim, kBlockN>(smem, head + key0 * row_stride, row_stride,
+                                      params.seqlen_k - n_block * kBlockN, params.head_dim, tid);
     cp_async_commit();
   };
-  auto load_v = [&](int n_block) {
-    const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
-    load_tile_fp32<kHeadDim, kBlockN>(smem_v, v_head + key0 * params.v_strides.row,
-                                      params.v_strides.row, params.seqlen_k - n_block * kBlockN,
-                                      params.head_dim, tid);
-    cp_async_commit();
-  };
+  auto load_k = [&](int n_block) { load_key_tile(smem_k, k_head, params.k_strides.row, n_block); };
+  auto load_v = [&](int n_block) { load_key_tile(smem_v, v_head, params.v_strides.row, n_block); };
   if (range.end > range.begin) {
     load_tile_fp32<kHeadDim, kBlockM>(smem_q, q_tile, params.q_strides.row,
                                       params.seqlen_q - m_block * kBlockM, params.head_dim, tid);
