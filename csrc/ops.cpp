@@ -1,15 +1,23 @@
 // Operator schemas (TORCH_LIBRARY) and the CPU implementations.
 //
-//   flash_attn_ext::fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits, tile)
-//       -> (out, lse)
+//   flash_attn_ext::fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits, tile,
+//                       seqused_k) -> (out, lse)
 //   flash_attn_ext::bwd(dout, q, k, v, out, lse, softmax_scale, causal,
-//                       causal_bottom_right, deterministic) -> (dq, dk, dv)
+//                       causal_bottom_right, deterministic, seqused_k) -> (dq, dk, dv)
+//   flash_attn_ext::varlen_fwd / varlen_bwd: the same over packed sequences
+//       (cu_seqlens_q / cu_seqlens_k, max_seqlen_q / max_seqlen_k; causal is
+//       bottom-right per sequence, as flash-attn's varlen API).
 //
-// All of q/k/v/out/dout are [batch, seqlen, heads, head_dim] with any batch,
+// Padded: q/k/v/out/dout are [batch, seqlen, heads, head_dim] with any batch,
 // seqlen and head strides and a contiguous last dim; lse is [batch, heads,
-// seqlen_q] float32. The CUDA implementations live in csrc/cuda/ops_cuda.cpp.
+// seqlen_q] float32. k/v may have fewer heads than q (GQA / MQA). Varlen:
+// [total, heads, head_dim] and lse [heads, total_q]. seqused_k (int32
+// [batch]) limits the keys of each sequence. The CUDA implementations live
+// in csrc/cuda/ops_cuda.cpp.
 #include <torch/library.h>
 
+#include <limits>
+#include <optional>
 #include <tuple>
 
 #include "cpu/attention_cpu.h"
@@ -17,52 +25,111 @@
 
 namespace flash_attn_ext {
 
-static std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                  const at::Tensor& v, double softmax_scale,
-                                                  bool causal, bool causal_bottom_right,
-                                                  int64_t num_splits, int64_t tile) {
-  AttentionFwdParams p = make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right);
+namespace {
+
+at::Tensor as_4d(const at::Tensor& t) { return t.dim() == 3 ? t.unsqueeze(0) : t; }
+
+// Allocates out / lse like q (packed 3-D q for varlen: zero-filled, so rows
+// outside every sequence are defined) and runs the CPU kernel.
+std::tuple<at::Tensor, at::Tensor> run_fwd_cpu(AttentionFwdParams p, const at::Tensor& q) {
   TORCH_CHECK(q.device().is_cpu(), "flash_attn_ext: fwd (CPU) got q on ", q.device());
-  check_fwd_tuning_args(num_splits, tile);  // accepted and ignored: one CPU kernel
-  at::Tensor out = at::empty_like(q);
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  at::Tensor out = varlen ? at::zeros_like(q) : at::empty_like(q);
   at::Tensor lse = empty_lse(q);
+  if (varlen) lse.fill_(-std::numeric_limits<float>::infinity());
   p.out = out.data_ptr();
-  p.out_strides = strides_of(out);
+  p.out_strides = strides_of(as_4d(out));
+  if (varlen) p.out_strides.batch = 0;
   p.lse = lse.data_ptr<float>();
   cpu::run_fwd(p);
   return {out, lse};
 }
 
-static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
-    bool causal_bottom_right, bool deterministic) {
-  AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
-                                         causal_bottom_right, deterministic);
+// dk / dv are zero-filled when some keys may be in no sequence or unused.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cpu(AttentionBwdParams p,
+                                                           const at::Tensor& q,
+                                                           const at::Tensor& k,
+                                                           const at::Tensor& v) {
   TORCH_CHECK(q.device().is_cpu(), "flash_attn_ext: bwd (CPU) got q on ", q.device());
-  at::Tensor dq = at::empty_like(q);
-  at::Tensor dk = at::empty_like(k);
-  at::Tensor dv = at::empty_like(v);
-  at::Tensor dsoftmax_sum = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-  set_grad_outputs(p, dq, dk, dv);
+  const bool partial = p.cu_seqlens_q != nullptr || p.seqused_k != nullptr;
+  auto alloc = [&](const at::Tensor& t) { return partial ? at::zeros_like(t) : at::empty_like(t); };
+  at::Tensor dq = alloc(q), dk = alloc(k), dv = alloc(v);
+  at::Tensor dsoftmax_sum = at::empty({p.q_rows_total}, q.options().dtype(at::kFloat));
+  set_grad_outputs(p, as_4d(dq), as_4d(dk), as_4d(dv));
   p.dsoftmax_sum = dsoftmax_sum.data_ptr<float>();
   cpu::run_bwd(p);
   return {dq, dk, dv};
 }
 
+}  // namespace
+
+static std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, double softmax_scale,
+                                                  bool causal, bool causal_bottom_right,
+                                                  int64_t num_splits, int64_t tile,
+                                                  const std::optional<at::Tensor>& seqused_k) {
+  const AttentionFwdParams p =
+      make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k);
+  check_fwd_tuning_args(num_splits, tile);  // accepted and ignored: one CPU kernel
+  return run_fwd_cpu(p, q);
+}
+
+static std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double softmax_scale, bool causal, const std::optional<at::Tensor>& seqused_k) {
+  const AttentionFwdParams p = make_varlen_fwd_params(
+      q, k, v, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k}, softmax_scale, causal,
+      seqused_k);
+  return run_fwd_cpu(p, q);
+}
+
+static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
+    bool causal_bottom_right, bool deterministic, const std::optional<at::Tensor>& seqused_k) {
+  const AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
+                                               causal_bottom_right, deterministic, seqused_k);
+  return run_bwd_cpu(p, q, k, v);
+}
+
+static std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double softmax_scale, bool causal, bool deterministic,
+    const std::optional<at::Tensor>& seqused_k) {
+  const AttentionBwdParams p = make_varlen_bwd_params(
+      dout, q, k, v, out, lse, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k},
+      softmax_scale, causal, deterministic, seqused_k);
+  return run_bwd_cpu(p, q, k, v);
+}
+
 TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
-      "bool causal_bottom_right, int num_splits=0, int tile=0) -> (Tensor out, Tensor lse)");
+      "bool causal_bottom_right, int num_splits=0, int tile=0, Tensor? seqused_k=None) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "float softmax_scale, bool causal, bool causal_bottom_right, bool deterministic=False) "
+      "float softmax_scale, bool causal, bool causal_bottom_right, bool deterministic=False, "
+      "Tensor? seqused_k=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
+      "Tensor? seqused_k=None) -> (Tensor out, Tensor lse)");
+  m.def(
+      "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+      "float softmax_scale, bool causal, bool deterministic=False, Tensor? seqused_k=None) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
   m.impl("fwd", &fwd_cpu);
   m.impl("bwd", &bwd_cpu);
+  m.impl("varlen_fwd", &varlen_fwd_cpu);
+  m.impl("varlen_bwd", &varlen_bwd_cpu);
 }
 
 }  // namespace flash_attn_ext

@@ -5,8 +5,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "params.h"
 
@@ -57,11 +59,31 @@ inline TensorStrides strides_of(const at::Tensor& t) {
   return TensorStrides{t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// Validates q/k/v and fills everything of AttentionFwdParams except the
-// output pointers (which the device implementation allocates).
+// Key/value heads may be fewer than query heads (GQA / MQA), never more.
+inline void check_heads(int64_t heads, int64_t heads_k) {
+  TORCH_CHECK(heads_k > 0 && heads % heads_k == 0, "flash_attn_ext: the number of query heads (",
+              heads, ") must be a multiple of the number of key/value heads (", heads_k, ")");
+}
+
+// int32 per-sequence tensors (cu_seqlens, seqused_k): dtype, device, shape.
+inline void check_seq_tensor(const at::Tensor& t, const char* name, const at::Tensor& q,
+                             int64_t expected_len) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, "flash_attn_ext: ", name, " must be int32, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == q.device(), "flash_attn_ext: ", name, " must be on the device of q (",
+              q.device(), "), got ", t.device());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == expected_len, "flash_attn_ext: ", name,
+              " must be a 1-D tensor of length ", expected_len, ", got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), "flash_attn_ext: ", name, " must be contiguous");
+}
+
+// Validates q/k/v ([batch, seqlen, heads, head_dim]) and fills everything of
+// AttentionFwdParams except the output pointers (which the device
+// implementation allocates). seqused_k: optional int32 [batch] key counts.
 inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, double softmax_scale,
-                                          bool causal, bool causal_bottom_right) {
+                                          bool causal, bool causal_bottom_right,
+                                          const std::optional<at::Tensor>& seqused_k = {}) {
   check_bshd(q, "q");
   check_bshd(k, "k");
   check_bshd(v, "v");
@@ -71,9 +93,7 @@ inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor&
               k.sizes(), " and ", v.sizes());
   TORCH_CHECK(q.size(0) == k.size(0), "flash_attn_ext: q and k must have the same batch size, got ",
               q.size(0), " and ", k.size(0));
-  TORCH_CHECK(q.size(2) == k.size(2),
-              "flash_attn_ext: q and k/v must have the same number of heads, got ", q.size(2),
-              " and ", k.size(2), " (grouped-query attention is not supported yet)");
+  check_heads(q.size(2), k.size(2));
   TORCH_CHECK(q.size(3) == k.size(3), "flash_attn_ext: q, k and v must have the same head_dim, got ",
               q.size(3), " (q) and ", k.size(3), " (k/v)");
   TORCH_CHECK(std::isfinite(softmax_scale), "flash_attn_ext: softmax_scale must be finite, got ",
@@ -96,7 +116,90 @@ inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor&
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   p.causal = causal;
-  p.causal_offset = (causal && causal_bottom_right) ? p.seqlen_k - p.seqlen_q : 0;
+  p.causal_bottom_right = causal && causal_bottom_right;
+  p.causal_offset = p.causal_bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+  // lse [batch, heads, seqlen_q]
+  p.lse_head_stride = p.seqlen_q;
+  p.lse_batch_stride = static_cast<int64_t>(p.heads) * p.seqlen_q;
+  p.q_rows_total = p.batch * p.lse_batch_stride;
+  if (seqused_k.has_value()) {
+    check_seq_tensor(*seqused_k, "seqused_k", q, q.size(0));
+    p.seqused_k = seqused_k->data_ptr<int>();
+  }
+  return p;
+}
+
+// Variable-length batches: q [total_q, heads, dim], k/v [total_k, heads_k,
+// dim], cu_seqlens int32 [batch + 1]. The values are checked on the host (one
+// small device-to-host copy): cu[0] == 0, non-decreasing, cu[batch] <= total,
+// no sequence longer than max_seqlen. Kernels see [1, total, heads, dim]
+// tensors with batch stride 0 (see params.h).
+struct VarlenArgs {
+  const at::Tensor& cu_seqlens_q;
+  const at::Tensor& cu_seqlens_k;
+  int64_t max_seqlen_q;
+  int64_t max_seqlen_k;
+};
+
+inline void check_cu_seqlens(const at::Tensor& cu, const char* name, int64_t total,
+                             int64_t max_seqlen, const char* max_name) {
+  const at::Tensor host = cu.to(at::kCPU);
+  const int* c = host.data_ptr<int>();
+  const int64_t n = host.size(0);
+  TORCH_CHECK(c[0] == 0, "flash_attn_ext: ", name, "[0] must be 0, got ", c[0]);
+  int64_t longest = 0;
+  for (int64_t i = 1; i < n; ++i) {
+    TORCH_CHECK(c[i] >= c[i - 1], "flash_attn_ext: ", name, " must be non-decreasing, but ",
+                name, "[", i, "] = ", c[i], " < ", name, "[", i - 1, "] = ", c[i - 1]);
+    longest = std::max<int64_t>(longest, c[i] - c[i - 1]);
+  }
+  TORCH_CHECK(c[n - 1] <= total, "flash_attn_ext: ", name, "[-1] = ", c[n - 1],
+              " exceeds the number of packed rows (", total, ")");
+  TORCH_CHECK(longest <= max_seqlen, "flash_attn_ext: ", max_name, " = ", max_seqlen,
+              " is smaller than the longest sequence in ", name, " (", longest, ")");
+}
+
+inline void check_varlen_3d(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined() && t.dim() == 3, "flash_attn_ext: varlen ", name,
+              " must be a 3-D tensor [total_tokens, heads, head_dim], got shape ",
+              t.defined() ? t.sizes() : at::IntArrayRef{});
+}
+
+inline AttentionFwdParams make_varlen_fwd_params(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v, const VarlenArgs& va,
+                                                 double softmax_scale, bool causal,
+                                                 const std::optional<at::Tensor>& seqused_k) {
+  check_varlen_3d(q, "q");
+  check_varlen_3d(k, "k");
+  check_varlen_3d(v, "v");
+  const int64_t batch = va.cu_seqlens_q.dim() == 1 ? va.cu_seqlens_q.size(0) - 1 : -1;
+  TORCH_CHECK(batch >= 1, "flash_attn_ext: cu_seqlens_q must be a 1-D tensor of length batch + 1 "
+              ">= 2, got shape ", va.cu_seqlens_q.sizes());
+  check_seq_tensor(va.cu_seqlens_q, "cu_seqlens_q", q, batch + 1);
+  check_seq_tensor(va.cu_seqlens_k, "cu_seqlens_k", q, batch + 1);
+  TORCH_CHECK(va.max_seqlen_q >= 0 && va.max_seqlen_k >= 0 &&
+                  va.max_seqlen_q <= std::numeric_limits<int>::max() &&
+                  va.max_seqlen_k <= std::numeric_limits<int>::max(),
+              "flash_attn_ext: max_seqlen_q / max_seqlen_k out of range: ", va.max_seqlen_q, ", ",
+              va.max_seqlen_k);
+  AttentionFwdParams p = make_fwd_params(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                         softmax_scale, causal, /*causal_bottom_right=*/true);
+  check_cu_seqlens(va.cu_seqlens_q, "cu_seqlens_q", q.size(0), va.max_seqlen_q, "max_seqlen_q");
+  check_cu_seqlens(va.cu_seqlens_k, "cu_seqlens_k", k.size(0), va.max_seqlen_k, "max_seqlen_k");
+  p.batch = static_cast<int>(batch);
+  p.q_strides.batch = p.k_strides.batch = p.v_strides.batch = 0;
+  p.seqlen_q = static_cast<int>(va.max_seqlen_q);
+  p.seqlen_k = static_cast<int>(va.max_seqlen_k);
+  p.cu_seqlens_q = va.cu_seqlens_q.data_ptr<int>();
+  p.cu_seqlens_k = va.cu_seqlens_k.data_ptr<int>();
+  // lse [heads, total_q]
+  p.lse_batch_stride = 0;
+  p.lse_head_stride = q.size(0);
+  p.q_rows_total = static_cast<int64_t>(p.heads) * q.size(0);
+  if (seqused_k.has_value()) {
+    check_seq_tensor(*seqused_k, "seqused_k", q, batch);
+    p.seqused_k = seqused_k->data_ptr<int>();
+  }
   return p;
 }
 
@@ -110,11 +213,14 @@ inline void check_fwd_tuning_args(int64_t num_splits, int64_t tile) {
               "flash_attn_ext: tile must be 0 (auto), 1 (large) or 2 (small-M), got ", tile);
 }
 
+// lse: [batch, heads, seqlen_q] for 4-D q, [heads, total_q] for packed 3-D q.
 inline at::Tensor empty_lse(const at::Tensor& q) {
+  if (q.dim() == 3) return at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   return at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
 }
 
-// Points the backward params at the gradient outputs.
+// Points the backward params at the gradient outputs (4-D; for varlen the
+// unsqueezed views, whose batch stride the kernels must not use).
 inline void set_grad_outputs(AttentionBwdParams& p, const at::Tensor& dq, const at::Tensor& dk,
                              const at::Tensor& dv) {
   p.dq = dq.data_ptr();
@@ -123,14 +229,15 @@ inline void set_grad_outputs(AttentionBwdParams& p, const at::Tensor& dq, const 
   p.dq_strides = strides_of(dq);
   p.dk_strides = strides_of(dk);
   p.dv_strides = strides_of(dv);
+  if (p.cu_seqlens_q != nullptr) p.dq_strides.batch = p.dk_strides.batch = p.dv_strides.batch = 0;
 }
 
-inline AttentionBwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q,
-                                          const at::Tensor& k, const at::Tensor& v,
-                                          const at::Tensor& out, const at::Tensor& lse,
-                                          double softmax_scale, bool causal,
-                                          bool causal_bottom_right, bool deterministic) {
-  AttentionFwdParams fwd = make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right);
+// The backward's own inputs on top of validated forward params. out / dout
+// have q's shape (4-D here; varlen callers pass the unsqueezed views).
+inline AttentionBwdParams add_bwd_inputs(const AttentionFwdParams& fwd, const at::Tensor& q,
+                                         const at::Tensor& dout, const at::Tensor& out,
+                                         const at::Tensor& lse, at::IntArrayRef lse_shape,
+                                         bool deterministic) {
   check_bshd(out, "out");
   check_bshd(dout, "dout");
   check_same(q, "q", out, "out");
@@ -143,10 +250,9 @@ inline AttentionBwdParams make_bwd_params(const at::Tensor& dout, const at::Tens
               "flash_attn_ext: lse must be a float32 tensor");
   TORCH_CHECK(lse.device() == q.device(), "flash_attn_ext: lse must be on the device of q (",
               q.device(), "), got ", lse.device());
-  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(2) &&
-                  lse.size(2) == q.size(1),
-              "flash_attn_ext: lse must have shape [batch, heads, seqlen_q] = [", q.size(0), ", ",
-              q.size(2), ", ", q.size(1), "], got ", lse.sizes());
+  TORCH_CHECK(lse.sizes() == lse_shape, "flash_attn_ext: lse must have shape ", lse_shape,
+              " (", lse_shape.size() == 3 ? "[batch, heads, seqlen_q]" : "[heads, total_q]",
+              "), got ", lse.sizes());
   TORCH_CHECK(lse.is_contiguous(), "flash_attn_ext: lse must be contiguous");
 
   AttentionBwdParams p;
@@ -157,6 +263,32 @@ inline AttentionBwdParams make_bwd_params(const at::Tensor& dout, const at::Tens
   p.dout = dout.data_ptr();
   p.dout_strides = strides_of(dout);
   p.deterministic = deterministic;
+  return p;
+}
+
+inline AttentionBwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q,
+                                          const at::Tensor& k, const at::Tensor& v,
+                                          const at::Tensor& out, const at::Tensor& lse,
+                                          double softmax_scale, bool causal,
+                                          bool causal_bottom_right, bool deterministic,
+                                          const std::optional<at::Tensor>& seqused_k = {}) {
+  const AttentionFwdParams fwd =
+      make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k);
+  return add_bwd_inputs(fwd, q, dout, out, lse, {q.size(0), q.size(2), q.size(1)}, deterministic);
+}
+
+inline AttentionBwdParams make_varlen_bwd_params(const at::Tensor& dout, const at::Tensor& q,
+                                                 const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& out, const at::Tensor& lse,
+                                                 const VarlenArgs& va, double softmax_scale,
+                                                 bool causal, bool deterministic,
+                                                 const std::optional<at::Tensor>& seqused_k) {
+  const AttentionFwdParams fwd = make_varlen_fwd_params(q, k, v, va, softmax_scale, causal, seqused_k);
+  check_varlen_3d(out, "out");
+  check_varlen_3d(dout, "dout");
+  AttentionBwdParams p = add_bwd_inputs(fwd, q.unsqueeze(0), dout.unsqueeze(0), out.unsqueeze(0),
+                                        lse, {q.size(1), q.size(0)}, deterministic);
+  p.out_strides.batch = p.dout_strides.batch = 0;
   return p;
 }
 

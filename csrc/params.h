@@ -13,6 +13,12 @@
 #pragma once
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define FAE_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define FAE_HOST_DEVICE inline
+#endif
+
 namespace flash_attn_ext {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
@@ -37,9 +43,9 @@ struct AttentionFwdParams {
 
   int batch = 0;
   int heads = 0;     // query heads
-  int heads_k = 0;   // key/value heads (== heads until GQA lands)
-  int seqlen_q = 0;
-  int seqlen_k = 0;
+  int heads_k = 0;   // key/value heads: query head h reads kv head h / (heads / heads_k)
+  int seqlen_q = 0;  // varlen: the longest query sequence (sizes the grid)
+  int seqlen_k = 0;  // varlen: the longest key sequence
   int head_dim = 0;  // true head dim (kernels may pad internally)
 
   DType dtype = DType::kFloat32;
@@ -47,12 +53,36 @@ struct AttentionFwdParams {
   float softmax_scale = 1.f;
   float scale_log2 = 1.f;  // softmax_scale * log2(e): kernels use exp2
 
-  // Causal masking with a single offset: key j is visible to query i iff
-  //   j <= i + causal_offset.
-  // Top-left alignment (torch SDPA) is offset 0; bottom-right alignment
-  // (flash-attn, when seqlen_q != seqlen_k) is offset seqlen_k - seqlen_q.
+  // Causal masking with a single offset per sequence: key j is visible to
+  // query i iff  j <= i + causal_offset  (see seq_bounds below). Top-left
+  // alignment (torch SDPA) is offset 0; bottom-right alignment (flash-attn) is
+  // offset seqlen_k - seqlen_q of that sequence.
   bool causal = false;
+  bool causal_bottom_right = false;
+  // The offset of a padded batch without seqused_k (every sequence alike):
+  // seqlen_k - seqlen_q when bottom-right, else 0.
   int causal_offset = 0;
+
+  // ---- variable-length batches and key padding (all optional) -------------
+  // Varlen: cu_seqlens_q / cu_seqlens_k (int32 [batch + 1], on the kernels'
+  // device) hold the first row of each sequence in packed [total, heads, dim]
+  // tensors. Those are passed as [1, total, heads, dim] with batch stride 0,
+  // so  base + b * batch_stride + (row0(b) + row) * row_stride  addresses
+  // both the padded and the packed case.
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  // Key padding: sequence b uses keys [0, seqused_k[b]) only (clamped to
+  // [0, its key count]). Used by the KV cache (cache_seqlens).
+  const int* seqused_k = nullptr;
+
+  // fp32 per-query-row arrays (lse, and the backward's D and dQ accumulator
+  // rows) are indexed as
+  //   b * lse_batch_stride + h * lse_head_stride + row0_q(b) + row
+  // padded: [batch, heads, seqlen_q] (strides heads*seqlen_q, seqlen_q);
+  // varlen: [heads, total_q] (strides 0, total_q).
+  int64_t lse_batch_stride = 0;
+  int64_t lse_head_stride = 0;
+  int64_t q_rows_total = 0;  // elements of one such array: batch*heads*seqlen_q or heads*total_q
 
   // Split-KV (CUDA): 0 = heuristic, 1 = off, n > 1 = force n splits.
   int num_splits = 0;
@@ -67,6 +97,64 @@ struct AttentionFwdParams {
   float* lse_accum = nullptr;
 };
 
+// One sequence of the batch: its lengths, where its rows start, its causal
+// offset. Kernels (CPU and CUDA) call this once per batch entry and never read
+// seqlen_q / seqlen_k directly for masking.
+struct SeqBounds {
+  int seqlen_q;      // query rows of this sequence
+  int seqlen_k;      // keys it may attend to (after seqused_k)
+  int64_t row0_q;    // first row in the (packed) row dimension
+  int64_t row0_k;
+  int causal_offset; // key j visible to query i iff j <= i + causal_offset (when causal)
+
+  FAE_HOST_DEVICE int64_t lse_index(const AttentionFwdParams& p, int b, int h, int row) const {
+    return b * p.lse_batch_stride + h * p.lse_head_stride + row0_q + row;
+  }
+};
+
+// kVarSeq = false: the caller knows the batch is padded and has no seqused_k
+// (every sequence alike), so all fields come straight from params. The CUDA
+// 16-bit kernels are instantiated both ways: read from params, the values stay
+// in the constant bank instead of occupying registers (~6 registers, which
+// spilled in kernels already at the 255 limit).
+template <bool kVarSeq>
+FAE_HOST_DEVICE SeqBounds seq_bounds(const AttentionFwdParams& p, int b) {
+  SeqBounds s;
+  if (!kVarSeq) {
+    s.seqlen_q = p.seqlen_q;
+    s.seqlen_k = p.seqlen_k;
+    s.row0_q = s.row0_k = 0;
+    s.causal_offset = p.causal_offset;
+    return s;
+  }
+  if (p.cu_seqlens_q != nullptr) {
+    s.row0_q = p.cu_seqlens_q[b];
+    s.row0_k = p.cu_seqlens_k[b];
+    s.seqlen_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+    s.seqlen_k = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+  } else {
+    s.row0_q = s.row0_k = 0;
+    s.seqlen_q = p.seqlen_q;
+    s.seqlen_k = p.seqlen_k;
+  }
+  if (p.seqused_k != nullptr) {
+    const int used = p.seqused_k[b];
+    s.seqlen_k = used < 0 ? 0 : (used < s.seqlen_k ? used : s.seqlen_k);
+  }
+  s.causal_offset = p.causal_bottom_right ? s.seqlen_k - s.seqlen_q : 0;
+  return s;
+}
+
+// Whether sequences differ (varlen or key padding): picks seq_bounds<true>.
+FAE_HOST_DEVICE bool has_var_seqs(const AttentionFwdParams& p) {
+  return p.cu_seqlens_q != nullptr || p.seqused_k != nullptr;
+}
+
+// The general form, for code that is not register-bound.
+FAE_HOST_DEVICE SeqBounds seq_bounds(const AttentionFwdParams& p, int b) {
+  return seq_bounds<true>(p, b);
+}
+
 struct AttentionBwdParams : AttentionFwdParams {
   const void* dout = nullptr;
   void* dq = nullptr;
@@ -74,9 +162,10 @@ struct AttentionBwdParams : AttentionFwdParams {
   void* dv = nullptr;
   TensorStrides dout_strides, dq_strides, dk_strides, dv_strides;
 
-  // D_i = rowsum(dO_i * O_i), fp32 [batch, heads, seqlen_q] (scratch).
+  // D_i = rowsum(dO_i * O_i), fp32, indexed like lse (scratch).
   float* dsoftmax_sum = nullptr;
-  // fp32 dQ accumulator (CUDA) [batch, heads, seqlen_q_rounded, head_dim_rounded].
+  // fp32 dQ accumulator(s) (CUDA) [splits][q_rows_total][accum dim], rows
+  // indexed like lse.
   float* dq_accum = nullptr;
   bool deterministic = false;
 };

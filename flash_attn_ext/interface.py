@@ -4,15 +4,18 @@ flash_attn_func              flash-attn's API and layout: [batch, seqlen, heads,
                              causal aligned to the bottom-right corner when seqlen_q != seqlen_k.
 scaled_dot_product_attention torch SDPA's API and layout: [batch, heads, seqlen, head_dim],
                              causal aligned to the top-left corner (a drop-in replacement).
+flash_attn_varlen_func       packed variable-length sequences (cu_seqlens), flash-attn's API.
+flash_attn_with_kvcache      decoding against a KV cache (in-place append), forward only.
 
-Both reach the same kernels through strides: no copy when the last dim is contiguous.
+All reach the same kernels through strides: no copy when the last dim is contiguous. k/v
+may have fewer heads than q (grouped-query / multi-query attention) everywhere.
 """
 import math
 from typing import Optional, Tuple
 
 import torch
 
-from .ops import FlashAttnFunction
+from .ops import FlashAttnFunction, FlashAttnVarlenFunction
 
 
 def _not_implemented(what):
@@ -31,24 +34,7 @@ def _default_scale(head_dim):
     return 1.0 / math.sqrt(head_dim)
 
 
-def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
-                    causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
-                    softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
-                    return_attn_probs: bool = False, return_lse: bool = False,
-                    num_splits: int = 0):
-    """Exact attention, flash-attn compatible.
-
-    q: [batch, seqlen_q, heads, head_dim]; k, v: [batch, seqlen_k, heads, head_dim];
-    float16, bfloat16 or float32, on CPU or CUDA. softmax_scale defaults to 1/sqrt(head_dim).
-    causal=True masks key j for query i unless j <= i + seqlen_k - seqlen_q (bottom-right
-    alignment, as flash-attn >= 2.1). deterministic=True makes the backward bit-reproducible.
-    num_splits: split-KV for the CUDA forward (0 = heuristic, 1 = off, n = force n).
-
-    Returns out [batch, seqlen_q, heads, head_dim]; with return_lse=True (out, lse) and with
-    return_attn_probs=True (out, lse, None), lse being float32 [batch, heads, seqlen_q]
-    (natural log; -inf for rows that see no key). There is no dropout, so no probability
-    mask is returned.
-    """
+def _reject_unsupported(dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     if dropout_p != 0.0:
         _not_implemented(f"dropout (dropout_p={dropout_p})")
     if tuple(window_size) != (-1, -1):
@@ -57,11 +43,37 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
         _not_implemented(f"softcap (softcap={softcap})")
     if alibi_slopes is not None:
         _not_implemented("ALiBi (alibi_slopes)")
+
+
+def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                    causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                    return_attn_probs: bool = False, return_lse: bool = False,
+                    num_splits: int = 0, seqused_k: Optional[torch.Tensor] = None):
+    """Exact attention, flash-attn compatible.
+
+    q: [batch, seqlen_q, heads, head_dim]; k, v: [batch, seqlen_k, heads_k, head_dim] with
+    heads % heads_k == 0 (GQA; heads_k = 1 is MQA: query head h uses kv head
+    h // (heads // heads_k)); float16, bfloat16 or float32, on CPU or CUDA. softmax_scale
+    defaults to 1/sqrt(head_dim). causal=True masks key j for query i unless
+    j <= i + seqlen_k - seqlen_q (bottom-right alignment, as flash-attn >= 2.1).
+    deterministic=True makes the backward bit-reproducible.
+    num_splits: split-KV for the CUDA forward (0 = heuristic, 1 = off, n = force n).
+    seqused_k: optional int32 tensor [batch] on q's device: batch b only attends to keys
+    [0, seqused_k[b]) (key padding; values are clamped to [0, seqlen_k]); causal alignment
+    and gradients follow, and unused keys get zero dk / dv.
+
+    Returns out [batch, seqlen_q, heads, head_dim]; with return_lse=True (out, lse) and with
+    return_attn_probs=True (out, lse, None), lse being float32 [batch, heads, seqlen_q]
+    (natural log; -inf for rows that see no key). There is no dropout, so no probability
+    mask is returned.
+    """
+    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_rank(t, name, "[batch, seqlen, heads, head_dim]")
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, lse = FlashAttnFunction.apply(q, k, v, scale, bool(causal), True, bool(deterministic),
-                                       int(num_splits), 0)
+                                       int(num_splits), 0, seqused_k)
     if return_attn_probs:
         return out, lse, None
     if return_lse:
@@ -74,7 +86,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
                                  enable_gqa: bool = False):
     """Drop-in replacement for torch.nn.functional.scaled_dot_product_attention.
 
-    query: [batch, heads, seqlen_q, head_dim]; key, value: [batch, heads, seqlen_k, head_dim].
+    query: [batch, heads, seqlen_q, head_dim]; key, value: [batch, heads_k, seqlen_k,
+    head_dim], heads_k == heads unless enable_gqa=True (then heads % heads_k == 0).
     is_causal=True uses torch's top-left alignment (key j visible to query i iff j <= i).
     Returns [batch, heads, seqlen_q, head_dim].
     """
@@ -82,11 +95,134 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         _not_implemented("an explicit attn_mask (use is_causal=True for causal masking)")
     if dropout_p != 0.0:
         _not_implemented(f"dropout (dropout_p={dropout_p})")
-    if enable_gqa:
-        _not_implemented("grouped-query attention (enable_gqa=True)")
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_rank(t, name, "[batch, heads, seqlen, head_dim]")
+    if not enable_gqa and key.shape[1] != query.shape[1]:
+        raise RuntimeError(
+            f"flash_attn_ext: query has {query.shape[1]} heads but key/value have "
+            f"{key.shape[1]}; pass enable_gqa=True for grouped-query attention")
     softmax_scale = _default_scale(query.shape[-1]) if scale is None else float(scale)
     q, k, v = [t.transpose(1, 2) for t in (query, key, value)]
-    out, _ = FlashAttnFunction.apply(q, k, v, softmax_scale, bool(is_causal), False, False, 0, 0)
+    out, _ = FlashAttnFunction.apply(q, k, v, softmax_scale, bool(is_causal), False, False, 0, 0,
+                                     None)
     return out.transpose(1, 2)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                           max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes=None, deterministic: bool = False,
+                           return_attn_probs: bool = False, return_lse: bool = False,
+                           seqused_k: Optional[torch.Tensor] = None, block_table=None):
+    """Exact attention over a batch of packed variable-length sequences (flash-attn's API).
+
+    q: [total_q, heads, head_dim]; k, v: [total_k, heads_k, head_dim] (heads % heads_k == 0).
+    cu_seqlens_q / cu_seqlens_k: int32 [batch + 1] on q's device, starting at 0 and
+    non-decreasing: sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] (zero-length sequences
+    are allowed). max_seqlen_q / max_seqlen_k: at least the longest sequence. causal is
+    aligned bottom-right within each sequence. seqused_k (int32 [batch]) further limits the
+    keys of each sequence. The cu_seqlens values are checked on the host (a small copy).
+
+    Returns out [total_q, heads, head_dim]; with return_lse (or return_attn_probs) also
+    lse float32 [heads, total_q] (and None for the probabilities).
+    """
+    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    if block_table is not None:
+        _not_implemented("paged KV (block_table)")
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flash_attn_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise RuntimeError(f"flash_attn_ext: varlen {name} must be a 3-D tensor "
+                               f"[total_tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    out, lse = FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                             int(max_seqlen_q), int(max_seqlen_k), scale,
+                                             bool(causal), bool(deterministic), seqused_k)
+    if return_attn_probs:
+        return out, lse, None
+    if return_lse:
+        return out, lse
+    return out
+
+
+def _cache_lengths(cache_seqlens, batch, cache_size, device):
+    """cache_seqlens (None, int or tensor) -> int32 tensor [batch] on `device`."""
+    if cache_seqlens is None:
+        return torch.full((batch,), cache_size, dtype=torch.int32, device=device)
+    if isinstance(cache_seqlens, int):
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError("flash_attn_ext: cache_seqlens must be None, an int or an int32 tensor, "
+                        f"got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32:
+        raise RuntimeError(f"flash_attn_ext: cache_seqlens must be int32, got {cache_seqlens.dtype}")
+    if cache_seqlens.shape != (batch,):
+        raise RuntimeError(f"flash_attn_ext: cache_seqlens must have shape ({batch},), got "
+                           f"{tuple(cache_seqlens.shape)}")
+    return cache_seqlens.to(device)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None,
+                            softmax_scale: Optional[float] = None, causal: bool = False,
+                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes=None,
+                            num_splits: int = 0, return_softmax_lse: bool = False):
+    """Attention of new queries against a KV cache (flash-attn's API), forward only.
+
+    q: [batch, seqlen_q, heads, head_dim]; k_cache, v_cache: [batch, cache_size, heads_k,
+    head_dim] (heads % heads_k == 0). cache_seqlens: int or int32 tensor [batch], the number
+    of valid entries per batch (None = the whole cache). If k, v ([batch, seqlen_new,
+    heads_k, head_dim]) are given they are written into the caches in place at positions
+    cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (checked against cache_size), and
+    attention runs over the first cache_seqlens[b] + seqlen_new keys. causal=True aligns the
+    queries with the end of that prefix. num_splits: split-KV (0 = heuristic).
+
+    Returns out [batch, seqlen_q, heads, head_dim] (and lse [batch, heads, seqlen_q] with
+    return_softmax_lse=True).
+    """
+    _reject_unsupported(0.0, window_size, softcap, alibi_slopes)
+    for arg, what in ((rotary_cos, "rotary embedding (rotary_cos / rotary_sin)"),
+                      (rotary_sin, "rotary embedding (rotary_cos / rotary_sin)"),
+                      (cache_batch_idx, "cache_batch_idx"), (cache_leftpad, "cache_leftpad"),
+                      (block_table, "paged KV cache (block_table)")):
+        if arg is not None:
+            _not_implemented(what)
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check_rank(t, name, "[batch, seqlen, heads, head_dim]")
+    if (k is None) != (v is None):
+        raise RuntimeError("flash_attn_ext: pass both k and v to append to the cache, or neither")
+    if k_cache.shape != v_cache.shape:
+        raise RuntimeError(f"flash_attn_ext: k_cache and v_cache must have the same shape, got "
+                           f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    batch, cache_size = k_cache.shape[0], k_cache.shape[1]
+    lengths = _cache_lengths(cache_seqlens, batch, cache_size, q.device)
+    if k is not None:
+        for t, name in ((k, "k"), (v, "v")):
+            _check_rank(t, name, "[batch, seqlen_new, heads_k, head_dim]")
+            if (t.shape[0], t.shape[2:]) != (batch, k_cache.shape[2:]):
+                raise RuntimeError(f"flash_attn_ext: {name} must have shape [batch, seqlen_new, "
+                                   f"{k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(t.shape)}")
+        seqlen_new = k.shape[1]
+        # One host sync: an out-of-range append would be a device-side assert otherwise.
+        lo, hi = int(lengths.min()), int(lengths.max())
+        if lo < 0 or hi + seqlen_new > cache_size:
+            raise RuntimeError(
+                f"flash_attn_ext: the KV cache is too short: appending {seqlen_new} tokens at "
+                f"cache_seqlens up to {hi} needs {hi + seqlen_new} entries, the cache has "
+                f"{cache_size} (and cache_seqlens must be >= 0, got min {lo})")
+        positions = lengths.long().unsqueeze(1) + torch.arange(seqlen_new, device=q.device)
+        rows = torch.arange(batch, device=q.device).unsqueeze(1)
+        with torch.no_grad():
+            k_cache[rows, positions] = k.to(k_cache.dtype)
+            v_cache[rows, positions] = v.to(v_cache.dtype)
+        lengths = lengths + seqlen_new
+    scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    q, k_c, v_c = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache)]
+    with torch.no_grad():
+        out, lse = torch.ops.flash_attn_ext.fwd(q, k_c, v_c, scale, bool(causal), True,
+                                                int(num_splits), 0, lengths)
+    return (out, lse) if return_softmax_lse else out

@@ -1,14 +1,22 @@
 """Loads the native operators and makes them autograd- and compile-friendly.
 
 torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0,
-                             tile=0) -> (out, lse)
+                             tile=0, seqused_k=None) -> (out, lse)
 torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, softmax_scale, causal,
-                             causal_bottom_right, deterministic=False) -> (dq, dk, dv)
+                             causal_bottom_right, deterministic=False, seqused_k=None)
+                             -> (dq, dk, dv)
+torch.ops.flash_attn_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, softmax_scale, causal, seqused_k=None)
+                                    -> (out, lse)
+torch.ops.flash_attn_ext.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                    deterministic=False, seqused_k=None) -> (dq, dk, dv)
 
-All tensors are [batch, seqlen, heads, head_dim] with a contiguous last dim; lse is
-float32 [batch, heads, seqlen_q]. This module registers the fake (meta) kernels used by
-torch.compile / FakeTensor, and FlashAttnFunction, the torch.autograd.Function that the
-public API (interface.py) goes through.
+Padded tensors are [batch, seqlen, heads, head_dim] with a contiguous last dim and lse is
+float32 [batch, heads, seqlen_q]; varlen tensors are packed [total, heads, head_dim] and
+lse is [heads, total_q]. k/v may have fewer heads than q (GQA/MQA). This module registers
+the fake (meta) kernels used by torch.compile / FakeTensor, and the torch.autograd.Functions
+that the public API (interface.py) goes through.
 """
 import torch
 
@@ -39,9 +47,14 @@ def _check_bshd(t, name):
                            "float16 or bfloat16")
 
 
-def _check_qkv(q, k, v):
+def _check_qkv(q, k, v, varlen=False):
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        _check_bshd(t, name)
+        if varlen:
+            if t.dim() != 3:
+                raise RuntimeError(f"flash_attn_ext: varlen {name} must be a 3-D tensor "
+                                   f"[total_tokens, heads, head_dim], got shape {tuple(t.shape)}")
+        else:
+            _check_bshd(t, name)
     for t, name in ((k, "k"), (v, "v")):
         if t.dtype != q.dtype:
             raise RuntimeError(f"flash_attn_ext: q and {name} must have the same dtype, got "
@@ -52,13 +65,19 @@ def _check_qkv(q, k, v):
     if k.shape != v.shape:
         raise RuntimeError(f"flash_attn_ext: k and v must have the same shape, got "
                            f"{tuple(k.shape)} and {tuple(v.shape)}")
-    torch._check(q.shape[0] == k.shape[0], lambda: "flash_attn_ext: q and k must have the same batch size")
-    torch._check(q.shape[2] == k.shape[2], lambda: "flash_attn_ext: q and k/v must have the same number of heads")
-    torch._check(q.shape[3] == k.shape[3], lambda: "flash_attn_ext: q, k and v must have the same head_dim")
+    if not varlen:
+        torch._check(q.shape[0] == k.shape[0],
+                     lambda: "flash_attn_ext: q and k must have the same batch size")
+    torch._check(q.shape[-2] % k.shape[-2] == 0, lambda: (
+        "flash_attn_ext: the number of query heads must be a multiple of the number of "
+        "key/value heads"))
+    torch._check(q.shape[-1] == k.shape[-1],
+                 lambda: "flash_attn_ext: q, k and v must have the same head_dim")
 
 
 @torch.library.register_fake("flash_attn_ext::fwd")
-def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0, tile=0):
+def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0, tile=0,
+              seqused_k=None):
     _check_qkv(q, k, v)
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
@@ -67,8 +86,24 @@ def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0,
 
 @torch.library.register_fake("flash_attn_ext::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
-              deterministic=False):
+              deterministic=False, seqused_k=None):
     _check_qkv(q, k, v)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.register_fake("flash_attn_ext::varlen_fwd")
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, seqused_k=None):
+    _check_qkv(q, k, v, varlen=True)
+    out = torch.empty_like(q)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("flash_attn_ext::varlen_bwd")
+def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale, causal, deterministic=False, seqused_k=None):
+    _check_qkv(q, k, v, varlen=True)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -78,26 +113,26 @@ def _last_dim_contiguous(t):
 
 class FlashAttnFunction(torch.autograd.Function):
     """out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, causal_bottom_right,
-    deterministic, num_splits, tile). lse is returned but not differentiable.
+    deterministic, num_splits, tile, seqused_k). lse is returned but not differentiable.
 
     num_splits = 0 and tile = 0 mean "choose": by the built-in heuristics, or by timing
-    when the autotuner is on (flash_attn_ext.autotune)."""
+    when the autotuner is on (flash_attn_ext.autotune). seqused_k: None or int32 [batch]."""
 
     @staticmethod
     def forward(q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, num_splits,
-                tile):
+                tile, seqused_k):
         q, k, v = [_last_dim_contiguous(t) for t in (q, k, v)]
-        if num_splits == 0 and tile == 0 and autotune.is_enabled():
+        if num_splits == 0 and tile == 0 and seqused_k is None and autotune.is_enabled():
             num_splits, tile = autotune.choose_forward_config(q, k, v, softmax_scale, causal,
                                                               causal_bottom_right)
         return torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right,
-                                            num_splits, tile)
+                                            num_splits, tile, seqused_k)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, _, _ = inputs
+        q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, _, _, seqused_k = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, seqused_k)
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
         ctx.causal_bottom_right = causal_bottom_right
@@ -106,9 +141,44 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, seqused_k = ctx.saved_tensors
         q, k, v, dout = [_last_dim_contiguous(t) for t in (q, k, v, dout)]
         dq, dk, dv = torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, ctx.softmax_scale,
                                                   ctx.causal, ctx.causal_bottom_right,
-                                                  ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None, None
+                                                  ctx.deterministic, seqused_k)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+class FlashAttnVarlenFunction(torch.autograd.Function):
+    """out, lse = FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, seqused_k) over packed
+    [total, heads, head_dim] sequences; lse [heads, total_q] is not differentiable."""
+
+    @staticmethod
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                causal, deterministic, seqused_k):
+        q, k, v = [_last_dim_contiguous(t) for t in (q, k, v)]
+        return torch.ops.flash_attn_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                   max_seqlen_q, max_seqlen_k, softmax_scale,
+                                                   causal, seqused_k)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+         deterministic, seqused_k) = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
+        ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(lse)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k = ctx.saved_tensors
+        q, k, v, dout = [_last_dim_contiguous(t) for t in (q, k, v, dout)]
+        dq, dk, dv = torch.ops.flash_attn_ext.varlen_bwd(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
+            ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic, seqused_k)
+        return dq, dk, dv, None, None, None, None, None, None, None, None

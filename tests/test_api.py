@@ -110,7 +110,6 @@ def test_not_implemented_flash_attn_func(kwargs, match):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)), "attn_mask"),
     (dict(dropout_p=0.5), "dropout"),
-    (dict(enable_gqa=True), "grouped-query"),
 ])
 def test_not_implemented_sdpa(kwargs, match):
     q, k, v = make_qkv(1, 8, 8, 2, 16, torch.float32, "cpu", layout="bhsd", requires_grad=False)

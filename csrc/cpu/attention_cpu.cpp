@@ -194,39 +194,41 @@ void store_rows(T* base, int64_t row_stride, const float* src, int rows, int col
 }
 
 template <typename T>
-const T* at_row(const void* base, const TensorStrides& st, int b, int h, int row) {
+const T* at_row(const void* base, const TensorStrides& st, int b, int h, int64_t row) {
   return static_cast<const T*>(base) + b * st.batch + h * st.head + row * st.row;
 }
 template <typename T>
-T* at_row(void* base, const TensorStrides& st, int b, int h, int row) {
+T* at_row(void* base, const TensorStrides& st, int b, int h, int64_t row) {
   return static_cast<T*>(base) + b * st.batch + h * st.head + row * st.row;
 }
 
 // ---- masking ---------------------------------------------------------------
-// Number of leading keys (of the whole sequence) that query row i may see.
-int visible_keys(const AttentionFwdParams& p, int i) {
-  if (!p.causal) return p.seqlen_k;
-  return std::clamp(i + p.causal_offset + 1, 0, p.seqlen_k);
+// Rows and keys below are numbered within one sequence (SeqBounds, params.h:
+// varlen offsets, seqused_k and the causal alignment are all in there).
+// Number of leading keys of the sequence that query row i may see.
+int visible_keys(const AttentionFwdParams& p, const SeqBounds& s, int i) {
+  if (!p.causal) return s.seqlen_k;
+  return std::clamp(i + s.causal_offset + 1, 0, s.seqlen_k);
 }
 
 // Key tiles [n_begin, n_end) that some row of query block [m0, m0+rows) sees.
-int key_end_for_rows(const AttentionFwdParams& p, int m0, int rows) {
-  return visible_keys(p, m0 + rows - 1);
+int key_end_for_rows(const AttentionFwdParams& p, const SeqBounds& s, int m0, int rows) {
+  return visible_keys(p, s, m0 + rows - 1);
 }
 // First query row that sees key j (== seqlen_q when none does).
-int first_query_seeing(const AttentionFwdParams& p, int j) {
+int first_query_seeing(const AttentionFwdParams& p, const SeqBounds& s, int j) {
   if (!p.causal) return 0;
-  return std::clamp(j - p.causal_offset, 0, p.seqlen_q);
+  return std::clamp(j - s.causal_offset, 0, s.seqlen_q);
 }
 
 // Computes P = exp(scale * Q K^T - lse) for a [rows, cols] tile (masked -> 0).
 // `scores` is overwritten. Used by both backward passes.
-void recompute_probs(const AttentionFwdParams& p, const Tile& q, const Tile& k, int m0, int rows,
-                     int n0, int cols, const float* lse, float* scores) {
+void recompute_probs(const AttentionFwdParams& p, const SeqBounds& s, const Tile& q, const Tile& k,
+                     int m0, int rows, int n0, int cols, const float* lse, float* scores) {
   gemm_nt(rows, cols, p.head_dim, p.softmax_scale, q.data, q.ld, k.data, k.ld, 0.f, scores, cols);
   for (int r = 0; r < rows; ++r) {
     float* row = scores + static_cast<size_t>(r) * cols;
-    const int valid = std::clamp(visible_keys(p, m0 + r) - n0, 0, cols);
+    const int valid = std::clamp(visible_keys(p, s, m0 + r) - n0, 0, cols);
     if (lse[r] == kNegInf) {  // fully masked row: no probability mass anywhere
       std::fill(row, row + cols, 0.f);
       continue;
@@ -251,32 +253,36 @@ void fwd_impl(const AttentionFwdParams& p) {
       const int m_block = static_cast<int>(task % m_blocks);
       const int h = static_cast<int>((task / m_blocks) % p.heads);
       const int b = static_cast<int>(task / (static_cast<int64_t>(m_blocks) * p.heads));
+      const SeqBounds s = seq_bounds(p, b);
       const int m0 = m_block * kBlockM;
-      const int rows = std::min(kBlockM, p.seqlen_q - m0);
+      if (m0 >= s.seqlen_q) continue;  // varlen: past this sequence's end
+      const int rows = std::min(kBlockM, s.seqlen_q - m0);
       const int kh = h / (p.heads / p.heads_k);
+      const int64_t q_row = s.row0_q + m0;  // first row in the (packed) tensor
 
-      const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, m0), p.q_strides.row, rows, D, q_buf);
+      const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, q_row), p.q_strides.row, rows, D, q_buf);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(row_max, row_max + rows, kNegInf);
       std::fill(row_sum, row_sum + rows, 0.f);
 
-      const int n_end = key_end_for_rows(p, m0, rows);
+      const int n_end = key_end_for_rows(p, s, m0, rows);
       for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
         const int cols = std::min(kBlockN, n_end - n0);
-        const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, n0), p.k_strides.row, cols, D, k_buf);
-        const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, n0), p.v_strides.row, cols, D, v_buf);
+        const int64_t k_row = s.row0_k + n0;
+        const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, k_row), p.k_strides.row, cols, D, k_buf);
+        const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols, D, v_buf);
         gemm_nt(rows, cols, D, p.softmax_scale, q.data, q.ld, k.data, k.ld, 0.f, scores.data(), cols);
         for (int r = 0; r < rows; ++r) {
-          float* s = scores.data() + static_cast<size_t>(r) * cols;
-          const int valid = std::clamp(visible_keys(p, m0 + r) - n0, 0, cols);
+          float* sc = scores.data() + static_cast<size_t>(r) * cols;
+          const int valid = std::clamp(visible_keys(p, s, m0 + r) - n0, 0, cols);
           if (valid == 0) {  // this tile is entirely masked for this row
-            std::fill(s, s + cols, 0.f);
+            std::fill(sc, sc + cols, 0.f);
             continue;
           }
-          const float new_max = std::max(row_max[r], row_max_of(s, valid));
+          const float new_max = std::max(row_max[r], row_max_of(sc, valid));
           const float correction = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - new_max);
-          const float tile_sum = exp_shifted_sum(s, valid, new_max);
-          std::fill(s + valid, s + cols, 0.f);
+          const float tile_sum = exp_shifted_sum(sc, valid, new_max);
+          std::fill(sc + valid, sc + cols, 0.f);
           row_sum[r] = row_sum[r] * correction + tile_sum;
           row_max[r] = new_max;
           float* o = acc.data() + static_cast<size_t>(r) * D;
@@ -285,7 +291,7 @@ void fwd_impl(const AttentionFwdParams& p) {
         gemm_nn(rows, D, cols, 1.f, scores.data(), cols, v.data, v.ld, 1.f, acc.data(), D);
       }
 
-      float* lse = p.lse + (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q + m0;
+      float* lse = p.lse + s.lse_index(p, b, h, m0);
       for (int r = 0; r < rows; ++r) {
         float* o = acc.data() + static_cast<size_t>(r) * D;
         if (row_sum[r] == 0.f) {  // no visible key: zeros and lse = -inf, never NaN
@@ -297,7 +303,7 @@ void fwd_impl(const AttentionFwdParams& p) {
           lse[r] = row_max[r] + std::log(row_sum[r]);
         }
       }
-      store_rows(at_row<T>(p.out, p.out_strides, b, h, m0), p.out_strides.row, acc.data(), rows, D, 1.f);
+      store_rows(at_row<T>(p.out, p.out_strides, b, h, q_row), p.out_strides.row, acc.data(), rows, D, 1.f);
     }
   });
 }
@@ -309,19 +315,21 @@ void bwd_impl(const AttentionBwdParams& p) {
   const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
   const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
   const int kv_group = p.heads / p.heads_k;
-  auto lse_row = [&](int b, int h) { return p.lse + (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q; };
-  auto dsum_row = [&](int b, int h) {
-    return p.dsoftmax_sum + (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q;
+  // lse / D of row 0 of sequence b, head h.
+  auto lse_row = [&](const SeqBounds& s, int b, int h) { return p.lse + s.lse_index(p, b, h, 0); };
+  auto dsum_row = [&](const SeqBounds& s, int b, int h) {
+    return p.dsoftmax_sum + s.lse_index(p, b, h, 0);
   };
 
   // D_i = rowsum(dO_i * O_i), in fp32.
   at::parallel_for(0, static_cast<int64_t>(p.batch) * p.heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int b = static_cast<int>(bh / p.heads), h = static_cast<int>(bh % p.heads);
-      float* dsum = dsum_row(b, h);
-      for (int i = 0; i < p.seqlen_q; ++i) {
-        const T* o = at_row<T>(p.out, p.out_strides, b, h, i);
-        const T* dout = at_row<T>(p.dout, p.dout_strides, b, h, i);
+      const SeqBounds s = seq_bounds(p, b);
+      float* dsum = dsum_row(s, b, h);
+      for (int i = 0; i < s.seqlen_q; ++i) {
+        const T* o = at_row<T>(p.out, p.out_strides, b, h, s.row0_q + i);
+        const T* dout = at_row<T>(p.dout, p.dout_strides, b, h, s.row0_q + i);
         float s = 0.f;
         for (int d = 0; d < D; ++d) s += to_float(o[d]) * to_float(dout[d]);
         dsum[i] = s;
@@ -338,7 +346,7 @@ void bwd_impl(const AttentionBwdParams& p) {
     }
   };
 
-  // Pass 1: dK, dV per key tile. GQA (later) would sum over the group's heads here.
+  // Pass 1: dK, dV per key tile, summed over the query heads of the kv head's group.
   const int64_t kv_tasks = static_cast<int64_t>(p.batch) * p.heads_k * n_blocks;
   at::parallel_for(0, kv_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_buf, k_buf, v_buf, do_buf;
@@ -348,28 +356,32 @@ void bwd_impl(const AttentionBwdParams& p) {
       const int n_block = static_cast<int>(task % n_blocks);
       const int kh = static_cast<int>((task / n_blocks) % p.heads_k);
       const int b = static_cast<int>(task / (static_cast<int64_t>(n_blocks) * p.heads_k));
+      const SeqBounds s = seq_bounds(p, b);
       const int n0 = n_block * kBlockN;
-      const int cols = std::min(kBlockN, p.seqlen_k - n0);
-      const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, n0), p.k_strides.row, cols, D, k_buf);
-      const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, n0), p.v_strides.row, cols, D, v_buf);
+      if (n0 >= s.seqlen_k) continue;  // past this sequence's (used) keys: dK = dV = 0
+      const int cols = std::min(kBlockN, s.seqlen_k - n0);
+      const int64_t k_row = s.row0_k + n0;
+      const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, k_row), p.k_strides.row, cols, D, k_buf);
+      const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols, D, v_buf);
       std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
       std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
-      const int m_begin = first_query_seeing(p, n0) / kBlockM * kBlockM;
+      const int m_begin = first_query_seeing(p, s, n0) / kBlockM * kBlockM;
       for (int h = kh * kv_group; h < (kh + 1) * kv_group; ++h) {
-        for (int m0 = m_begin; m0 < p.seqlen_q; m0 += kBlockM) {
-          const int rows = std::min(kBlockM, p.seqlen_q - m0);
-          const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, m0), p.q_strides.row, rows, D, q_buf);
-          const Tile dout = load_tile(at_row<T>(p.dout, p.dout_strides, b, h, m0), p.dout_strides.row,
+        for (int m0 = m_begin; m0 < s.seqlen_q; m0 += kBlockM) {
+          const int rows = std::min(kBlockM, s.seqlen_q - m0);
+          const int64_t q_row = s.row0_q + m0;
+          const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, q_row), p.q_strides.row, rows, D, q_buf);
+          const Tile dout = load_tile(at_row<T>(p.dout, p.dout_strides, b, h, q_row), p.dout_strides.row,
                                       rows, D, do_buf);
-          recompute_probs(p, q, k, m0, rows, n0, cols, lse_row(b, h) + m0, probs.data());
+          recompute_probs(p, s, q, k, m0, rows, n0, cols, lse_row(s, b, h) + m0, probs.data());
           gemm_tn(cols, D, rows, 1.f, probs.data(), cols, dout.data, dout.ld, 1.f, dv_acc.data(), D);
           gemm_nt(rows, cols, D, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, dprobs.data(), cols);
-          softmax_grad(dprobs.data(), probs.data(), dsum_row(b, h) + m0, rows, cols);
+          softmax_grad(dprobs.data(), probs.data(), dsum_row(s, b, h) + m0, rows, cols);
           gemm_tn(cols, D, rows, p.softmax_scale, dprobs.data(), cols, q.data, q.ld, 1.f, dk_acc.data(), D);
         }
       }
-      store_rows(at_row<T>(p.dk, p.dk_strides, b, kh, n0), p.dk_strides.row, dk_acc.data(), cols, D, 1.f);
-      store_rows(at_row<T>(p.dv, p.dv_strides, b, kh, n0), p.dv_strides.row, dv_acc.data(), cols, D, 1.f);
+      store_rows(at_row<T>(p.dk, p.dk_strides, b, kh, k_row), p.dk_strides.row, dk_acc.data(), cols, D, 1.f);
+      store_rows(at_row<T>(p.dv, p.dv_strides, b, kh, k_row), p.dv_strides.row, dv_acc.data(), cols, D, 1.f);
     }
   });
 
@@ -384,23 +396,27 @@ void bwd_impl(const AttentionBwdParams& p) {
       const int h = static_cast<int>((task / m_blocks) % p.heads);
       const int b = static_cast<int>(task / (static_cast<int64_t>(m_blocks) * p.heads));
       const int kh = h / kv_group;
+      const SeqBounds s = seq_bounds(p, b);
       const int m0 = m_block * kBlockM;
-      const int rows = std::min(kBlockM, p.seqlen_q - m0);
-      const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, m0), p.q_strides.row, rows, D, q_buf);
-      const Tile dout = load_tile(at_row<T>(p.dout, p.dout_strides, b, h, m0), p.dout_strides.row, rows,
+      if (m0 >= s.seqlen_q) continue;
+      const int rows = std::min(kBlockM, s.seqlen_q - m0);
+      const int64_t q_row = s.row0_q + m0;
+      const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, q_row), p.q_strides.row, rows, D, q_buf);
+      const Tile dout = load_tile(at_row<T>(p.dout, p.dout_strides, b, h, q_row), p.dout_strides.row, rows,
                                   D, do_buf);
       std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
-      const int n_end = key_end_for_rows(p, m0, rows);
+      const int n_end = key_end_for_rows(p, s, m0, rows);
       for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
         const int cols = std::min(kBlockN, n_end - n0);
-        const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, n0), p.k_strides.row, cols, D, k_buf);
-        const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, n0), p.v_strides.row, cols, D, v_buf);
-        recompute_probs(p, q, k, m0, rows, n0, cols, lse_row(b, h) + m0, probs.data());
+        const int64_t k_row = s.row0_k + n0;
+        const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, k_row), p.k_strides.row, cols, D, k_buf);
+        const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols, D, v_buf);
+        recompute_probs(p, s, q, k, m0, rows, n0, cols, lse_row(s, b, h) + m0, probs.data());
         gemm_nt(rows, cols, D, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, dprobs.data(), cols);
-        softmax_grad(dprobs.data(), probs.data(), dsum_row(b, h) + m0, rows, cols);
+        softmax_grad(dprobs.data(), probs.data(), dsum_row(s, b, h) + m0, rows, cols);
         gemm_nn(rows, D, cols, p.softmax_scale, dprobs.data(), cols, k.data, k.ld, 1.f, dq_acc.data(), D);
       }
-      store_rows(at_row<T>(p.dq, p.dq_strides, b, h, m0), p.dq_strides.row, dq_acc.data(), rows, D, 1.f);
+      store_rows(at_row<T>(p.dq, p.dq_strides, b, h, q_row), p.dq_strides.row, dq_acc.data(), rows, D, 1.f);
     }
   });
 }

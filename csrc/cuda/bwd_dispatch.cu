@@ -4,8 +4,8 @@
 // defines FAE_HAS_HDIM_<D> / FAE_HAS_FP16 / FAE_HAS_BF16 for what it built).
 //
 // Workspace (fp32), in this order:
-//   dsoftmax_sum  [batch][heads][seqlen_q]           (padded to 64 floats)
-//   dq_accum      [splits][batch][heads][seqlen_q][accum_dim]
+//   dsoftmax_sum  [q_rows_total]  (lse-shaped, params.h; padded to 64 floats)
+//   dq_accum      [splits][q_rows_total][accum_dim]
 // accum_dim = the instantiated head dim. splits = 1 unless deterministic; then
 // each of `splits` blocks per head owns one accumulator (see bwd_dq_splits).
 #include <cuda_bf16.h>
@@ -49,8 +49,7 @@ int bwd_dq_splits(const AttentionBwdParams& p, int num_sms) {
 }
 
 int64_t dsum_floats(const AttentionBwdParams& p) {
-  const int64_t n = static_cast<int64_t>(p.batch) * p.heads * p.seqlen_q;
-  return (n + 63) / 64 * 64;  // keeps dq_accum 256-byte aligned
+  return (p.q_rows_total + 63) / 64 * 64;  // keeps dq_accum 256-byte aligned
 }
 
 [[noreturn]] void not_compiled(const AttentionBwdParams& p, const char* what) {
@@ -104,8 +103,8 @@ void run_head_dim_switch(const AttentionBwdParams& p, cudaStream_t stream) {
 }  // namespace
 
 int64_t bwd_workspace_floats(const AttentionBwdParams& params, int num_sms) {
-  const int64_t dq = static_cast<int64_t>(bwd_dq_splits(params, num_sms)) * params.batch *
-                     params.heads * params.seqlen_q * accum_dim(params);
+  const int64_t dq =
+      static_cast<int64_t>(bwd_dq_splits(params, num_sms)) * params.q_rows_total * accum_dim(params);
   return dsum_floats(params) + dq;
 }
 

@@ -91,28 +91,31 @@ __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdPa
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int h = blockIdx.y, b = blockIdx.z;
-  const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, head_dim = params.head_dim;
+  const int h_kv = h / (params.heads / params.heads_k);  // GQA: see bwd_kernel.cuh
+  const SeqBounds seq = seq_bounds(params, b);
+  const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = params.head_dim;
   const int num_m_blocks = (seqlen_q + BM - 1) / BM;
   const int num_n_blocks = (seqlen_k + BN - 1) / BN;
-  const float* q_bh = static_cast<const float*>(params.q) + b * params.q_strides.batch + h * params.q_strides.head;
-  const float* k_bh = static_cast<const float*>(params.k) + b * params.k_strides.batch + h * params.k_strides.head;
-  const float* v_bh = static_cast<const float*>(params.v) + b * params.v_strides.batch + h * params.v_strides.head;
-  const float* do_bh = static_cast<const float*>(params.dout) + b * params.dout_strides.batch +
-                       h * params.dout_strides.head;
-  float* dk_bh = static_cast<float*>(params.dk) + b * params.dk_strides.batch + h * params.dk_strides.head;
-  float* dv_bh = static_cast<float*>(params.dv) + b * params.dv_strides.batch + h * params.dv_strides.head;
-  const int64_t bh = static_cast<int64_t>(b) * params.heads + h;
-  const float* lse_bh = params.lse + bh * seqlen_q;
-  const float* dsum_bh = params.dsoftmax_sum + bh * seqlen_q;
+  auto head_rows = [&](const void* base, const TensorStrides& st, int head, int64_t row0) {
+    return static_cast<const float*>(base) + b * st.batch + head * st.head + row0 * st.row;
+  };
+  const float* q_bh = head_rows(params.q, params.q_strides, h, seq.row0_q);
+  const float* k_bh = head_rows(params.k, params.k_strides, h_kv, seq.row0_k);
+  const float* v_bh = head_rows(params.v, params.v_strides, h_kv, seq.row0_k);
+  const float* do_bh = head_rows(params.dout, params.dout_strides, h, seq.row0_q);
+  float* dk_bh = const_cast<float*>(head_rows(params.dk, params.dk_strides, h, seq.row0_k));
+  float* dv_bh = const_cast<float*>(head_rows(params.dv, params.dv_strides, h, seq.row0_k));
+  const int64_t stats_row0 = seq.lse_index(params, b, h, 0);
+  const float* lse_bh = params.lse + stats_row0;
+  const float* dsum_bh = params.dsoftmax_sum + stats_row0;
   const int split = kDeterministic ? blockIdx.x : 0;
-  float* dq_bh = params.dq_accum +
-                 (static_cast<int64_t>(split) * params.batch * params.heads + bh) * seqlen_q * kD;
+  float* dq_bh = params.dq_accum + (split * params.q_rows_total + stats_row0) * kD;
 
   for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
     const int key0 = n_block * BN;
     int m_begin = 0;
     if (kIsCausal) {
-      const int first_query = key0 - params.causal_offset;
+      const int first_query = key0 - seq.causal_offset;
       m_begin = first_query <= 0 ? 0 : first_query / BM;
     }
     __syncthreads();  // previous n_block done with sK / sV
@@ -167,7 +170,7 @@ __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdPa
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int key = key0 + 4 * warp + r;
-          const bool visible = key < seqlen_k && (!kIsCausal || key <= query + params.causal_offset);
+          const bool visible = key < seqlen_k && (!kIsCausal || key <= query + seq.causal_offset);
           const float p = visible ? exp2f(s[r] * params.scale_log2 - lse2) : 0.f;
           sP[lane * kPP + 4 * warp + r] = p;
           sdS[lane * kPP + 4 * warp + r] = p * (dp[r] - dsum);
@@ -255,7 +258,7 @@ void run_fp32(const AttentionBwdParams& params, cudaStream_t stream) {
   const int splits = params.deterministic ? params.num_splits : 1;
   if (splits < 1) throw std::runtime_error("flash_attn_ext: backward needs num_splits >= 1");
   const size_t accum_bytes =
-      static_cast<size_t>(splits) * params.batch * params.heads * params.seqlen_q * kD * sizeof(float);
+      static_cast<size_t>(splits) * params.q_rows_total * kD * sizeof(float);
   check(cudaMemsetAsync(params.dq_accum, 0, accum_bytes, stream), "dQ zeroing");
   launch_bwd_dot_do_o<float>(params, stream);
   const int num_n_blocks = (params.seqlen_k + kBwdFp32BlockN - 1) / kBwdFp32BlockN;

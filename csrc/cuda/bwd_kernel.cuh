@@ -198,7 +198,7 @@ FAE_DEVICE void store_key_query_tile(typename Kt::T* tile, const float (&acc)[kM
   }
 }
 
-template <typename Kt, bool kIsCausal, bool kDeterministic>
+template <typename Kt, bool kIsCausal, bool kDeterministic, bool kVarSeq>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const AttentionBwdParams params) {
   using T = typename Kt::T;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
@@ -224,25 +224,32 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
   const int wd = warp / Kt::kWarpsKeys;
   const int warp_key0 = wk * Kt::kKeysPerWarp;
   const int h = blockIdx.y, b = blockIdx.z;
-  const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, head_dim = params.head_dim;
+  // GQA: K/V are read from the group's kv head; dK / dV are written per query
+  // head (the op layer sums each group when heads_k < heads).
+  const int h_kv = h / (params.heads / params.heads_k);
+  // This sequence's lengths / first rows / causal offset (varlen, seqused_k).
+  const SeqBounds seq = seq_bounds<kVarSeq>(params, b);
+  const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = params.head_dim;
+  const int causal_offset = seq.causal_offset;
   const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
   const int num_n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
 
-  const T* q_bh = static_cast<const T*>(params.q) + b * params.q_strides.batch + h * params.q_strides.head;
-  const T* k_bh = static_cast<const T*>(params.k) + b * params.k_strides.batch + h * params.k_strides.head;
-  const T* v_bh = static_cast<const T*>(params.v) + b * params.v_strides.batch + h * params.v_strides.head;
-  const T* do_bh = static_cast<const T*>(params.dout) + b * params.dout_strides.batch +
-                   h * params.dout_strides.head;
-  T* dk_bh = static_cast<T*>(params.dk) + b * params.dk_strides.batch + h * params.dk_strides.head;
-  T* dv_bh = static_cast<T*>(params.dv) + b * params.dv_strides.batch + h * params.dv_strides.head;
-  const int64_t bh = static_cast<int64_t>(b) * params.heads + h;
-  const float* lse_bh = params.lse + bh * seqlen_q;
-  const float* dsum_bh = params.dsoftmax_sum + bh * seqlen_q;
+  auto head_rows = [&](const void* base, const TensorStrides& st, int head, int64_t row0) {
+    return static_cast<const T*>(base) + b * st.batch + head * st.head + row0 * st.row;
+  };
+  const T* q_bh = head_rows(params.q, params.q_strides, h, seq.row0_q);
+  const T* k_bh = head_rows(params.k, params.k_strides, h_kv, seq.row0_k);
+  const T* v_bh = head_rows(params.v, params.v_strides, h_kv, seq.row0_k);
+  const T* do_bh = head_rows(params.dout, params.dout_strides, h, seq.row0_q);
+  T* dk_bh = const_cast<T*>(head_rows(params.dk, params.dk_strides, h, seq.row0_k));
+  T* dv_bh = const_cast<T*>(head_rows(params.dv, params.dv_strides, h, seq.row0_k));
+  const int64_t stats_row0 = seq.lse_index(params, b, h, 0);
+  const float* lse_bh = params.lse + stats_row0;
+  const float* dsum_bh = params.dsoftmax_sum + stats_row0;
   // Deterministic: block x owns dQ split x exclusively (plain read-modify-write
   // in a fixed n_block order); otherwise all blocks share split 0 via atomics.
   const int split = kDeterministic ? blockIdx.x : 0;
-  float* dq_bh = params.dq_accum +
-                 ((static_cast<int64_t>(split) * params.batch * params.heads) + bh) * seqlen_q * kHeadDim;
+  float* dq_bh = params.dq_accum + (split * params.q_rows_total + stats_row0) * kHeadDim;
 
   // lse (in log2 units) and D of one query tile, into registers: issued early,
   // stored to shared memory late, so the global latency hides under the mmas.
@@ -279,7 +286,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
     // tiles above it are skipped entirely (they contribute nothing).
     int m_begin = 0;
     if (kIsCausal) {
-      const int first_query = key0 - params.causal_offset;
+      const int first_query = key0 - causal_offset;
       m_begin = first_query <= 0 ? 0 : first_query / kBlockM;
     }
 
@@ -331,7 +338,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
       // Only tiles crossing the diagonal or the seqlen_k boundary need masks.
       // (Query rows >= seqlen_q need none: their lse2 = +inf gives P = 0.)
       const bool apply_mask = key0 + kBlockN > seqlen_k ||
-                              (kIsCausal && query0 + params.causal_offset < key0 + kBlockN - 1);
+                              (kIsCausal && query0 + causal_offset < key0 + kBlockN - 1);
 
       if constexpr (Kt::kLayout == BwdLayout::kRegisters) {
         // ---- S^T, dP^T, P^T, dS^T of 16 keys x all queries in registers -----
@@ -345,7 +352,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
         gemm_keys_by_queries<Kt, 1, kQTiles>(acc_dp, sV + warp_key0 * kPitch, sdO_m, lane);
         softmax_backward<Kt, kIsCausal, 1, kQTiles>(
             acc_s, acc_dp, lse2_m, dsum_m, params.scale_log2, apply_mask, key0 + warp_key0,
-            query0, seqlen_k, params.causal_offset, lane);
+            query0, seqlen_k, causal_offset, lane);
         // dV += P^T dO, dK += dS^T Q straight from the accumulators (their C
         // layout is the A layout); only dS^T goes to smem, for dQ.
 #pragma unroll
@@ -377,7 +384,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
                                               sdO_m + warp_q0 * kPitch, lane);
         softmax_backward<Kt, kIsCausal, kM, kQTiles>(
             acc_s, acc_dp, lse2_m + warp_q0, dsum_m + warp_q0, params.scale_log2, apply_mask,
-            key0 + warp_key0, query0 + warp_q0, seqlen_k, params.causal_offset, lane);
+            key0 + warp_key0, query0 + warp_q0, seqlen_k, causal_offset, lane);
         store_key_query_tile<Kt, kM, kQTiles>(sP, acc_s, warp_key0, warp_q0, lane);
         store_key_query_tile<Kt, kM, kQTiles>(sdS, acc_dp, warp_key0, warp_q0, lane);
       } else {
@@ -409,7 +416,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
           }
           softmax_backward<Kt, kIsCausal, 1, kQTiles>(
               acc, acc_dp, lse2_m, dsum_m, params.scale_log2, apply_mask, key0 + warp_key0,
-              query0, seqlen_k, params.causal_offset, lane);
+              query0, seqlen_k, causal_offset, lane);
           store_key_query_tile<Kt, 1, kQTiles>(sP, acc, warp_key0, 0, lane);
           store_key_query_tile<Kt, 1, kQTiles>(sdS, acc_dp, warp_key0, 0, lane);
         }

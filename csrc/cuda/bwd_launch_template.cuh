@@ -33,8 +33,8 @@ void run_bwd_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   const int splits = params.deterministic ? params.num_splits : 1;
   if (splits < 1) throw std::runtime_error("flash_attn_ext: backward needs num_splits >= 1");
 
-  const size_t accum_bytes = static_cast<size_t>(splits) * params.batch * params.heads *
-                             params.seqlen_q * kHeadDim * sizeof(float);
+  const size_t accum_bytes = static_cast<size_t>(splits) * params.q_rows_total * kHeadDim *
+                             sizeof(float);
   bwd_check_cuda(cudaMemsetAsync(params.dq_accum, 0, accum_bytes, stream), "dQ zeroing");
   launch_bwd_dot_do_o<T>(params, stream);
 
@@ -42,8 +42,13 @@ void run_bwd_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   // Deterministic: `splits` blocks per head, each walking n_blocks
   // split, split + splits, ... and owning dQ accumulator `split`.
   const dim3 grid(params.deterministic ? splits : num_n_blocks, params.heads, params.batch);
-  auto kernel = params.deterministic ? &bwd::bwd_main_kernel<Kt, kIsCausal, true>
-                                     : &bwd::bwd_main_kernel<Kt, kIsCausal, false>;
+  // Varlen / seqused_k calls get their own instantiation (see seq_bounds).
+  const bool var_seqs = has_var_seqs(params);
+  auto kernel = params.deterministic
+                    ? (var_seqs ? &bwd::bwd_main_kernel<Kt, kIsCausal, true, true>
+                                : &bwd::bwd_main_kernel<Kt, kIsCausal, true, false>)
+                    : (var_seqs ? &bwd::bwd_main_kernel<Kt, kIsCausal, false, true>
+                                : &bwd::bwd_main_kernel<Kt, kIsCausal, false, false>);
   bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       Kt::kSmemBytes),
                  "shared-memory opt-in");

@@ -63,12 +63,14 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const AttentionBwdPar
   const int row = blockIdx.x * kDotRowsPerBlock + threadIdx.x / kDotThreadsPerRow;
   const int sub = threadIdx.x % kDotThreadsPerRow;
   const int h = blockIdx.y, b = blockIdx.z;
+  const SeqBounds seq = seq_bounds(params, b);
+  const int64_t packed_row = seq.row0_q + row;
   float acc = 0.f;
-  if (row < params.seqlen_q) {
+  if (row < seq.seqlen_q) {
     const T* o = static_cast<const T*>(params.out) + b * params.out_strides.batch +
-                 row * params.out_strides.row + h * params.out_strides.head;
+                 packed_row * params.out_strides.row + h * params.out_strides.head;
     const T* d_o = static_cast<const T*>(params.dout) + b * params.dout_strides.batch +
-                   row * params.dout_strides.row + h * params.dout_strides.head;
+                   packed_row * params.dout_strides.row + h * params.dout_strides.head;
     for (int c = sub * 8; c < params.head_dim; c += kDotThreadsPerRow * 8) {
       float ov[8], dov[8];
       load8<T>(o + c, ov);
@@ -81,30 +83,26 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const AttentionBwdPar
   acc += __shfl_xor_sync(0xffffffff, acc, 1);
   acc += __shfl_xor_sync(0xffffffff, acc, 2);
   acc += __shfl_xor_sync(0xffffffff, acc, 4);
-  if (row < params.seqlen_q && sub == 0) {
-    params.dsoftmax_sum[(static_cast<int64_t>(b) * params.heads + h) * params.seqlen_q + row] = acc;
-  }
+  if (row < seq.seqlen_q && sub == 0) params.dsoftmax_sum[seq.lse_index(params, b, h, row)] = acc;
 }
 
 // ---- dq = scale * sum_split dq_accum[split] ---------------------------------
-// dq_accum layout: [num_splits][batch][heads][seqlen_q][accum_dim] fp32, where
-// accum_dim (>= head_dim, multiple of 8) is the row pitch the main kernel used.
+// dq_accum layout: [num_splits][q_rows_total][accum_dim] fp32, rows indexed
+// like lse (params.h), where accum_dim (>= head_dim, multiple of 8) is the row
+// pitch the main kernel used.
 // One thread per 8 columns. grid = (ceil(seqlen_q * head_dim/8 / 256), heads, batch).
 template <typename T>
 __global__ void __launch_bounds__(256)
     bwd_convert_dq_kernel(const AttentionBwdParams params, int accum_dim, int num_splits) {
   const int chunks_per_row = params.head_dim / 8;
   const int idx = blockIdx.x * 256 + threadIdx.x;
-  if (idx >= params.seqlen_q * chunks_per_row) return;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const SeqBounds seq = seq_bounds(params, b);
+  if (idx >= seq.seqlen_q * chunks_per_row) return;
   const int row = idx / chunks_per_row;
   const int col = (idx % chunks_per_row) * 8;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int64_t split_stride =
-      static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q * accum_dim;
-  const float* src = params.dq_accum +
-                     ((static_cast<int64_t>(b) * params.heads + h) * params.seqlen_q + row) *
-                         accum_dim +
-                     col;
+  const int64_t split_stride = params.q_rows_total * accum_dim;
+  const float* src = params.dq_accum + seq.lse_index(params, b, h, row) * accum_dim + col;
   float sum[8];
   load8<float>(src, sum);
   for (int s = 1; s < num_splits; ++s) {  // fixed order: deterministic
@@ -115,8 +113,8 @@ __global__ void __launch_bounds__(256)
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) sum[i] *= params.softmax_scale;
-  T* dst = static_cast<T*>(params.dq) + b * params.dq_strides.batch + row * params.dq_strides.row +
-           h * params.dq_strides.head + col;
+  T* dst = static_cast<T*>(params.dq) + b * params.dq_strides.batch +
+           (seq.row0_q + row) * params.dq_strides.row + h * params.dq_strides.head + col;
   store8<T>(dst, sum);
 }
 

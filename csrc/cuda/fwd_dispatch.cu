@@ -203,7 +203,7 @@ int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
 
 int64_t fwd_workspace_floats(const AttentionFwdParams& params, int num_splits) {
   if (num_splits <= 1 || params.dtype == DType::kFloat32) return 0;
-  const int64_t rows = static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q;
+  const int64_t rows = params.q_rows_total;
   return num_splits * rows * (fwd_rounded_head_dim(params.head_dim) + 1);
 }
 
@@ -213,9 +213,9 @@ void fwd_set_workspace(AttentionFwdParams& params, float* workspace, int num_spl
     params.lse_accum = nullptr;
     return;
   }
-  // out_accum [splits, batch, heads, seqlen_q, kernel head dim], then
-  // lse_accum [splits, batch, heads, seqlen_q].
-  const int64_t rows = static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q;
+  // out_accum [splits, q_rows_total, kernel head dim], then
+  // lse_accum [splits, q_rows_total] (rows indexed like lse, params.h).
+  const int64_t rows = params.q_rows_total;
   params.out_accum = workspace;
   params.lse_accum = workspace + num_splits * rows * fwd_rounded_head_dim(params.head_dim);
 }

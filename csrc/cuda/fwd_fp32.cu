@@ -110,15 +110,17 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
   const int batch = bh / params.heads;
   const int head = bh % params.heads;
   const int head_k = head / (params.heads / params.heads_k);
-  const KeyTileRange range = key_tile_range<kBlockM, kBlockN, kIsCausal>(params, m_block, 0, 1);
+  const SeqBounds seq = seq_bounds(params, batch);
+  if (m_block * kBlockM >= seq.seqlen_q) return;  // varlen: past this sequence (CTA-uniform)
+  const KeyTileRange range = key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, m_block, 0, 1);
 
   const float* q_tile = static_cast<const float*>(params.q) + batch * params.q_strides.batch +
                         head * params.q_strides.head +
-                        static_cast<int64_t>(m_block) * kBlockM * params.q_strides.row;
+                        (seq.row0_q + static_cast<int64_t>(m_block) * kBlockM) * params.q_strides.row;
   const float* k_head = static_cast<const float*>(params.k) + batch * params.k_strides.batch +
-                        head_k * params.k_strides.head;
+                        head_k * params.k_strides.head + seq.row0_k * params.k_strides.row;
   const float* v_head = static_cast<const float*>(params.v) + batch * params.v_strides.batch +
-                        head_k * params.v_strides.head;
+                        head_k * params.v_strides.head + seq.row0_k * params.v_strides.row;
 
   float acc_o[kRows][Tile::kColGroups][4];
   float row_max[kRows], row_sum[kRows];  // log2 domain; row_sum is this thread's share
@@ -140,14 +142,14 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
   auto load_key_tile = [&](float* smem, const float* head, int64_t row_stride, int n_block) {
     const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
     load_tile_fp32<kHeadDim, kBlockN>(smem, head + key0 * row_stride, row_stride,
-                                      params.seqlen_k - n_block * kBlockN, params.head_dim, tid);
+                                      seq.seqlen_k - n_block * kBlockN, params.head_dim, tid);
     cp_async_commit();
   };
   auto load_k = [&](int n_block) { load_key_tile(smem_k, k_head, params.k_strides.row, n_block); };
   auto load_v = [&](int n_block) { load_key_tile(smem_v, v_head, params.v_strides.row, n_block); };
   if (range.end > range.begin) {
     load_tile_fp32<kHeadDim, kBlockM>(smem_q, q_tile, params.q_strides.row,
-                                      params.seqlen_q - m_block * kBlockM, params.head_dim, tid);
+                                      seq.seqlen_q - m_block * kBlockM, params.head_dim, tid);
     load_k(range.begin);
     load_v(range.begin);
   }
@@ -195,11 +197,11 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
 
     // ---- scale, mask, online softmax; P -> shared memory ------------------
     const bool needs_mask =
-        key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(params, m_block, n_block);
+        key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block);
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      int key_limit = params.seqlen_k;
-      if (kIsCausal) key_limit = min(key_limit, row_base + 16 * i + params.causal_offset + 1);
+      int key_limit = seq.seqlen_k;
+      if (kIsCausal) key_limit = min(key_limit, row_base + 16 * i + seq.causal_offset + 1);
       float tile_max = row_max[i];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -263,14 +265,14 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
   // ---- epilogue: normalise, store O (16-byte stores) and LSE -----------------
   constexpr float kLn2 = 0.69314718055994531f;
   float* out_head = static_cast<float*>(params.out) + batch * params.out_strides.batch +
-                    head * params.out_strides.head;
+                    head * params.out_strides.head + seq.row0_q * params.out_strides.row;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const float sum = row_group_sum(row_sum[i]);
     const bool empty = !(sum > 0.f);
     const float inv = empty ? 0.f : 1.f / sum;
     const int row = row_base + 16 * i;
-    if (row >= params.seqlen_q) continue;
+    if (row >= seq.seqlen_q) continue;
 #pragma unroll
     for (int c = 0; c < Tile::kColGroups; ++c) {
       const int col = 4 * tx + 64 * c;
@@ -281,7 +283,7 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
       }
     }
     if (tx == 0) {
-      params.lse[static_cast<int64_t>(bh) * params.seqlen_q + row] =
+      params.lse[seq.lse_index(params, batch, head, row)] =
           empty ? -INFINITY : row_max[i] * kLn2 + logf(sum);
     }
   }

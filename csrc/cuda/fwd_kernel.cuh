@@ -164,7 +164,7 @@ FAE_DEVICE void gemm_pv(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
 // ---------------------------------------------------------------------------
 // Main kernel. Grid: x = m-tile + num_m_blocks * (batch*heads + head), y = KV split.
 // ---------------------------------------------------------------------------
-template <typename Traits, bool kIsCausal>
+template <typename Traits, bool kIsCausal, bool kVarSeq>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_kernel(const __grid_constant__ AttentionFwdParams params) {
   using T = typename Traits::T;
@@ -200,25 +200,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int head_k = head / (params.heads / params.heads_k);
   const int split = blockIdx.y;
   const int num_splits = gridDim.y;
+  // This sequence's lengths / first rows / causal offset (varlen, seqused_k).
+  const SeqBounds seq = seq_bounds<kVarSeq>(params, batch);
+  if (m_block * kBlockM >= seq.seqlen_q) return;  // varlen: past this sequence (CTA-uniform)
 
   const KeyTileRange range =
-      key_tile_range<kBlockM, kBlockN, kIsCausal>(params, m_block, split, num_splits);
+      key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, m_block, split, num_splits);
   const int n_tiles = range.end - range.begin;
 
   const int64_t row_stride_k = params.k_strides.row;
   const int64_t row_stride_v = params.v_strides.row;
   const T* q_tile = static_cast<const T*>(params.q) + batch * params.q_strides.batch +
                     head * params.q_strides.head +
-                    static_cast<int64_t>(m_block) * kBlockM * params.q_strides.row;
+                    (seq.row0_q + static_cast<int64_t>(m_block) * kBlockM) * params.q_strides.row;
   const T* k_head = static_cast<const T*>(params.k) + batch * params.k_strides.batch +
-                    head_k * params.k_strides.head;
+                    head_k * params.k_strides.head + seq.row0_k * row_stride_k;
   const T* v_head = static_cast<const T*>(params.v) + batch * params.v_strides.batch +
-                    head_k * params.v_strides.head;
+                    head_k * params.v_strides.head + seq.row0_k * row_stride_v;
 
   auto load_kv_tile = [&](int tile, int slot) {
     const int n_block = range.begin + tile;
     const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
-    const int valid_rows = params.seqlen_k - n_block * kBlockN;
+    const int valid_rows = seq.seqlen_k - n_block * kBlockN;
     load_tile_async<Traits, KVLayout, kBlockN>(smem_k + slot * Traits::kSmemKVElems,
                                                k_head + key0 * row_stride_k, row_stride_k,
                                                valid_rows, params.head_dim, tid);
@@ -248,7 +251,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // ---- prologue: Q, then K/V tiles 0 .. kStages-2 -------------------------
     // Commit groups in flight, oldest first: Q | K0 | V0 | K1 | V1 | ...
     load_tile_async<Traits, QLayout, kBlockM>(smem_q, q_tile, params.q_strides.row,
-                                              params.seqlen_q - m_block * kBlockM,
+                                              seq.seqlen_q - m_block * kBlockM,
                                               params.head_dim, tid);
     cp_async_commit();
 #pragma unroll
@@ -302,12 +305,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       gemm_qk<Traits>(acc_s, q_frags, smem_q, smem_k_tile, warp_row0, lane);
 
       const int col_base = n_block * kBlockN + 2 * q;
-      if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(params, m_block, n_block)) {
+      if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block)) {
         scale_and_mask<true, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
-                                        params.seqlen_k, params.causal_offset);
+                                        seq.seqlen_k, seq.causal_offset);
       } else {
         scale_and_mask<false, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
-                                         params.seqlen_k, params.causal_offset);
+                                         seq.seqlen_k, seq.causal_offset);
       }
       softmax.update(acc_s, acc_o);
 
@@ -323,8 +326,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   float lse[kMmaM][2];
   softmax.finalize(acc_o, lse);
 
-  const int64_t rows_total = static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q;
-  const int row_in_head0 = m_block * kBlockM + warp_row0;  // global row of warp row 0
+  const int row_in_head0 = m_block * kBlockM + warp_row0;  // sequence row of warp row 0
 
   if (num_splits == 1) {
     // O -> shared memory (the warp's own Q rows: no other warp touches them,
@@ -346,33 +348,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kChunks = Traits::kHeadDim / 8;
     constexpr int kChunksPerLane = Traits::kRowsPerWarp * kChunks / 32;
     T* out_head = static_cast<T*>(params.out) + batch * params.out_strides.batch +
-                  head * params.out_strides.head;
+                  head * params.out_strides.head + seq.row0_q * params.out_strides.row;
 #pragma unroll
     for (int i = 0; i < kChunksPerLane; ++i) {
       const int idx = lane + 32 * i;
       const int r = idx / kChunks;
       const int c = idx % kChunks;
       const int row = row_in_head0 + r;
-      if (row < params.seqlen_q && c * 8 < params.head_dim) {
+      if (row < seq.seqlen_q && c * 8 < params.head_dim) {
         *reinterpret_cast<uint4*>(out_head + row * params.out_strides.row + c * 8) =
             *reinterpret_cast<const uint4*>(smem_o + QLayout::offset(warp_row0 + r, c));
       }
     }
     if (q == 0) {
-      float* lse_head = params.lse + static_cast<int64_t>(bh) * params.seqlen_q;
+      float* lse_head = params.lse + seq.lse_index(params, batch, head, 0);
 #pragma unroll
       for (int m = 0; m < kMmaM; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = row_in_head0 + m * 16 + h * 8 + g;
-          if (row < params.seqlen_q) lse_head[row] = lse[m][h];
+          if (row < seq.seqlen_q) lse_head[row] = lse[m][h];
         }
     }
   } else {
     // Split-KV partials, fp32, normalised by this split's own row sum:
-    //   out_accum[split][b][h][row][0:kHeadDim], lse_accum[split][b][h][row].
-    // Each quad writes 32 contiguous bytes per (row, 8-column tile).
-    const int64_t split_row0 = split * rows_total + static_cast<int64_t>(bh) * params.seqlen_q;
+    //   out_accum[split][lse row][0:kHeadDim], lse_accum[split][lse row]
+    // (lse rows: params.h; split-KV is never used with varlen). Each quad
+    // writes 32 contiguous bytes per (row, 8-column tile).
+    const int64_t split_row0 = split * params.q_rows_total + seq.lse_index(params, batch, head, 0);
     float* o_accum = params.out_accum + split_row0 * Traits::kHeadDim;
     float* l_accum = params.lse_accum + split_row0;
 #pragma unroll
@@ -380,7 +383,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row_in_head0 + m * 16 + h * 8 + g;
-        if (row >= params.seqlen_q) continue;
+        if (row >= seq.seqlen_q) continue;
 #pragma unroll
         for (int d = 0; d < Traits::kTilesD; ++d) {
           const int col = d * 8 + 2 * q;
@@ -408,7 +411,9 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
     flash_fwd_combine_kernel(const __grid_constant__ AttentionFwdParams params) {
   static_assert(kHeadDim <= 32 * 8, "one 8-column chunk per lane");
   const int lane = threadIdx.x % 32;
-  const int64_t rows_total = static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q;
+  // Padded layouts only (the op layer never splits varlen calls): row r of the
+  // lse-shaped arrays is (batch, head, row) = (r / (heads*seqlen_q), ...).
+  const int64_t rows_total = params.q_rows_total;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
   if (r >= rows_total) return;  // warp-uniform; no block barriers below
   const int num_splits = params.num_splits;

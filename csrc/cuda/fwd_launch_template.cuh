@@ -35,7 +35,9 @@ void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
                              " exceeds the CUDA grid limit");
   }
 
-  auto kernel = flash_fwd_kernel<Traits, kIsCausal>;
+  // Varlen / seqused_k calls get their own instantiation (see seq_bounds).
+  auto kernel = has_var_seqs(params) ? flash_fwd_kernel<Traits, kIsCausal, true>
+                                     : flash_fwd_kernel<Traits, kIsCausal, false>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if (kSmemBytes > 48 * 1024) {
     fwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -49,7 +51,7 @@ void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
   fwd_check_cuda(cudaGetLastError(), "forward kernel launch");
 
   if (num_splits > 1) {
-    const int64_t rows = static_cast<int64_t>(params.batch) * params.heads * params.seqlen_q;
+    const int64_t rows = params.q_rows_total;
     const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
     flash_fwd_combine_kernel<typename Traits::T, Traits::kHeadDim>
         <<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(launch_params);
@@ -68,6 +70,9 @@ void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream) {
     throw std::runtime_error(
         "flash_attn_ext: internal error: split-KV forward without a workspace "
         "(call fwd_set_workspace)");
+  }
+  if (params.num_splits > 1 && params.cu_seqlens_q != nullptr) {
+    throw std::runtime_error("flash_attn_ext: internal error: split-KV is not supported for varlen");
   }
   if (params.num_splits > 65535) {
     throw std::runtime_error("flash_attn_ext: num_splits " + std::to_string(params.num_splits) +

@@ -31,13 +31,13 @@ struct KeyTileRange {
 };
 
 template <int kBlockM, int kBlockN, bool kIsCausal>
-FAE_DEVICE KeyTileRange key_tile_range(const AttentionFwdParams& params, int m_block, int split,
+FAE_DEVICE KeyTileRange key_tile_range(const SeqBounds& seq, int m_block, int split,
                                        int num_splits) {
-  const int n_blocks = ceil_div_dev(params.seqlen_k, kBlockN);
+  const int n_blocks = ceil_div_dev(seq.seqlen_k, kBlockN);
   int end = n_blocks;
   if (kIsCausal) {
-    const int last_row = min((m_block + 1) * kBlockM, params.seqlen_q) - 1;
-    const int last_key = last_row + params.causal_offset;  // last key any row may see
+    const int last_row = min((m_block + 1) * kBlockM, seq.seqlen_q) - 1;
+    const int last_key = last_row + seq.causal_offset;  // last key any row may see
     end = last_key < 0 ? 0 : min(end, last_key / kBlockN + 1);
   }
   const int per_split = ceil_div_dev(n_blocks, num_splits);
@@ -49,10 +49,10 @@ FAE_DEVICE KeyTileRange key_tile_range(const AttentionFwdParams& params, int m_b
 // Whether key tile n_block needs the element mask: it crosses seqlen_k, or
 // (causal) some key of it lies right of the diagonal of the tile's first row.
 template <int kBlockM, int kBlockN, bool kIsCausal>
-FAE_DEVICE bool key_tile_needs_mask(const AttentionFwdParams& params, int m_block, int n_block) {
+FAE_DEVICE bool key_tile_needs_mask(const SeqBounds& seq, int m_block, int n_block) {
   const int tile_end = (n_block + 1) * kBlockN;  // one past the tile's last key
-  if (tile_end > params.seqlen_k) return true;
-  return kIsCausal && tile_end - 1 > m_block * kBlockM + params.causal_offset;
+  if (tile_end > seq.seqlen_k) return true;
+  return kIsCausal && tile_end - 1 > m_block * kBlockM + seq.causal_offset;
 }
 
 // ---------------------------------------------------------------------------

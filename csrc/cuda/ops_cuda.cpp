@@ -5,8 +5,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <limits>
+#include <optional>
 #include <stdexcept>
 #include <tuple>
+#include <vector>
 
 #include "../ops_common.h"
 #include "flash_api.h"
@@ -18,8 +21,11 @@ constexpr int kMaxHeadDim = 256;
 
 bool is_aligned_16(const at::Tensor& t) {
   const int64_t elems = 16 / t.element_size();
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % elems == 0 &&
-         t.stride(1) % elems == 0 && t.stride(2) % elems == 0;
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    if (t.stride(d) % elems != 0) return false;
+  }
+  return true;
 }
 
 // Kernels need 16-byte aligned rows and a head dim that is a multiple of 8.
@@ -27,8 +33,8 @@ bool is_aligned_16(const at::Tensor& t) {
 // zeros (zeros leave QK^T unchanged, and the padded columns of O / dQ / dK /
 // dV are sliced away) or copy to a fresh contiguous tensor.
 at::Tensor kernel_friendly(const at::Tensor& t, int64_t padded_head_dim) {
-  if (t.size(3) != padded_head_dim) {
-    return at::constant_pad_nd(t, {0, padded_head_dim - t.size(3)}, 0);
+  if (t.size(-1) != padded_head_dim) {
+    return at::constant_pad_nd(t, {0, padded_head_dim - t.size(-1)}, 0);
   }
   return is_aligned_16(t) ? t : t.contiguous();
 }
@@ -37,8 +43,8 @@ int64_t round_up_head_dim(int64_t d) { return (d + 7) / 8 * 8; }
 
 void check_cuda_inputs(const at::Tensor& q) {
   TORCH_CHECK(q.is_cuda(), "flash_attn_ext: expected CUDA tensors, got ", q.device());
-  TORCH_CHECK(q.size(3) <= kMaxHeadDim, "flash_attn_ext: head_dim must be <= ", kMaxHeadDim,
-              " on CUDA, got ", q.size(3));
+  TORCH_CHECK(q.size(-1) <= kMaxHeadDim, "flash_attn_ext: head_dim must be <= ", kMaxHeadDim,
+              " on CUDA, got ", q.size(-1));
   const auto props = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(props->major >= 8, "flash_attn_ext: CUDA kernels need compute capability >= 8.0 (Ampere "
               "or newer), this GPU is ", props->major, ".", props->minor);
@@ -56,88 +62,191 @@ void call_kernels(F&& f) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
-                                            const at::Tensor& v_in, double softmax_scale,
-                                            bool causal, bool causal_bottom_right,
-                                            int64_t num_splits, int64_t tile) {
-  // Validate the user's tensors first so messages name their shapes.
-  make_fwd_params(q_in, k_in, v_in, softmax_scale, causal, causal_bottom_right);
+at::Tensor as_4d(const at::Tensor& t) { return t.dim() == 3 ? t.unsqueeze(0) : t; }
+
+// Re-points validated params at the kernel-friendly copies of the inputs.
+void point_at_inputs(AttentionFwdParams& p, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_strides = strides_of(as_4d(q));
+  p.k_strides = strides_of(as_4d(k));
+  p.v_strides = strides_of(as_4d(v));
+  if (varlen) p.q_strides.batch = p.k_strides.batch = p.v_strides.batch = 0;
+  p.head_dim = static_cast<int>(q.size(-1));
+}
+
+// Grouped-query decode (one query per sequence): the `group` query heads that
+// share a kv head become `group` query rows of that kv head, so each K/V tile
+// is read once per kv head instead of once per query head. q [B, 1, H, D] is
+// re-viewed as [B, group, H_kv, D] (row stride = head stride, head stride =
+// group * head stride: a stride change, no copy); out likewise; lse [B, H, 1]
+// is the same memory as [B, H_kv, group]. With one query row, bottom-right
+// causal masks nothing, so the regrouped call is non-causal.
+bool can_regroup_decode(const AttentionFwdParams& p) {
+  return p.cu_seqlens_q == nullptr && p.seqlen_q == 1 && p.heads > p.heads_k &&
+         (!p.causal || p.causal_bottom_right);
+}
+
+at::Tensor regroup_view(const at::Tensor& t, int group) {
+  const int64_t head_stride = t.stride(2);
+  return t.as_strided({t.size(0), group, t.size(2) / group, t.size(3)},
+                      {t.stride(0), head_stride, head_stride * group, 1});
+}
+
+void regroup_decode(AttentionFwdParams& p, const at::Tensor& q, const at::Tensor& out) {
+  const int group = p.heads / p.heads_k;
+  p.q_strides = strides_of(regroup_view(q, group));
+  p.out_strides = strides_of(regroup_view(out, group));
+  p.seqlen_q = group;
+  p.heads = p.heads_k;
+  p.causal = p.causal_bottom_right = false;
+  p.causal_offset = 0;
+  p.lse_head_stride = group;
+  p.lse_batch_stride = static_cast<int64_t>(p.heads_k) * group;
+  // q_rows_total (batch * heads) is unchanged.
+}
+
+// Shared by fwd and varlen_fwd: `p` is validated against the user's tensors.
+std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::Tensor& q_in,
+                                                const at::Tensor& k_in, const at::Tensor& v_in,
+                                                int64_t num_splits, int64_t tile) {
   check_cuda_inputs(q_in);
   check_fwd_tuning_args(num_splits, tile);
   const c10::cuda::CUDAGuard guard(q_in.device());
+  const bool varlen = p.cu_seqlens_q != nullptr;
 
-  const int64_t head_dim = q_in.size(3);
+  const int64_t head_dim = q_in.size(-1);
   const int64_t head_dim_padded = round_up_head_dim(head_dim);
   at::Tensor q = kernel_friendly(q_in, head_dim_padded);
   at::Tensor k = kernel_friendly(k_in, head_dim_padded);
   at::Tensor v = kernel_friendly(v_in, head_dim_padded);
-  AttentionFwdParams p = make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right);
+  point_at_inputs(p, q, k, v);
 
   // `out` has the layout the fake kernel promises (empty_like(q)); the kernel
   // writes into it directly unless it needs a padded / aligned scratch copy.
-  at::Tensor out = at::empty_like(q_in);
-  const bool write_direct = head_dim_padded == head_dim && is_aligned_16(out);
-  at::Tensor out_kernel = write_direct ? out : at::empty(q.sizes(), q.options());
+  // Varlen: rows outside every sequence stay zero, lse -inf.
+  at::Tensor out = varlen ? at::zeros_like(q_in) : at::empty_like(q_in);
+  const bool write_direct = head_dim_padded == head_dim && is_aligned_16(as_4d(out));
+  at::Tensor out_kernel =
+      write_direct ? out : (varlen ? at::zeros(q.sizes(), q.options()) : at::empty(q.sizes(), q.options()));
   at::Tensor lse = empty_lse(q);
+  if (varlen) lse.fill_(-std::numeric_limits<float>::infinity());
   p.out = out_kernel.data_ptr();
-  p.out_strides = strides_of(out_kernel);
+  p.out_strides = strides_of(as_4d(out_kernel));
+  if (varlen) p.out_strides.batch = 0;
   p.lse = lse.data_ptr<float>();
   p.num_splits = static_cast<int>(num_splits);
   p.fwd_tile = static_cast<int>(tile);
+  if (can_regroup_decode(p)) regroup_decode(p, q, out_kernel);
 
-  const int splits = cuda::fwd_num_splits(p, num_sms());
-  p.num_splits = splits;
-  const int64_t ws_floats = cuda::fwd_workspace_floats(p, splits);
-  at::Tensor workspace;
-  if (ws_floats > 0) {
-    workspace = at::empty({ws_floats}, q.options().dtype(at::kFloat));
-    cuda::fwd_set_workspace(p, workspace.data_ptr<float>(), splits);
+  if (p.seqlen_q > 0) {  // varlen with max_seqlen_q == 0: nothing to compute
+    const int splits = varlen ? 1 : cuda::fwd_num_splits(p, num_sms());
+    p.num_splits = splits;
+    const int64_t ws_floats = cuda::fwd_workspace_floats(p, splits);
+    at::Tensor workspace;
+    if (ws_floats > 0) {
+      workspace = at::empty({ws_floats}, q.options().dtype(at::kFloat));
+      cuda::fwd_set_workspace(p, workspace.data_ptr<float>(), splits);
+    }
+    auto stream = at::cuda::getCurrentCUDAStream().stream();
+    call_kernels([&] { cuda::run_fwd(p, stream); });
   }
-  auto stream = at::cuda::getCurrentCUDAStream().stream();
-  call_kernels([&] { cuda::run_fwd(p, stream); });
 
-  if (!write_direct) out.copy_(out_kernel.narrow(3, 0, head_dim));
+  if (!write_direct) out.copy_(out_kernel.narrow(-1, 0, head_dim));
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
-    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
-    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse, double softmax_scale,
-    bool causal, bool causal_bottom_right, bool deterministic) {
-  make_bwd_params(dout_in, q_in, k_in, v_in, out_in, lse, softmax_scale, causal,
-                  causal_bottom_right, deterministic);
+std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, double softmax_scale,
+                                            bool causal, bool causal_bottom_right,
+                                            int64_t num_splits, int64_t tile,
+                                            const std::optional<at::Tensor>& seqused_k) {
+  // Validate the user's tensors first so messages name their shapes.
+  const AttentionFwdParams p =
+      make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k);
+  return run_fwd_cuda(p, q, k, v, num_splits, tile);
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double softmax_scale, bool causal, const std::optional<at::Tensor>& seqused_k) {
+  check_cuda_inputs(q);
+  const AttentionFwdParams p = make_varlen_fwd_params(
+      q, k, v, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k}, softmax_scale, causal,
+      seqused_k);
+  return run_fwd_cuda(p, q, k, v, /*num_splits=*/1, /*tile=*/0);
+}
+
+// Shared by bwd and varlen_bwd. GQA: the kernels write dK / dV per query head
+// (expanded [.., heads, D] buffers) and the group sum happens here, as
+// FlashAttention-2 does. Varlen / seqused_k: keys or rows outside every
+// sequence get zero gradients (buffers are zero-filled first).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
+    AttentionBwdParams p, const at::Tensor& dout_in, const at::Tensor& q_in,
+    const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in) {
   check_cuda_inputs(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const bool partial = varlen || p.seqused_k != nullptr;
+  const int group = p.heads / p.heads_k;
 
-  const int64_t head_dim = q_in.size(3);
+  const int64_t head_dim = q_in.size(-1);
   const int64_t head_dim_padded = round_up_head_dim(head_dim);
   at::Tensor q = kernel_friendly(q_in, head_dim_padded);
   at::Tensor k = kernel_friendly(k_in, head_dim_padded);
   at::Tensor v = kernel_friendly(v_in, head_dim_padded);
   at::Tensor out = kernel_friendly(out_in, head_dim_padded);
   at::Tensor dout = kernel_friendly(dout_in, head_dim_padded);
-  AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
-                                         causal_bottom_right, deterministic);
+  point_at_inputs(p, q, k, v);
+  p.out = out.data_ptr();
+  p.dout = dout.data_ptr();
+  p.out_strides = strides_of(as_4d(out));
+  p.dout_strides = strides_of(as_4d(dout));
+  if (varlen) p.out_strides.batch = p.dout_strides.batch = 0;
 
   // Gradients are allocated in the layout of their input (what the fake kernel
-  // promises) and written directly unless a padded / aligned scratch is needed.
+  // promises) and written directly unless a padded / aligned / expanded
+  // scratch is needed.
   const bool same_head_dim = head_dim_padded == head_dim;
-  at::Tensor dq_user = at::empty_like(q_in), dk_user = at::empty_like(k_in),
-             dv_user = at::empty_like(v_in);
-  auto kernel_grad = [&](const at::Tensor& user, const at::Tensor& kernel_in) {
-    return same_head_dim && is_aligned_16(user) ? user : at::empty(kernel_in.sizes(), kernel_in.options());
+  auto alloc = [&](const at::Tensor& like) {
+    return partial ? at::zeros_like(like) : at::empty_like(like);
   };
-  at::Tensor dq = kernel_grad(dq_user, q), dk = kernel_grad(dk_user, k), dv = kernel_grad(dv_user, v);
-  set_grad_outputs(p, dq, dk, dv);
+  at::Tensor dq_user = alloc(q_in), dk_user = alloc(k_in), dv_user = alloc(v_in);
+  auto kernel_grad = [&](const at::Tensor& user, const at::Tensor& kernel_in, bool per_query_head) {
+    if (!per_query_head && same_head_dim && is_aligned_16(as_4d(user))) return user;
+    std::vector<int64_t> sizes = kernel_in.sizes().vec();
+    if (per_query_head) sizes[sizes.size() - 2] = p.heads;
+    return partial ? at::zeros(sizes, kernel_in.options()) : at::empty(sizes, kernel_in.options());
+  };
+  at::Tensor dq = kernel_grad(dq_user, q, false);
+  at::Tensor dk = kernel_grad(dk_user, k, group > 1);
+  at::Tensor dv = kernel_grad(dv_user, v, group > 1);
+  set_grad_outputs(p, as_4d(dq), as_4d(dk), as_4d(dv));
 
-  const int sms = num_sms();
-  at::Tensor workspace = at::empty({cuda::bwd_workspace_floats(p, sms)}, q.options().dtype(at::kFloat));
-  cuda::bwd_set_workspace(p, workspace.data_ptr<float>(), sms);
-  auto stream = at::cuda::getCurrentCUDAStream().stream();
-  call_kernels([&] { cuda::run_bwd(p, sms, stream); });
+  if (p.seqlen_q > 0 && p.seqlen_k > 0) {
+    const int sms = num_sms();
+    at::Tensor workspace =
+        at::empty({cuda::bwd_workspace_floats(p, sms)}, q.options().dtype(at::kFloat));
+    cuda::bwd_set_workspace(p, workspace.data_ptr<float>(), sms);
+    auto stream = at::cuda::getCurrentCUDAStream().stream();
+    call_kernels([&] { cuda::run_bwd(p, sms, stream); });
+  }
 
   auto to_user = [&](at::Tensor& user, const at::Tensor& g) {
-    if (!g.is_same(user)) user.copy_(g.narrow(3, 0, head_dim));
+    if (g.is_same(user)) return;
+    at::Tensor grad = g.narrow(-1, 0, head_dim);
+    if (grad.size(-2) != user.size(-2)) {  // GQA: sum the group's query heads
+      std::vector<int64_t> sizes = grad.sizes().vec();
+      sizes.back() = group;
+      sizes.push_back(head_dim);
+      sizes[sizes.size() - 3] = p.heads_k;
+      grad = grad.reshape(sizes).sum(-2);
+    }
+    user.copy_(grad);
   };
   to_user(dq_user, dq);
   to_user(dk_user, dk);
@@ -145,11 +254,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   return {dq_user, dk_user, dv_user};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
+    bool causal_bottom_right, bool deterministic, const std::optional<at::Tensor>& seqused_k) {
+  const AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
+                                               causal_bottom_right, deterministic, seqused_k);
+  return run_bwd_cuda(p, dout, q, k, v, out);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double softmax_scale, bool causal, bool deterministic,
+    const std::optional<at::Tensor>& seqused_k) {
+  check_cuda_inputs(q);
+  const AttentionBwdParams p = make_varlen_bwd_params(
+      dout, q, k, v, out, lse, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k},
+      softmax_scale, causal, deterministic, seqused_k);
+  return run_bwd_cuda(p, dout, q, k, v, out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
+  m.impl("varlen_fwd", &varlen_fwd_cuda);
+  m.impl("varlen_bwd", &varlen_bwd_cuda);
 }
 
 }  // namespace flash_attn_ext
