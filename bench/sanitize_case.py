@@ -1,6 +1,8 @@
 """Small cases of every CUDA kernel, for compute-sanitizer (memcheck / racecheck):
 forward (full, causal, split-KV + combine), fp32 forward/backward, backward
-(atomic and deterministic dQ), odd lengths and a padded head dim.
+(atomic and deterministic dQ), odd lengths and a padded head dim; then the
+variable-sequence instantiations: GQA, varlen (with an empty sequence),
+seqused_k and the KV-cache decode path.
 
   compute-sanitizer --tool memcheck python bench/sanitize_case.py
 """
@@ -27,5 +29,30 @@ for dtype, sq, sk, d, causal, splits, det in cases:
     v = torch.randn(1, sk, 2, d, device="cuda", dtype=dtype, requires_grad=True)
     out = fa.flash_attn_func(q, k, v, causal=causal, num_splits=splits, deterministic=det)
     out.backward(torch.randn_like(out))
+
+# Variable sequences: varlen fwd+bwd (GQA 2:1, a zero-length sequence), seqused_k fwd+bwd,
+# KV-cache append + regrouped GQA decode with split-KV, in 16-bit and fp32.
+for dtype in (torch.bfloat16, torch.float32):
+    lens_q, lens_k = [5, 0, 70, 33], [9, 4, 70, 0]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), 4, 64, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(sum(lens_k), 2, 64, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(sum(lens_k), 2, 64, device="cuda", dtype=dtype, requires_grad=True)
+    out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    out.backward(torch.randn_like(out))
+    q = torch.randn(3, 20, 4, 64, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(3, 50, 1, 64, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(3, 50, 1, 64, device="cuda", dtype=dtype, requires_grad=True)
+    used = torch.tensor([0, 17, 50], dtype=torch.int32, device="cuda")
+    out = fa.flash_attn_func(q, k, v, causal=True, seqused_k=used)
+    out.backward(torch.randn_like(out))
+k_cache = torch.randn(2, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
+v_cache = torch.randn_like(k_cache)
+q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+k_new, v_new = (torch.randn(2, 1, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
+                           cache_seqlens=torch.tensor([10, 250], dtype=torch.int32, device="cuda"),
+                           num_splits=3)
 torch.cuda.synchronize()
 print("sanitize cases done")

@@ -3,7 +3,8 @@
 # (only that head dim, bf16, sm_90), then bench_attention.py for it, ours vs torch flash.
 #   bash bench/tune_tiles.sh "fwd 128 128 64 4 2 false" "bwd 128 64 128 2" "dec 128 32 2" ...
 # fwd variant: fwd D BLOCK_M BLOCK_N WARPS STAGES Q_IN_REGS
-# bwd variant: bwd D BLOCK_M BLOCK_N WARPS_M_DQ
+# bwd variant: bwd D BLOCK_M BLOCK_N WARPS_M_DQ [GEMM_UNROLL [LAYOUT]]  (LAYOUT: kRegisters,
+#   kTiled or kSplit; default: the head dim's current layout)
 # decode variant: dec D BLOCK_N STAGES   (the seqlen_q <= 16 tile; timed on the decode shape
 #   B=8, H=32, Sq=1, Sk=8k..64k against every SDPA backend)
 # Results (one line per variant, geomean ours/flash) go to stdout and $OUT/tune.csv.
@@ -26,7 +27,7 @@ for variant in "$@"; do
   elif [[ $pass == fwd ]]; then
     defs="-DFAE_FWD_TUNE_D=$D -DFAE_FWD_TUNE_BM=$a -DFAE_FWD_TUNE_BN=$b -DFAE_FWD_TUNE_WARPS=$c -DFAE_FWD_TUNE_STAGES=$d -DFAE_FWD_TUNE_QREGS=$e"
   else
-    defs="-DFAE_BWD_TUNE_D=$D -DFAE_BWD_TUNE_BM=$a -DFAE_BWD_TUNE_BN=$b -DFAE_BWD_TUNE_WARPS_M_DQ=$c"
+    defs="-DFAE_BWD_TUNE_D=$D -DFAE_BWD_TUNE_BM=$a -DFAE_BWD_TUNE_BN=$b -DFAE_BWD_TUNE_WARPS_M_DQ=$c -DFAE_BWD_GEMM_UNROLL=${d:-1}${e:+ -DFAE_BWD_TUNE_LAYOUT=$e}"
   fi
   log="$OUT/tune_$(echo "$variant" | tr ' ' '_').log"
   if ! FLASH_ATTN_EXT_HEAD_DIMS=$D FLASH_ATTN_EXT_NVCC_EXTRA="$defs -Xptxas=-v" \

@@ -114,7 +114,11 @@ template <> struct BwdTileConfigDefault<256> { static constexpr int kBlockM = 32
 struct BwdTileConfigTune {
   static constexpr int kBlockM = FAE_BWD_TUNE_BM, kBlockN = FAE_BWD_TUNE_BN,
                        kWarpsMdQ = FAE_BWD_TUNE_WARPS_M_DQ;
+#if defined(FAE_BWD_TUNE_LAYOUT)
   static constexpr BwdLayout kLayout = BwdLayout::FAE_BWD_TUNE_LAYOUT;
+#else
+  static constexpr BwdLayout kLayout = BwdTileConfigDefault<FAE_BWD_TUNE_D>::kLayout;
+#endif
 };
 template <int kHeadDim>
 struct BwdTileConfig : std::conditional_t<kHeadDim == FAE_BWD_TUNE_D, BwdTileConfigTune,

@@ -42,7 +42,9 @@ at::Tensor kernel_friendly(const at::Tensor& t, int64_t padded_head_dim) {
 int64_t round_up_head_dim(int64_t d) { return (d + 7) / 8 * 8; }
 
 void check_cuda_inputs(const at::Tensor& q) {
-  TORCH_CHECK(q.is_cuda(), "flash_attn_ext: expected CUDA tensors, got ", q.device());
+  // Reached when any argument is a CUDA tensor (the dispatcher picks CUDA).
+  TORCH_CHECK(q.is_cuda(), "flash_attn_ext: expected every tensor on one CUDA device, but q is on ",
+              q.device());
   TORCH_CHECK(q.size(-1) <= kMaxHeadDim, "flash_attn_ext: head_dim must be <= ", kMaxHeadDim,
               " on CUDA, got ", q.size(-1));
   const auto props = at::cuda::getCurrentDeviceProperties();
