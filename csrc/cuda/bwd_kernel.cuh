@@ -26,14 +26,6 @@ namespace bwd {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Unroll factor of the two k-loops over shared-memory fragments (S^T/dP^T
-// over the head dim, dQ over the keys). 1 keeps each step's ldmatrix results
-// short-lived; tune builds try 2 (bench/tune_tiles.sh, 5th bwd field).
-#ifndef FAE_BWD_GEMM_UNROLL
-#define FAE_BWD_GEMM_UNROLL 1
-#endif
-#define FAE_PRAGMA(x) _Pragma(#x)
-#define FAE_UNROLL(n) FAE_PRAGMA(unroll n)  // expands n first
 
 // Adds (x, y) to two consecutive fp32 words of global memory. sm_90 has a
 // vector reduction (one instruction, half the L2 atomic traffic).
@@ -87,7 +79,7 @@ FAE_DEVICE void gemm_keys_by_queries(float (&acc)[kM][kN][4], const typename Kt:
   const T* b_row = sB + (lane % 8 + 8 * (lane / 16)) * Kt::kRowPitch + 8 * ((lane / 8) % 2);
   // Not fully unrolled: that would let the scheduler hoist every ldmatrix
   // of the head dim and blow the register budget (dK/dV stay resident).
-  FAE_UNROLL(FAE_BWD_GEMM_UNROLL)
+#pragma unroll(Kt::kGemmUnroll)
   for (int kk = 0; kk < Kt::kHeadDim / 16; ++kk) {
     uint32_t a[kM][4];
 #pragma unroll
@@ -470,7 +462,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
                          8 * ((lane / 8) % 2);
         // B = K (keys x head dim), contraction down its rows: ldmatrix.trans.
         const T* b_row = sK + (lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + col0 + 8 * (lane / 16);
-        FAE_UNROLL(FAE_BWD_GEMM_UNROLL)
+#pragma unroll(Kt::kGemmUnroll)
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
           uint32_t a[kMi][4];
 #pragma unroll

@@ -161,6 +161,17 @@ struct BwdKernelTraits {
   static_assert(kHeadDim % 16 == 0 && kDimPerWarp % 16 == 0,
                 "head-dim slices are walked 16 columns at a time (ldmatrix x4)");
 
+  // Unroll factor of the k-loops of the S^T / dP^T and dQ products (the
+  // ldmatrix of step k+1 can then issue under the mma's of step k). Measured
+  // (H200 bf16, S 2k/8k x causal, ours/FA2 backward geomean): D=64 1: 0.836,
+  // 2: 0.852, 4: 0.826; D=128 1: 0.836, 2: 0.861. Larger head dims (255
+  // registers, split layout) keep 1, unmeasured. Tune builds override it.
+#if defined(FAE_BWD_GEMM_UNROLL)
+  static constexpr int kGemmUnroll = FAE_BWD_GEMM_UNROLL;
+#else
+  static constexpr int kGemmUnroll = kHeadDim <= 128 ? 2 : 1;
+#endif
+
   // S^T / dP^T phase: queries per warp (kTiled: half the tile, else all).
   static constexpr bool kTiledSdP = kLayout == BwdLayout::kTiled;
   static constexpr int kQueriesPerWarpS = kTiledSdP ? kBlockM / 2 : kBlockM;
