@@ -163,13 +163,16 @@ struct BwdKernelTraits {
 
   // Unroll factor of the k-loops of the S^T / dP^T and dQ products (the
   // ldmatrix of step k+1 can then issue under the mma's of step k). Measured
-  // (H200 bf16, S 2k/8k x causal, ours/FA2 backward geomean): D=64 1: 0.836,
-  // 2: 0.852, 4: 0.826; D=128 1: 0.836, 2: 0.861. Larger head dims (255
-  // registers, split layout) keep 1, unmeasured. Tune builds override it.
+  // (H200 bf16, S 2k/8k x causal, ours/FA2 backward geomean):
+  //   D=64   1: 0.836   2: 0.852   4: 0.826
+  //   D=128  1: 0.836   2: 0.861
+  //   D=256  1: 0.678   2: 0.700
+  // D=160..224 are unmeasured; with 2 their register and spill counts stay
+  // within a few bytes of 1. Tune builds override it (FAE_BWD_GEMM_UNROLL).
 #if defined(FAE_BWD_GEMM_UNROLL)
   static constexpr int kGemmUnroll = FAE_BWD_GEMM_UNROLL;
 #else
-  static constexpr int kGemmUnroll = kHeadDim <= 128 ? 2 : 1;
+  static constexpr int kGemmUnroll = 2;
 #endif
 
   // S^T / dP^T phase: queries per warp (kTiled: half the tile, else all).
