@@ -68,12 +68,10 @@ def flash_attn_ext_attention(module, query, key, value, attention_mask, scaling=
     elif causal and sk > sq:
         # A static cache's prefill: the keys past sq are empty slots; sdpa drops them as well.
         key, value = key[:, :, :sq], value[:, :, :sq]
-    n_rep = query.shape[1] // key.shape[1]
-    if n_rep > 1:  # GQA: query head h reads key/value head h // n_rep, as transformers' repeat_kv
-        key = key.repeat_interleave(n_rep, dim=1)
-        value = value.repeat_interleave(n_rep, dim=1)
-    # flash_attn_func takes [B, S, H, D]: transposed views, no copies. Causal is aligned to the
-    # end of the keys (bottom-right), right for decoding with a KV cache.
+    # flash_attn_func takes [B, S, H, D]: transposed views, no copies. GQA needs no repeat_kv:
+    # query head h reads key/value head h // (H // H_kv), as transformers' repeat_kv does.
+    # Causal is aligned to the end of the keys (bottom-right), right for decoding with a KV
+    # cache.
     out = flash_attn_ext.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
                                          value.transpose(1, 2), softmax_scale=scaling, causal=causal)
     return out, None
