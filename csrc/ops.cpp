@@ -27,8 +27,6 @@ namespace flash_attn_ext {
 
 namespace {
 
-at::Tensor as_4d(const at::Tensor& t) { return t.dim() == 3 ? t.unsqueeze(0) : t; }
-
 // Allocates out / lse like q (packed 3-D q for varlen: zero-filled, so rows
 // outside every sequence are defined) and runs the CPU kernel.
 std::tuple<at::Tensor, at::Tensor> run_fwd_cpu(AttentionFwdParams p, const at::Tensor& q) {

@@ -55,6 +55,9 @@ inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor
               " must be on the same device, got ", a.device(), " and ", b.device());
 }
 
+// Packed varlen tensors [total, heads, dim] as the kernels' [1, total, heads, dim].
+inline at::Tensor as_4d(const at::Tensor& t) { return t.dim() == 3 ? t.unsqueeze(0) : t; }
+
 inline TensorStrides strides_of(const at::Tensor& t) {
   return TensorStrides{t.stride(0), t.stride(1), t.stride(2)};
 }

@@ -64,8 +64,6 @@ void call_kernels(F&& f) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-at::Tensor as_4d(const at::Tensor& t) { return t.dim() == 3 ? t.unsqueeze(0) : t; }
-
 // Re-points validated params at the kernel-friendly copies of the inputs.
 void point_at_inputs(AttentionFwdParams& p, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v) {
