@@ -36,8 +36,7 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cpu(AttentionFwdParams p, const at::T
   at::Tensor lse = empty_lse(q);
   if (varlen) lse.fill_(-std::numeric_limits<float>::infinity());
   p.out = out.data_ptr();
-  p.out_strides = strides_of(as_4d(out));
-  if (varlen) p.out_strides.batch = 0;
+  p.out_strides = strides_of(out);
   p.lse = lse.data_ptr<float>();
   cpu::run_fwd(p);
   return {out, lse};
@@ -49,11 +48,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cpu(AttentionBwdParams p,
                                                            const at::Tensor& k,
                                                            const at::Tensor& v) {
   TORCH_CHECK(q.device().is_cpu(), "flash_attn_ext: bwd (CPU) got q on ", q.device());
-  const bool partial = p.cu_seqlens_q != nullptr || p.seqused_k != nullptr;
+  const bool partial = has_var_seqs(p);
   auto alloc = [&](const at::Tensor& t) { return partial ? at::zeros_like(t) : at::empty_like(t); };
   at::Tensor dq = alloc(q), dk = alloc(k), dv = alloc(v);
   at::Tensor dsoftmax_sum = at::empty({p.q_rows_total}, q.options().dtype(at::kFloat));
-  set_grad_outputs(p, as_4d(dq), as_4d(dk), as_4d(dv));
+  set_grad_outputs(p, dq, dk, dv);
   p.dsoftmax_sum = dsoftmax_sum.data_ptr<float>();
   cpu::run_bwd(p);
   return {dq, dk, dv};

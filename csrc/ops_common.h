@@ -58,8 +58,13 @@ inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor
 // Packed varlen tensors [total, heads, dim] as the kernels' [1, total, heads, dim].
 inline at::Tensor as_4d(const at::Tensor& t) { return t.dim() == 3 ? t.unsqueeze(0) : t; }
 
+// Strides of a [batch, seqlen, heads, dim] tensor, or of a packed [total, heads,
+// dim] one seen as [1, total, heads, dim]. A batch dimension of size 1 gets
+// stride 0: it is never stepped by a padded call, and varlen calls walk batch
+// indices 0..B-1 over it while their rows come from cu_seqlens (params.h).
 inline TensorStrides strides_of(const at::Tensor& t) {
-  return TensorStrides{t.stride(0), t.stride(1), t.stride(2)};
+  const at::Tensor v = as_4d(t);
+  return TensorStrides{v.size(0) == 1 ? 0 : v.stride(0), v.stride(1), v.stride(2)};
 }
 
 // Key/value heads may be fewer than query heads (GQA / MQA), never more.
@@ -190,7 +195,6 @@ inline AttentionFwdParams make_varlen_fwd_params(const at::Tensor& q, const at::
   check_cu_seqlens(va.cu_seqlens_q, "cu_seqlens_q", q.size(0), va.max_seqlen_q, "max_seqlen_q");
   check_cu_seqlens(va.cu_seqlens_k, "cu_seqlens_k", k.size(0), va.max_seqlen_k, "max_seqlen_k");
   p.batch = static_cast<int>(batch);
-  p.q_strides.batch = p.k_strides.batch = p.v_strides.batch = 0;
   p.seqlen_q = static_cast<int>(va.max_seqlen_q);
   p.seqlen_k = static_cast<int>(va.max_seqlen_k);
   p.cu_seqlens_q = va.cu_seqlens_q.data_ptr<int>();
@@ -222,8 +226,7 @@ inline at::Tensor empty_lse(const at::Tensor& q) {
   return at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
 }
 
-// Points the backward params at the gradient outputs (4-D; for varlen the
-// unsqueezed views, whose batch stride the kernels must not use).
+// Points the backward params at the gradient outputs.
 inline void set_grad_outputs(AttentionBwdParams& p, const at::Tensor& dq, const at::Tensor& dk,
                              const at::Tensor& dv) {
   p.dq = dq.data_ptr();
@@ -232,7 +235,6 @@ inline void set_grad_outputs(AttentionBwdParams& p, const at::Tensor& dq, const 
   p.dq_strides = strides_of(dq);
   p.dk_strides = strides_of(dk);
   p.dv_strides = strides_of(dv);
-  if (p.cu_seqlens_q != nullptr) p.dq_strides.batch = p.dk_strides.batch = p.dv_strides.batch = 0;
 }
 
 // The backward's own inputs on top of validated forward params. out / dout
@@ -291,7 +293,6 @@ inline AttentionBwdParams make_varlen_bwd_params(const at::Tensor& dout, const a
   check_varlen_3d(dout, "dout");
   AttentionBwdParams p = add_bwd_inputs(fwd, q.unsqueeze(0), dout.unsqueeze(0), out.unsqueeze(0),
                                         lse, {q.size(1), q.size(0)}, deterministic);
-  p.out_strides.batch = p.dout_strides.batch = 0;
   return p;
 }
 

@@ -30,6 +30,11 @@ struct TensorStrides {
   int64_t head = 0;
 };
 
+// Element offset of row `row` of (batch b, head h).
+FAE_HOST_DEVICE int64_t row_offset(const TensorStrides& st, int b, int h, int64_t row) {
+  return b * st.batch + h * st.head + row * st.row;
+}
+
 enum FwdTile : int { kFwdTileAuto = 0, kFwdTileLarge = 1, kFwdTileSmallM = 2 };
 
 struct AttentionFwdParams {

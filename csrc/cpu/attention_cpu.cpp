@@ -195,11 +195,11 @@ void store_rows(T* base, int64_t row_stride, const float* src, int rows, int col
 
 template <typename T>
 const T* at_row(const void* base, const TensorStrides& st, int b, int h, int64_t row) {
-  return static_cast<const T*>(base) + b * st.batch + h * st.head + row * st.row;
+  return static_cast<const T*>(base) + row_offset(st, b, h, row);
 }
 template <typename T>
 T* at_row(void* base, const TensorStrides& st, int b, int h, int64_t row) {
-  return static_cast<T*>(base) + b * st.batch + h * st.head + row * st.row;
+  return static_cast<T*>(base) + row_offset(st, b, h, row);
 }
 
 // ---- masking ---------------------------------------------------------------

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdPa
   const int num_m_blocks = (seqlen_q + BM - 1) / BM;
   const int num_n_blocks = (seqlen_k + BN - 1) / BN;
   auto head_rows = [&](const void* base, const TensorStrides& st, int head, int64_t row0) {
-    return static_cast<const float*>(base) + b * st.batch + head * st.head + row0 * st.row;
+    return static_cast<const float*>(base) + row_offset(st, b, head, row0);
   };
   const float* q_bh = head_rows(params.q, params.q_strides, h, seq.row0_q);
   const float* k_bh = head_rows(params.k, params.k_strides, h_kv, seq.row0_k);

@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
   const int num_n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
 
   auto head_rows = [&](const void* base, const TensorStrides& st, int head, int64_t row0) {
-    return static_cast<const T*>(base) + b * st.batch + head * st.head + row0 * st.row;
+    return static_cast<const T*>(base) + row_offset(st, b, head, row0);
   };
   const T* q_bh = head_rows(params.q, params.q_strides, h, seq.row0_q);
   const T* k_bh = head_rows(params.k, params.k_strides, h_kv, seq.row0_k);

@@ -67,14 +67,12 @@ void call_kernels(F&& f) {
 // Re-points validated params at the kernel-friendly copies of the inputs.
 void point_at_inputs(AttentionFwdParams& p, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v) {
-  const bool varlen = p.cu_seqlens_q != nullptr;
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
-  p.q_strides = strides_of(as_4d(q));
-  p.k_strides = strides_of(as_4d(k));
-  p.v_strides = strides_of(as_4d(v));
-  if (varlen) p.q_strides.batch = p.k_strides.batch = p.v_strides.batch = 0;
+  p.q_strides = strides_of(q);
+  p.k_strides = strides_of(k);
+  p.v_strides = strides_of(v);
   p.head_dim = static_cast<int>(q.size(-1));
 }
 
@@ -129,14 +127,13 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
   // writes into it directly unless it needs a padded / aligned scratch copy.
   // Varlen: rows outside every sequence stay zero, lse -inf.
   at::Tensor out = varlen ? at::zeros_like(q_in) : at::empty_like(q_in);
-  const bool write_direct = head_dim_padded == head_dim && is_aligned_16(as_4d(out));
+  const bool write_direct = head_dim_padded == head_dim && is_aligned_16(out);
   at::Tensor out_kernel =
       write_direct ? out : (varlen ? at::zeros(q.sizes(), q.options()) : at::empty(q.sizes(), q.options()));
   at::Tensor lse = empty_lse(q);
   if (varlen) lse.fill_(-std::numeric_limits<float>::infinity());
   p.out = out_kernel.data_ptr();
-  p.out_strides = strides_of(as_4d(out_kernel));
-  if (varlen) p.out_strides.batch = 0;
+  p.out_strides = strides_of(out_kernel);
   p.lse = lse.data_ptr<float>();
   p.num_splits = static_cast<int>(num_splits);
   p.fwd_tile = static_cast<int>(tile);
@@ -190,8 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in) {
   check_cuda_inputs(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const bool varlen = p.cu_seqlens_q != nullptr;
-  const bool partial = varlen || p.seqused_k != nullptr;
+  const bool partial = has_var_seqs(p);
   const int group = p.heads / p.heads_k;
 
   const int64_t head_dim = q_in.size(-1);
@@ -204,9 +200,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
   point_at_inputs(p, q, k, v);
   p.out = out.data_ptr();
   p.dout = dout.data_ptr();
-  p.out_strides = strides_of(as_4d(out));
-  p.dout_strides = strides_of(as_4d(dout));
-  if (varlen) p.out_strides.batch = p.dout_strides.batch = 0;
+  p.out_strides = strides_of(out);
+  p.dout_strides = strides_of(dout);
 
   // Gradients are allocated in the layout of their input (what the fake kernel
   // promises) and written directly unless a padded / aligned / expanded
@@ -217,7 +212,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
   };
   at::Tensor dq_user = alloc(q_in), dk_user = alloc(k_in), dv_user = alloc(v_in);
   auto kernel_grad = [&](const at::Tensor& user, const at::Tensor& kernel_in, bool per_query_head) {
-    if (!per_query_head && same_head_dim && is_aligned_16(as_4d(user))) return user;
+    if (!per_query_head && same_head_dim && is_aligned_16(user)) return user;
     std::vector<int64_t> sizes = kernel_in.sizes().vec();
     if (per_query_head) sizes[sizes.size() - 2] = p.heads;
     return partial ? at::zeros(sizes, kernel_in.options()) : at::empty(sizes, kernel_in.options());
@@ -225,7 +220,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
   at::Tensor dq = kernel_grad(dq_user, q, false);
   at::Tensor dk = kernel_grad(dk_user, k, group > 1);
   at::Tensor dv = kernel_grad(dv_user, v, group > 1);
-  set_grad_outputs(p, as_4d(dq), as_4d(dk), as_4d(dv));
+  set_grad_outputs(p, dq, dk, dv);
 
   if (p.seqlen_q > 0 && p.seqlen_k > 0) {
     const int sms = num_sms();
