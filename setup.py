@@ -2,10 +2,12 @@
 
 Environment variables (all optional):
   FLASH_ATTN_EXT_FORCE_CPU=1        build the CPU-only extension even if CUDA is available
-  FLASH_ATTN_EXT_CUDA_ARCHS="80;90" GPU targets, ';' or ',' separated. Each entry is
-                                    NN (SASS for sm_NN), NNa (sm_NNa), or compute_NN
+  FLASH_ATTN_EXT_CUDA_ARCHS="80;90a" GPU targets, ';' or ',' separated. Each entry is
+                                    NN (SASS for sm_NN), NNa (sm_NNa), or compute_NN[a]
                                     (PTX only: no ptxas, used by CI to prove every .cu
-                                    compiles quickly). Default "80;90".
+                                    compiles quickly). Default "80;90a": mma.sync kernels
+                                    for Ampere and newer, plus the Hopper wgmma/TMA forward
+                                    (built only when an entry ends in 90a).
   FLASH_ATTN_EXT_HEAD_DIMS="64,128" only build these kernel head dims (iteration speed);
                                     default all of 32,64,96,128,160,192,224,256
   FLASH_ATTN_EXT_DTYPES="bf16"      only build these 16-bit kernel dtypes (fp16,bf16)
@@ -57,9 +59,17 @@ def _cuda_wanted():
     return True
 
 
+def _cuda_archs():
+    return _env_list("FLASH_ATTN_EXT_CUDA_ARCHS", ["80", "90a"])
+
+
+def _has_sm90a():
+    return any(a.endswith("90a") for a in _cuda_archs())
+
+
 def _gencode_flags():
     flags = []
-    for arch in _env_list("FLASH_ATTN_EXT_CUDA_ARCHS", ["80", "90"]):
+    for arch in _cuda_archs():
         arch = arch.replace("sm_", "").replace(".", "")
         if arch.startswith("compute_"):
             flags.append(f"-gencode=arch={arch},code={arch}")
@@ -85,10 +95,14 @@ def _selected_cuda_sources():
         if not path.endswith((".cu", ".cpp")):
             continue
         m = pattern.search(os.path.basename(path))
+        if os.path.basename(path).startswith("fwd_sm90_") and not _has_sm90a():
+            continue
         if m and (m.group(1) not in dtypes or int(m.group(2)) not in head_dims):
             continue
         sources.append(path)
     defines = [f"-DFAE_HAS_HDIM_{d}" for d in head_dims] + [f"-DFAE_HAS_{t.upper()}" for t in dtypes]
+    if _has_sm90a():
+        defines.append("-DFAE_HAS_SM90A")
     return sources, defines
 
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import flash_attn_ext as fa
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ALL_BACKENDS = ("ours", "naive", "sdpa", "math", "flash", "efficient", "cudnn", "flex")
+ALL_BACKENDS = ("ours", "ours-mma", "naive", "sdpa", "math", "flash", "efficient", "cudnn", "flex")
 SDPA_BACKENDS = ("math", "flash", "efficient", "cudnn")
 # Backends that materialise the [Sq, Sk] score matrix: checked against free memory first.
 QUADRATIC_BACKENDS = ("naive", "math")
@@ -134,6 +134,22 @@ def _causal_mask(Sq, Sk, device):
 def make_fn(backend, cfg, device, deterministic=False):
     causal, Sq, Sk = cfg["causal"], cfg["Sq"], cfg["Sk"]
     scale = 1.0 / math.sqrt(cfg["D"])
+    if backend == "ours-mma":
+        # ours, with the forward pinned to the mma.sync kernels (on sm_90 the default is
+        # the Hopper wgmma kernel): FLASH_ATTN_EXT_FWD_IMPL is read on every call.
+        ours = make_fn("ours", cfg, device, deterministic)
+
+        def ours_mma(q, k, v):
+            previous = os.environ.get("FLASH_ATTN_EXT_FWD_IMPL")
+            os.environ["FLASH_ATTN_EXT_FWD_IMPL"] = "mma"
+            try:
+                return ours(q, k, v)
+            finally:
+                if previous is None:
+                    del os.environ["FLASH_ATTN_EXT_FWD_IMPL"]
+                else:
+                    os.environ["FLASH_ATTN_EXT_FWD_IMPL"] = previous
+        return ours_mma
     if backend == "ours":
         if not deterministic:
             return lambda q, k, v: fa.scaled_dot_product_attention(q, k, v, is_causal=causal)

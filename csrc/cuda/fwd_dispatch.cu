@@ -8,6 +8,7 @@
 #include "flash_api.h"
 #include "fwd_kernel_traits.cuh"
 #include "fwd_launch.h"
+#include "hopper/fwd_sm90.h"
 
 namespace flash_attn_ext {
 namespace cuda {
@@ -139,9 +140,59 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
   return 1;
 }
 
+// The Hopper (wgmma + TMA) forward takes a call when it was compiled
+// (an sm_90a target), the device is sm_90, FLASH_ATTN_EXT_FWD_IMPL allows it,
+// and the call is one it implements: 16-bit, kernel head dim 64/128/256,
+// padded batch without seqused_k, no split-KV, not the small-M decode tile
+// (those stay on the mma.sync kernels; README "Hopper forward").
+bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
+#ifdef FAE_HAS_SM90A
+  if (fwd_impl_requested() == FwdImpl::kMma) return false;
+  return params.dtype != DType::kFloat32 && fwd_sm90_head_dim(kernel_dim) &&
+         !has_var_seqs(params) && params.num_splits <= 1 && params.fwd_tile == kFwdTileAuto &&
+         !fwd_uses_decode_tile(params) && params.heads <= 65535 && params.batch <= 65535 &&
+         device_is_sm90();
+#else
+  (void)params;
+  (void)kernel_dim;
+  return false;
+#endif
+}
+
+template <typename T>
+void dispatch_sm90(AttentionFwdParams& params, int kernel_dim, cudaStream_t stream) {
+#ifdef FAE_HAS_SM90A
+  auto run_dim = [&](auto dim_tag) {
+    constexpr int kDim = decltype(dim_tag)::value;
+    if (params.causal) {
+      run_fwd_sm90_impl<T, kDim, true>(params, stream);
+    } else {
+      run_fwd_sm90_impl<T, kDim, false>(params, stream);
+    }
+  };
+  switch (kernel_dim) {
+#ifdef FAE_HAS_HDIM_64
+    case 64: return run_dim(std::integral_constant<int, 64>{});
+#endif
+#ifdef FAE_HAS_HDIM_128
+    case 128: return run_dim(std::integral_constant<int, 128>{});
+#endif
+#ifdef FAE_HAS_HDIM_256
+    case 256: return run_dim(std::integral_constant<int, 256>{});
+#endif
+    default: throw_head_dim_not_compiled(params.head_dim, kernel_dim);
+  }
+#else
+  (void)params;
+  (void)stream;
+  throw_head_dim_not_compiled(params.head_dim, kernel_dim);
+#endif
+}
+
 template <typename T>
 void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
   const int kernel_dim = fwd_rounded_head_dim(params.head_dim);
+  if (use_sm90_forward(params, kernel_dim)) return dispatch_sm90<T>(params, kernel_dim, stream);
   auto run = [&](auto causal_tag, auto dim_tag) {
     constexpr bool kCausal = decltype(causal_tag)::value;
     constexpr int kDim = decltype(dim_tag)::value;

@@ -11,9 +11,12 @@ import os
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 PASSES = {
-    # pass: (header, launcher, params type)
-    "fwd": ("fwd_launch_template.cuh", "run_fwd_impl", "AttentionFwdParams"),
-    "bwd": ("bwd_launch_template.cuh", "run_bwd_impl", "AttentionBwdParams"),
+    # pass: (header, launcher, params type, head dims)
+    "fwd": ("fwd_launch_template.cuh", "run_fwd_impl", "AttentionFwdParams", HEAD_DIMS),
+    "bwd": ("bwd_launch_template.cuh", "run_bwd_impl", "AttentionBwdParams", HEAD_DIMS),
+    # Hopper forward (wgmma/TMA): device code only for sm_90a targets.
+    "fwd_sm90": ("hopper/fwd_sm90_launch.cuh", "run_fwd_sm90_impl", "AttentionFwdParams",
+                 (64, 128, 256)),
 }
 
 TEMPLATE = """\
@@ -34,9 +37,9 @@ def main():
     for old in os.listdir(out_dir):
         if old.endswith(".cu"):
             os.remove(os.path.join(out_dir, old))
-    for pass_name, (header, launcher, params) in PASSES.items():
+    for pass_name, (header, launcher, params, head_dims) in PASSES.items():
         for dtype, ctype in DTYPES.items():
-            for hdim in HEAD_DIMS:
+            for hdim in head_dims:
                 for causal in (False, True):
                     name = f"{pass_name}_{dtype}_hdim{hdim}_{'causal' if causal else 'full'}.cu"
                     with open(os.path.join(out_dir, name), "w") as f:

@@ -1,0 +1,295 @@
+// Hopper forward: TMA loads, wgmma, one producer warpgroup feeding two
+// consumer warpgroups through an mbarrier ring.
+//
+//   CTA = 3 warpgroups, one (query tile m_block, head h, batch b)
+//
+//   warpgroup 0 (producer, 24 registers): one thread issues TMA copies
+//       Q tile once, then K_j, V_j for j = last .. first key tile
+//       into stage j % kStages after the consumers released it.
+//   warpgroups 1, 2 (consumers, 240 registers): rows [64w, 64w + 64) of the
+//       query tile each; per key tile j
+//       S  = Q K_j^T            wgmma SS (Q, K both K-major in smem)
+//       mask, online softmax    registers (fwd_softmax.cuh, shared with sm80)
+//       O += P V_j              wgmma RS (P from registers, V MN-major in smem)
+//       release stage (one arrive per warp on kv_empty)
+//   epilogue: O / rowsum -> the warpgroup's own Q rows in smem (same swizzle)
+//       -> one TMA store; LSE straight to global.
+//
+// Shared memory (every tile 1024-byte aligned, in 64-column chunks of
+// [rows x 128 bytes] with TMA's 128-byte swizzle, the layout wgmma reads):
+//   | Q [kChunks][kBlockM][64] | K [kStages][kChunks][kBlockN][64] | V [...] | mbarriers |
+//
+// Key tiles are visited from the last to the first, so the tiles that need
+// the causal / sequence-end mask come first and the steady state has none.
+#pragma once
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "../../params.h"
+#include "../common/ptx.cuh"
+#include "../fwd_softmax.cuh"
+#include "sm90_primitives.cuh"
+#include "wgmma_ops.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+// Tile shape per head dim. Measured alternatives: see the table in
+// fwd_sm90_launch.cuh. FAE_SM90_BLOCK_N / FAE_SM90_STAGES override all head
+// dims at once (bench/tune_tiles.sh).
+template <int kHeadDim>
+struct FwdSm90TileConfig {
+#ifdef FAE_SM90_BLOCK_N
+  static constexpr int kBlockN = FAE_SM90_BLOCK_N;
+#else
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+#endif
+#ifdef FAE_SM90_STAGES
+  static constexpr int kStages = FAE_SM90_STAGES;
+#else
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
+#endif
+};
+
+template <typename T_, int kHeadDim_, int kBlockN_, int kStages_>
+struct FwdSm90Traits {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kBlockM = 64 * kConsumerWarpgroups;  // one wgmma M per consumer
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);
+  static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
+
+  // 128-byte swizzle atoms hold 64 16-bit columns: tiles are stored as
+  // kChunks chunks of [rows x 64].
+  static constexpr int kChunkCols = 64;
+  static constexpr int kChunks = kHeadDim / kChunkCols;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kBarrierBytes = 8 * (1 + 3 * kStages);
+  // +1024: the dynamic shared memory base is only 16-byte aligned.
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
+
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  static_assert(sizeof(T) == 2, "16-bit inputs only");
+  static_assert(kHeadDim % kChunkCols == 0, "head dim must be a whole number of 64-column chunks");
+  static_assert(kBlockN % 16 == 0 && kBlockN >= 64 && kBlockN <= 256,
+                "wgmma N (key tile) must be a multiple of 16 in [64, 256]");
+  static_assert(kBlockN % 8 == 0, "swizzle atoms are 8 rows");
+  static_assert(kHeadDim <= 256, "wgmma N (head dim) is at most 256");
+  static_assert(kStages >= 2, "the ring needs at least two stages to overlap loads");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one CTA per SM");
+  static_assert(128 * kProducerRegs + 128 * kConsumerWarpgroups * kConsumerRegs <= 65536,
+                "register file split between producer and consumers");
+};
+
+template <typename Traits, bool kIsCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmap_q,
+                          const __grid_constant__ CUtensorMap tmap_k,
+                          const __grid_constant__ CUtensorMap tmap_v,
+                          const __grid_constant__ CUtensorMap tmap_o,
+                          const __grid_constant__ AttentionFwdParams params) {
+#if defined(FAE_SM90_ENABLED)
+  using T = typename Traits::T;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kChunks = Traits::kChunks;
+  using namespace sm90;
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t q_smem = smem_base;
+  const uint32_t k_smem0 = q_smem + Traits::kQBytes;
+  const uint32_t v_smem0 = k_smem0 + kStages * Traits::kKVTileBytes;
+  const uint32_t bar0 = v_smem0 + kStages * Traits::kKVTileBytes;
+  auto k_smem = [&](int stage) { return k_smem0 + stage * Traits::kKVTileBytes; };
+  auto v_smem = [&](int stage) { return v_smem0 + stage * Traits::kKVTileBytes; };
+  const uint32_t q_full = bar0;
+  auto k_full = [&](int stage) { return bar0 + 8 * (1 + stage); };
+  auto v_full = [&](int stage) { return bar0 + 8 * (1 + kStages + stage); };
+  auto kv_empty = [&](int stage) { return bar0 + 8 * (1 + 2 * kStages + stage); };
+
+  // Longest rows first: under causal masking the last query tiles do the
+  // most work, so launching them first shortens the tail of the grid.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int h_k = h / (params.heads / params.heads_k);
+  const SeqBounds seq = seq_bounds<false>(params, b);
+  const KeyTileRange range = key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, m_block, 0, 1);
+  const int n_tiles = range.end - range.begin;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      mbar_init(kv_empty(s), Traits::kConsumerWarps);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---------------- producer ----------------
+    setmaxnreg_dec<Traits::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      prefetch_tensor_map(&tmap_q);
+      prefetch_tensor_map(&tmap_k);
+      prefetch_tensor_map(&tmap_v);
+      mbar_arrive_expect_tx(q_full, Traits::kQBytes);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        tma_load_4d(q_smem + c * kBlockM * 128, &tmap_q, q_full, c * 64, m_block * kBlockM, h, b);
+      }
+      for (int i = 0; i < n_tiles; ++i) {
+        const int n_block = range.end - 1 - i;
+        const int stage = i % kStages;
+        mbar_wait(kv_empty(stage), ((i / kStages) & 1) ^ 1);
+        mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          tma_load_4d(k_smem(stage) + c * kBlockN * 128, &tmap_k, k_full(stage), c * 64,
+                      n_block * kBlockN, h_k, b);
+        }
+        mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          tma_load_4d(v_smem(stage) + c * kBlockN * 128, &tmap_v, v_full(stage), c * 64,
+                      n_block * kBlockN, h_k, b);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  setmaxnreg_inc<Traits::kConsumerRegs>();
+  const int wg = warpgroup - 1;  // which 64 query rows
+  const int tid = threadIdx.x % 128;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  // Accumulator layout of m64nN (per warp: 16 rows, as mma.sync m16n8):
+  // acc[j][e], lane = 4g + q: e = 0,1 -> row g, cols 8j + 2q + {0,1};
+  // e = 2,3 -> row g + 8. So fwd_softmax.cuh applies with one m-tile.
+  const int row_base = m_block * kBlockM + wg * 64 + warp * 16 + lane / 4;
+  const uint32_t q_rows = q_smem + wg * 64 * 128;  // this warpgroup's Q rows in chunk 0
+
+  float o[1][kHeadDim / 8][4];
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[0][j][e] = 0.f;
+  }
+  float* o_acc = &o[0][0][0];
+  OnlineSoftmax<1> softmax;
+
+  mbar_wait(q_full, 0);
+  for (int i = 0; i < n_tiles; ++i) {
+    const int n_block = range.end - 1 - i;
+    const int stage = i % kStages;
+    const uint32_t phase = (i / kStages) & 1;
+
+    // S = Q K^T: kHeadDim / 16 k-steps; inside a 64-column chunk a k-step
+    // moves 32 bytes, across chunks a whole [rows x 128 B] chunk.
+    float s[1][kBlockN / 8][4];
+    float* s_acc = &s[0][0][0];
+    mbar_wait(k_full(stage), phase);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t chunk_offset = (kk % 4) * 32;
+      const uint64_t desc_q =
+          smem_desc_sw128(q_rows + (kk / 4) * kBlockM * 128 + chunk_offset, 16, 1024);
+      const uint64_t desc_k =
+          smem_desc_sw128(k_smem(stage) + (kk / 4) * kBlockN * 128 + chunk_offset, 16, 1024);
+      WgmmaOps<T, kBlockN>::ss_kmajor(s_acc, desc_q, desc_k, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
+
+    const int col_base = n_block * kBlockN + 2 * (lane % 4);
+    if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block)) {
+      scale_and_mask<true, kIsCausal>(s, params.scale_log2, row_base, col_base, seq.seqlen_k,
+                                      seq.causal_offset);
+    } else {
+      scale_and_mask<false, kIsCausal>(s, params.scale_log2, row_base, col_base, seq.seqlen_k,
+                                       seq.causal_offset);
+    }
+    softmax.update(s, o);
+
+    // P as the A operand of the next wgmma: the accumulator pair of n-tiles
+    // (2k, 2k+1) is exactly the A fragment of k-step k (as with mma.sync).
+    uint32_t p[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      p[kk][0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
+      p[kk][1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
+      p[kk][2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+      p[kk][3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+    }
+
+    // O += P V: kBlockN / 16 k-steps of 16 V rows (2048 bytes) each; the
+    // head dim (wgmma N) spans the chunks, LBO apart.
+    mbar_wait(v_full(stage), phase);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t desc_v = smem_desc_sw128(v_smem(stage) + kk * 2048, kBlockN * 128, 1024);
+      WgmmaOps<T, kHeadDim>::rs_mnmajor(o_acc, p[kk], desc_v, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
+    if (lane == 0) mbar_arrive(kv_empty(stage));
+  }
+
+  // ---------------- epilogue ----------------
+  float lse[1][2];
+  softmax.finalize(o, lse);
+  if (lane % 4 == 0) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = row_base + 8 * hh;
+      if (row < seq.seqlen_q) params.lse[seq.lse_index(params, b, h, row)] = lse[0][hh];
+    }
+  }
+  // O into this warpgroup's Q rows (its last S = Q K^T has completed), in the
+  // swizzled layout the TMA store expects: 16-byte unit u of row r sits at
+  // unit u ^ (r % 8). A quad writes one 16-byte unit per row; the 8 rows of a
+  // warp land in 8 different units, so the stores are conflict-free.
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = warp * 16 + lane / 4 + 8 * hh;
+      const uint32_t addr = q_rows + (j / 8) * kBlockM * 128 + r * 128 +
+                            (((j % 8) ^ (r % 8)) * 16) + (lane % 4) * 4;
+      const uint32_t packed = pack2<T>(o[0][j][2 * hh], o[0][j][2 * hh + 1]);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
+    }
+  }
+  fence_proxy_async_smem();
+  named_barrier_sync(1 + wg, 128);
+  if (tid == 0) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      tma_store_4d(&tmap_o, q_rows + c * kBlockM * 128, c * 64, m_block * kBlockM + wg * 64, h, b);
+    }
+    tma_store_commit();
+    tma_store_wait_read();
+  }
+#endif
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

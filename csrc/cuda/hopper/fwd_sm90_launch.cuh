@@ -1,0 +1,58 @@
+// Host-side launcher of one Hopper forward configuration, included by the
+// generated instantiations/fwd_sm90_<dtype>_hdim<D>_<causal|full>.cu files.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "fwd_sm90.h"
+#include "fwd_sm90_kernel.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+template <typename T, int kHeadDim, bool kIsCausal>
+void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+  using Config = FwdSm90TileConfig<kHeadDim>;
+  using Traits = FwdSm90Traits<T, kHeadDim, Config::kBlockN, Config::kStages>;
+  if (params.head_dim > kHeadDim || params.num_splits > 1 || has_var_seqs(params)) {
+    throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
+                             "Hopper forward");
+  }
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  const CUtensorMap tmap_q =
+      make_attention_tensor_map(params.q, kBf16, params.head_dim, params.seqlen_q, params.heads,
+                                params.batch, params.q_strides, Traits::kBlockM);
+  const CUtensorMap tmap_k =
+      make_attention_tensor_map(params.k, kBf16, params.head_dim, params.seqlen_k, params.heads_k,
+                                params.batch, params.k_strides, Traits::kBlockN);
+  const CUtensorMap tmap_v =
+      make_attention_tensor_map(params.v, kBf16, params.head_dim, params.seqlen_k, params.heads_k,
+                                params.batch, params.v_strides, Traits::kBlockN);
+  // Each consumer warpgroup stores its own 64 rows.
+  const CUtensorMap tmap_o =
+      make_attention_tensor_map(params.out, kBf16, params.head_dim, params.seqlen_q, params.heads,
+                                params.batch, params.out_strides, 64);
+
+  auto kernel = flash_fwd_sm90_kernel<Traits, kIsCausal>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         Traits::kSmemBytes);
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("flash_attn_ext: cudaFuncSetAttribute(Hopper forward): ") +
+                             cudaGetErrorString(err));
+  }
+  const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.heads,
+                  params.batch);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, tmap_o,
+                                                                  params);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("flash_attn_ext: Hopper forward kernel launch: ") +
+                             cudaGetErrorString(err));
+  }
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

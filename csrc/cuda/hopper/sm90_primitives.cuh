@@ -1,0 +1,141 @@
+// Hopper (sm_90a) building blocks: mbarriers, TMA (cp.async.bulk.tensor),
+// wgmma shared-memory descriptors and fences, named barriers, setmaxnreg.
+// Each wrapper is one or two PTX instructions; the kernel (fwd_sm90_kernel.cuh)
+// reads as a pipeline on top of them.
+//
+// Only compiled into device code for sm_90a (FAE_SM90_ENABLED); for other
+// targets the kernels that use these are compiled with empty bodies.
+#pragma once
+#include <cuda.h>  // CUtensorMap
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/ptx.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FAE_SM90_ENABLED 1
+#endif
+
+namespace flash_attn_ext {
+namespace cuda {
+namespace sm90 {
+
+// ---- mbarrier: a 64-bit shared-memory barrier with a phase bit -------------
+// Producers arrive (optionally announcing the bytes a TMA copy will deliver,
+// expect_tx); waiters spin on the parity of the phase they need completed. A
+// freshly initialised barrier counts as having completed the phase of parity
+// 1, so a producer's first wait on an "empty" barrier (parity 1) passes.
+FAE_DEVICE void mbar_init(uint32_t bar, int arrive_count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrive_count));
+}
+// Makes the initialised barriers visible to the async proxy (TMA) before use.
+FAE_DEVICE void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+FAE_DEVICE void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+FAE_DEVICE void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+FAE_DEVICE bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+FAE_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+// ---- TMA: 4-D tiles (head_dim, seqlen, heads, batch) ------------------------
+FAE_DEVICE void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+// Global -> shared; completes `bytes` of the barrier's expected transaction
+// count. Out-of-bounds elements (rows past seqlen, columns past head_dim) are
+// written as zeros and still count.
+FAE_DEVICE void tma_load_4d(uint32_t smem_dst, const CUtensorMap* map, uint32_t bar, int c0,
+                            int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+// Shared -> global; out-of-bounds elements are not written.
+FAE_DEVICE void tma_store_4d(const CUtensorMap* map, uint32_t smem_src, int c0, int c1, int c2,
+                             int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(smem_src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+FAE_DEVICE void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until the committed stores have read their shared memory.
+FAE_DEVICE void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// Generic-proxy writes to shared memory (st.shared) become visible to the
+// async proxy (TMA store, wgmma) only after this fence in the writing thread.
+FAE_DEVICE void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- wgmma ------------------------------------------------------------------
+// Shared-memory matrix descriptor for a tile stored in 128-byte-swizzled
+// atoms (8 rows x 128 bytes = 1024 bytes, the layout TMA's SWIZZLE_128B
+// writes). The swizzle is applied to absolute address bits, so atoms must be
+// 1024-byte aligned.
+//   K-major operand (Q, K):  SBO = 1024 (next 8 rows); LBO unused. The k-th
+//     16-element step inside a 64-column chunk starts 32 bytes further.
+//   MN-major operand (V):    SBO = 1024 (next 8 rows along K), LBO = bytes
+//     between 64-column chunks along N. The k-th step starts 2048 bytes
+//     (16 rows) further.
+FAE_DEVICE uint64_t smem_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+// Orders register accesses before the next wgmma (accumulators, A fragments).
+FAE_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+FAE_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPendingGroups>
+FAE_DEVICE void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPendingGroups) : "memory");
+}
+// Keeps the compiler from moving reads/writes of accumulator registers across
+// an in-flight wgmma (which writes them behind the compiler's back).
+template <int kN>
+FAE_DEVICE void fence_registers(float (&r)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// ---- warpgroup coordination ---------------------------------------------------
+// bar.sync with an id > 0 syncs only `threads` threads (e.g. one warpgroup),
+// leaving barrier 0 (__syncthreads) to the whole CTA.
+FAE_DEVICE void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int kRegs>
+FAE_DEVICE void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+FAE_DEVICE void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace flash_attn_ext

@@ -1,0 +1,151 @@
+"""The Hopper forward (wgmma + TMA, csrc/cuda/hopper): dispatch, numerics, races.
+
+Runs only on a compute-capability 9.0 GPU with a build that has an sm_90a
+target; FLASH_ATTN_EXT_FWD_IMPL (read on every call) switches between the
+Hopper kernel ("auto"/"wgmma") and the mma.sync kernels ("mma").
+"""
+import pytest
+import torch
+
+import flash_attn_ext as fa
+from helpers import assert_fa_rule, make_qkv, reference_and_baseline
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+SM90_KERNEL = "flash_fwd_sm90_kernel"
+
+
+def kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def ran_sm90(fn):
+    return any(SM90_KERNEL in n for n in kernel_names(fn))
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward needs a compute capability 9.0 GPU")
+    q, k, v = make_qkv(1, 256, 256, 2, 128, torch.bfloat16, DEVICE, requires_grad=False)
+    if not ran_sm90(lambda: fa.flash_attn_func(q, k, v)):
+        pytest.skip("this build has no sm_90a target (FLASH_ATTN_EXT_CUDA_ARCHS)")
+
+
+@pytest.fixture
+def impl(monkeypatch):
+    def set_impl(name):
+        monkeypatch.setenv("FLASH_ATTN_EXT_FWD_IMPL", name)
+    return set_impl
+
+
+def test_dispatch(sm90, impl):
+    q, k, v = make_qkv(2, 300, 300, 4, 128, torch.bfloat16, DEVICE, requires_grad=False)
+    assert ran_sm90(lambda: fa.flash_attn_func(q, k, v, causal=True))
+    impl("mma")
+    assert not ran_sm90(lambda: fa.flash_attn_func(q, k, v, causal=True))
+    impl("wgmma")
+    assert ran_sm90(lambda: fa.flash_attn_func(q, k, v))
+    # Calls the Hopper kernel does not implement stay on mma.sync.
+    assert not ran_sm90(lambda: fa.flash_attn_func(q[:, :1], k, v))            # decode tile
+    assert not ran_sm90(lambda: fa.flash_attn_func(q, k, v, num_splits=3))     # split-KV
+    q96, k96, v96 = make_qkv(1, 300, 300, 2, 96, torch.bfloat16, DEVICE, requires_grad=False)
+    assert not ran_sm90(lambda: fa.flash_attn_func(q96, k96, v96))             # head dim 96
+    impl("bogus")
+    with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_FWD_IMPL"):
+        fa.flash_attn_func(q, k, v)
+
+
+def run_forward(q, k, v, causal, bottom_right):
+    """[B,S,H,D] forward with either causal alignment; returns (out, lse)."""
+    if causal and not bottom_right:
+        return torch.ops.flash_attn_ext.fwd(q, k, v, q.shape[-1] ** -0.5, True, False)[:2]
+    return fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+
+
+def check_forward(q, k, v, causal, bottom_right=True, layout="bshd"):
+    if layout == "bshd":
+        out, lse = run_forward(q, k, v, causal, bottom_right)
+    else:
+        out = fa.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        lse = None
+    dout = torch.randn_like(out)
+    (ref, *_), (base, *_) = reference_and_baseline(q, k, v, dout, causal, bottom_right, layout)
+    assert_fa_rule(out, ref, base, 2)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [40, 64, 120, 128, 200, 256])
+@pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (63, 1025), (127, 127), (128, 129),
+                                               (1025, 63), (1025, 1025), (300, 3000)])
+def test_forward_matches_reference(sm90, impl, dtype, head_dim, causal, bottom_right, seqlen_q, seqlen_k):
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 3, head_dim, dtype, DEVICE, requires_grad=False)
+    out, lse = check_forward(q, k, v, causal, bottom_right)
+    # The LSE agrees with the mma.sync path (both fp32 softmax statistics).
+    impl("mma")
+    _, lse2 = run_forward(q, k, v, causal, bottom_right)
+    finite = torch.isfinite(lse2)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], lse2[finite], atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_layout_and_gqa(sm90, causal):
+    q, k, v = make_qkv(2, 700, 700, 4, 128, torch.bfloat16, DEVICE, layout="bhsd", requires_grad=False)
+    check_forward(q, k, v, causal, bottom_right=False, layout="bhsd")
+    assert ran_sm90(lambda: fa.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    # GQA: 8 query heads over 2 kv heads, no expand.
+    q = torch.randn(2, 500, 8, 64, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(2, 500, 2, 64, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn(2, 500, 2, 64, device=DEVICE, dtype=torch.bfloat16)
+    out = fa.flash_attn_func(q, k, v, causal=causal)
+    ref = fa.flash_attn_func(q, k.repeat_interleave(4, 2), v.repeat_interleave(4, 2), causal=causal)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+def test_noncontiguous_and_batch_one(sm90):
+    base = torch.randn(1, 333, 6, 2, 128, device=DEVICE, dtype=torch.bfloat16)
+    q, k, v = base[..., 0, :], base[..., 1, :], base[..., 0, :].flip(1)
+    assert not q.is_contiguous()
+    check_forward(q, k, v, causal=True)
+    assert ran_sm90(lambda: fa.flash_attn_func(q, k, v, causal=True))
+
+
+def test_fully_masked_rows(sm90):
+    # bottom-right causal with more queries than keys: the first rows see no key.
+    q, k, v = make_qkv(1, 300, 100, 2, 128, torch.bfloat16, DEVICE, requires_grad=False)
+    out, lse = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert torch.all(out[:, :200] == 0)
+    assert torch.all(lse[:, :, :200] == float("-inf"))
+    check_forward(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_race_free(sm90, dtype):
+    q, k, v = make_qkv(2, 1000, 1000, 4, 128, dtype, DEVICE, requires_grad=False)
+    first, lse = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    for _ in range(100):
+        out, lse2 = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert torch.equal(out, first) and torch.equal(lse, lse2)
+
+
+def test_long_sequence(sm90):
+    q, k, v = make_qkv(1, 16384, 16384, 1, 128, torch.bfloat16, DEVICE, requires_grad=False)
+    check_forward(q, k, v, causal=True)
+
+
+def test_training_through_sm90(sm90):
+    q, k, v = make_qkv(2, 513, 513, 4, 64, torch.bfloat16, DEVICE)
+    out = fa.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    (ref, *ref_grads), (base, *base_grads) = reference_and_baseline(q, k, v, dout, True, True)
+    assert_fa_rule(out, ref, base, 2)
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
+        assert_fa_rule(g, r, b, 3, what=name)
