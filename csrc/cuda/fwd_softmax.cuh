@@ -114,6 +114,16 @@ struct OnlineSoftmax {
   // and rescales the O accumulator and the running sum by exp2(old - new).
   template <int kTilesN, int kTilesD>
   FAE_DEVICE void update(float (&s)[kMmaM][kTilesN][4], float (&o)[kMmaM][kTilesD][4]) {
+    float rescale[kMmaM][2];
+    update_scores(s, rescale);
+    rescale_rows(o, rescale);
+  }
+
+  // The two halves of update(), for kernels that must rescale O later (the
+  // Hopper kernel: the previous tile's O += P V is still in flight while the
+  // scores of this tile are turned into probabilities).
+  template <int kTilesN>
+  FAE_DEVICE void update_scores(float (&s)[kMmaM][kTilesN][4], float (&rescale)[kMmaM][2]) {
 #pragma unroll
     for (int m = 0; m < kMmaM; ++m) {
 #pragma unroll
@@ -128,7 +138,7 @@ struct OnlineSoftmax {
         // instead makes every exp2 below exp2(-inf) = 0 rather than NaN, and
         // the rescale exp2(-inf - 0) = 0 multiplies an O row that is 0 anyway.
         const float base = new_max == -INFINITY ? 0.f : new_max;
-        const float rescale = fast_exp2(row_max[m][h] - base);
+        rescale[m][h] = fast_exp2(row_max[m][h] - base);
         row_max[m][h] = new_max;
 
         float tile_sum = 0.f;
@@ -141,11 +151,22 @@ struct OnlineSoftmax {
             tile_sum += p;
           }
         }
-        row_sum[m][h] = row_sum[m][h] * rescale + tile_sum;
+        row_sum[m][h] = row_sum[m][h] * rescale[m][h] + tile_sum;
+      }
+    }
+  }
+
+  template <int kTilesD>
+  static FAE_DEVICE void rescale_rows(float (&o)[kMmaM][kTilesD][4],
+                                      const float (&rescale)[kMmaM][2]) {
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int d = 0; d < kTilesD; ++d) {
-          o[m][d][2 * h] *= rescale;
-          o[m][d][2 * h + 1] *= rescale;
+          o[m][d][2 * h] *= rescale[m][h];
+          o[m][d][2 * h + 1] *= rescale[m][h];
         }
       }
     }

@@ -49,9 +49,14 @@ struct FwdSm90TileConfig {
 #else
   static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
 #endif
+#ifdef FAE_SM90_PINGPONG
+  static constexpr bool kPingPong = FAE_SM90_PINGPONG;
+#else
+  static constexpr bool kPingPong = true;
+#endif
 };
 
-template <typename T_, int kHeadDim_, int kBlockN_, int kStages_>
+template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, bool kPingPong_ = true>
 struct FwdSm90Traits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -72,6 +77,8 @@ struct FwdSm90Traits {
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
 
+  // Consumer warpgroups alternate their GEMM issue (see the kernel).
+  static constexpr bool kPingPong = kPingPong_;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
@@ -192,18 +199,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   float* o_acc = &o[0][0][0];
   OnlineSoftmax<1> softmax;
 
-  mbar_wait(q_full, 0);
-  for (int i = 0; i < n_tiles; ++i) {
-    const int n_block = range.end - 1 - i;
-    const int stage = i % kStages;
-    const uint32_t phase = (i / kStages) & 1;
-
-    // S = Q K^T: kHeadDim / 16 k-steps; inside a 64-column chunk a k-step
-    // moves 32 bytes, across chunks a whole [rows x 128 B] chunk.
-    float s[1][kBlockN / 8][4];
-    float* s_acc = &s[0][0][0];
-    mbar_wait(k_full(stage), phase);
-    wgmma_fence();
+  // S = Q K^T: kHeadDim / 16 k-steps; inside a 64-column chunk a k-step moves
+  // 32 bytes, across chunks a whole [rows x 128 B] chunk.
+  auto issue_qk = [&](float (&s)[1][kBlockN / 8][4], int stage) {
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t chunk_offset = (kk % 4) * 32;
@@ -211,12 +209,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           smem_desc_sw128(q_rows + (kk / 4) * kBlockM * 128 + chunk_offset, 16, 1024);
       const uint64_t desc_k =
           smem_desc_sw128(k_smem(stage) + (kk / 4) * kBlockN * 128 + chunk_offset, 16, 1024);
-      WgmmaOps<T, kBlockN>::ss_kmajor(s_acc, desc_q, desc_k, kk > 0 ? 1 : 0);
+      WgmmaOps<T, kBlockN>::ss_kmajor(&s[0][0][0], desc_q, desc_k, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
-
+  };
+  // O += P V: kBlockN / 16 k-steps of 16 V rows (2048 bytes) each; the head
+  // dim (wgmma N) spans the chunks, LBO apart.
+  auto issue_pv = [&](const uint32_t (&p)[kBlockN / 16][4], int stage) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t desc_v = smem_desc_sw128(v_smem(stage) + kk * 2048, kBlockN * 128, 1024);
+      WgmmaOps<T, kHeadDim>::rs_mnmajor(o_acc, p[kk], desc_v, 1);
+    }
+    wgmma_commit();
+  };
+  // Scores of key tile n_block -> probabilities (in place), running stats.
+  auto softmax_tile = [&](float (&s)[1][kBlockN / 8][4], int n_block, float (&rescale)[1][2]) {
     const int col_base = n_block * kBlockN + 2 * (lane % 4);
     if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block)) {
       scale_and_mask<true, kIsCausal>(s, params.scale_log2, row_base, col_base, seq.seqlen_k,
@@ -225,11 +233,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       scale_and_mask<false, kIsCausal>(s, params.scale_log2, row_base, col_base, seq.seqlen_k,
                                        seq.causal_offset);
     }
-    softmax.update(s, o);
-
-    // P as the A operand of the next wgmma: the accumulator pair of n-tiles
-    // (2k, 2k+1) is exactly the A fragment of k-step k (as with mma.sync).
-    uint32_t p[kBlockN / 16][4];
+    softmax.update_scores(s, rescale);
+  };
+  // P as the A operand of the next wgmma: the accumulator pair of n-tiles
+  // (2k, 2k+1) is exactly the A fragment of k-step k (as with mma.sync).
+  auto convert_p = [&](const float (&s)[1][kBlockN / 8][4], uint32_t (&p)[kBlockN / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       p[kk][0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
@@ -237,20 +245,70 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       p[kk][2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
       p[kk][3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
     }
+  };
+  // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs
+  // (barrier kPingPongBarrier + wg, 256 threads = own sync + other's arrive),
+  // so one warpgroup's softmax runs while the other's GEMMs occupy the tensor
+  // cores. Warpgroup 1 opens the first turn for warpgroup 0; its last turn
+  // hands nothing on, so every barrier sees as many arrives as syncs.
+  constexpr int kPingPongBarrier = 3;
+  auto gemm_turn_begin = [&]() {
+    if (Traits::kPingPong) named_barrier_sync(kPingPongBarrier + wg, 256);
+  };
+  auto gemm_turn_end = [&](bool last) {
+    if (Traits::kPingPong && !(last && wg == 1)) named_barrier_arrive(kPingPongBarrier + 1 - wg, 256);
+  };
 
-    // O += P V: kBlockN / 16 k-steps of 16 V rows (2048 bytes) each; the
-    // head dim (wgmma N) spans the chunks, LBO apart.
-    mbar_wait(v_full(stage), phase);
+  mbar_wait(q_full, 0);
+  if (n_tiles > 0) {
+    if (Traits::kPingPong && wg == 1) named_barrier_arrive(kPingPongBarrier, 256);
+    // Software pipeline (intra-warpgroup overlap): iteration i issues
+    // S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, then runs the
+    // softmax of S_i while the P V product is still on the tensor cores.
+    float s[1][kBlockN / 8][4];
+    uint32_t p[kBlockN / 16][4];
+    float rescale[1][2];
+    mbar_wait(k_full(0), 0);
+    gemm_turn_begin();
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t desc_v = smem_desc_sw128(v_smem(stage) + kk * 2048, kBlockN * 128, 1024);
-      WgmmaOps<T, kHeadDim>::rs_mnmajor(o_acc, p[kk], desc_v, 1);
+    issue_qk(s, 0);
+    gemm_turn_end(false);
+    wgmma_wait<0>();
+    fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
+    softmax_tile(s, range.end - 1, rescale);  // O is still 0: no rescale
+    convert_p(s, p);
+
+    for (int i = 1; i < n_tiles; ++i) {
+      const int stage = i % kStages;
+      const int prev_stage = (i - 1) % kStages;
+      mbar_wait(k_full(stage), (i / kStages) & 1);
+      mbar_wait(v_full(prev_stage), ((i - 1) / kStages) & 1);
+      gemm_turn_begin();
+      wgmma_fence();
+      issue_qk(s, stage);
+      issue_pv(p, prev_stage);
+      gemm_turn_end(false);
+      wgmma_wait<1>();  // S_i done (groups retire in order), P V still running
+      fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
+      softmax_tile(s, range.end - 1 - i, rescale);
+      wgmma_wait<0>();
+      fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
+      fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(p));
+      if (lane == 0) mbar_arrive(kv_empty(prev_stage));
+      OnlineSoftmax<1>::rescale_rows(o, rescale);
+      convert_p(s, p);
     }
-    wgmma_commit();
+
+    const int last = n_tiles - 1;
+    mbar_wait(v_full(last % kStages), (last / kStages) & 1);
+    gemm_turn_begin();
+    wgmma_fence();
+    issue_pv(p, last % kStages);
+    gemm_turn_end(true);
     wgmma_wait<0>();
     fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
-    if (lane == 0) mbar_arrive(kv_empty(stage));
+    fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(p));
+    if (lane == 0) mbar_arrive(kv_empty(last % kStages));
   }
 
   // ---------------- epilogue ----------------

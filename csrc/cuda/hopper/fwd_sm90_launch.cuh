@@ -16,7 +16,7 @@ namespace cuda {
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
   using Config = FwdSm90TileConfig<kHeadDim>;
-  using Traits = FwdSm90Traits<T, kHeadDim, Config::kBlockN, Config::kStages>;
+  using Traits = FwdSm90Traits<T, kHeadDim, Config::kBlockN, Config::kStages, Config::kPingPong>;
   if (params.head_dim > kHeadDim || params.num_splits > 1 || has_var_seqs(params)) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "Hopper forward");

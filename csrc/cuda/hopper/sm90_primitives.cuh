@@ -120,12 +120,23 @@ FAE_DEVICE void fence_registers(float (&r)[kN]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+// Same for A fragments read from registers: keeps them live (unclobbered)
+// until after the wgmma.wait that retires the MMA reading them.
+template <int kN>
+FAE_DEVICE void fence_registers(uint32_t (&r)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
 
 // ---- warpgroup coordination ---------------------------------------------------
 // bar.sync with an id > 0 syncs only `threads` threads (e.g. one warpgroup),
 // leaving barrier 0 (__syncthreads) to the whole CTA.
 FAE_DEVICE void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Counts the caller's warp towards barrier `id` without waiting.
+FAE_DEVICE void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 template <int kRegs>
 FAE_DEVICE void setmaxnreg_dec() {
