@@ -25,6 +25,10 @@ inline bool fwd_sm90_head_dim(int kernel_dim) {
   return kernel_dim == 64 || kernel_dim == 128 || kernel_dim == 256;
 }
 
+// FLASH_ATTN_EXT_SM90_PINGPONG (default 1): whether the two consumer
+// warpgroups alternate their GEMMs (a tuning switch, see the tile table).
+bool fwd_sm90_pingpong();
+
 // Whether the current device is compute capability 9.0 (cached per device).
 bool device_is_sm90();
 

@@ -22,6 +22,11 @@ FwdImpl fwd_impl_requested() {
                                        "mma or wgmma, got '") + raw + "'");
 }
 
+bool fwd_sm90_pingpong() {
+  const char* raw = std::getenv("FLASH_ATTN_EXT_SM90_PINGPONG");
+  return raw == nullptr || raw[0] == '\0' || std::strcmp(raw, "0") != 0;
+}
+
 bool device_is_sm90() {
   constexpr int kMaxDevices = 64;
   static int cached[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no

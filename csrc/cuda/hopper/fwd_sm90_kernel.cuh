@@ -49,11 +49,6 @@ struct FwdSm90TileConfig {
 #else
   static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
 #endif
-#ifdef FAE_SM90_PINGPONG
-  static constexpr bool kPingPong = FAE_SM90_PINGPONG;
-#else
-  static constexpr bool kPingPong = true;
-#endif
 };
 
 template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, bool kPingPong_ = true>
@@ -73,7 +68,7 @@ struct FwdSm90Traits {
   static constexpr int kChunks = kHeadDim / kChunkCols;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kBarrierBytes = 8 * (1 + 3 * kStages);
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
 
@@ -121,7 +116,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const uint32_t q_full = bar0;
   auto k_full = [&](int stage) { return bar0 + 8 * (1 + stage); };
   auto v_full = [&](int stage) { return bar0 + 8 * (1 + kStages + stage); };
-  auto kv_empty = [&](int stage) { return bar0 + 8 * (1 + 2 * kStages + stage); };
+  // K and V stages are released separately: K_i as soon as S_i is done, V_i
+  // after O += P_i V_i, which (pipelined) completes one iteration later. With
+  // one shared "empty" barrier, 2 stages would leave the next K load no slack.
+  auto k_empty = [&](int stage) { return bar0 + 8 * (1 + 2 * kStages + stage); };
+  auto v_empty = [&](int stage) { return bar0 + 8 * (1 + 3 * kStages + stage); };
 
   // Longest rows first: under causal masking the last query tiles do the
   // most work, so launching them first shortens the tail of the grid.
@@ -139,7 +138,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
-      mbar_init(kv_empty(s), Traits::kConsumerWarps);
+      mbar_init(k_empty(s), Traits::kConsumerWarps);
+      mbar_init(v_empty(s), Traits::kConsumerWarps);
     }
     fence_barrier_init();
   }
@@ -160,13 +160,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int i = 0; i < n_tiles; ++i) {
         const int n_block = range.end - 1 - i;
         const int stage = i % kStages;
-        mbar_wait(kv_empty(stage), ((i / kStages) & 1) ^ 1);
+        const uint32_t empty_parity = ((i / kStages) & 1) ^ 1;
+        mbar_wait(k_empty(stage), empty_parity);
         mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
           tma_load_4d(k_smem(stage) + c * kBlockN * 128, &tmap_k, k_full(stage), c * 64,
                       n_block * kBlockN, h_k, b);
         }
+        mbar_wait(v_empty(stage), empty_parity);
         mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
@@ -275,6 +277,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     gemm_turn_end(false);
     wgmma_wait<0>();
     fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
+    if (lane == 0) mbar_arrive(k_empty(0));
     softmax_tile(s, range.end - 1, rescale);  // O is still 0: no rescale
     convert_p(s, p);
 
@@ -290,11 +293,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       gemm_turn_end(false);
       wgmma_wait<1>();  // S_i done (groups retire in order), P V still running
       fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
+      if (lane == 0) mbar_arrive(k_empty(stage));
       softmax_tile(s, range.end - 1 - i, rescale);
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(p));
-      if (lane == 0) mbar_arrive(kv_empty(prev_stage));
+      if (lane == 0) mbar_arrive(v_empty(prev_stage));
       OnlineSoftmax<1>::rescale_rows(o, rescale);
       convert_p(s, p);
     }
@@ -308,7 +312,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     wgmma_wait<0>();
     fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
     fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(p));
-    if (lane == 0) mbar_arrive(kv_empty(last % kStages));
+    if (lane == 0) mbar_arrive(v_empty(last % kStages));
   }
 
   // ---------------- epilogue ----------------

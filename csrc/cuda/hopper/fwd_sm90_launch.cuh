@@ -13,14 +13,10 @@
 namespace flash_attn_ext {
 namespace cuda {
 
-template <typename T, int kHeadDim, bool kIsCausal>
-void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
-  using Config = FwdSm90TileConfig<kHeadDim>;
-  using Traits = FwdSm90Traits<T, kHeadDim, Config::kBlockN, Config::kStages, Config::kPingPong>;
-  if (params.head_dim > kHeadDim || params.num_splits > 1 || has_var_seqs(params)) {
-    throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
-                             "Hopper forward");
-  }
+// One traits configuration: tensor maps, then the kernel.
+template <typename Traits, bool kIsCausal>
+void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
+  using T = typename Traits::T;
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   const CUtensorMap tmap_q =
       make_attention_tensor_map(params.q, kBf16, params.head_dim, params.seqlen_q, params.heads,
@@ -45,12 +41,30 @@ void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
   }
   const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.heads,
                   params.batch);
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, tmap_o,
                                                                   params);
   err = cudaGetLastError();
   if (err != cudaSuccess) {
     throw std::runtime_error(std::string("flash_attn_ext: Hopper forward kernel launch: ") +
                              cudaGetErrorString(err));
+  }
+}
+
+template <typename T, int kHeadDim, bool kIsCausal>
+void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+  using Config = FwdSm90TileConfig<kHeadDim>;
+  if (params.head_dim > kHeadDim || params.num_splits > 1 || has_var_seqs(params)) {
+    throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
+                             "Hopper forward");
+  }
+  // FLASH_ATTN_EXT_SM90_PINGPONG=0 turns the consumer ping-pong off (tuning).
+  if (fwd_sm90_pingpong()) {
+    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, Config::kBlockN, Config::kStages, true>, kIsCausal>(
+        params, stream);
+  } else {
+    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, Config::kBlockN, Config::kStages, false>, kIsCausal>(
+        params, stream);
   }
 }
 
