@@ -34,21 +34,38 @@
 namespace flash_attn_ext {
 namespace cuda {
 
-// Tile shape per head dim. Measured alternatives: see the table in
-// fwd_sm90_launch.cuh. FAE_SM90_BLOCK_N / FAE_SM90_STAGES override all head
-// dims at once (bench/tune_tiles.sh).
-template <int kHeadDim>
+// Tile shape per (head dim, causal): kBlockM = 128 always (two consumer
+// warpgroups of 64 rows); kBlockN and the ring depth were measured (H200,
+// bf16, torch 2.11, bench/tune_sm90.sh; TFLOP/s as a fraction of cuDNN in the
+// same run, S = 512 / 2k / 8k, B = 16384 / S, H = 2048 / D):
+//
+//   D    kBlockN stages  ping-pong | non-causal          | causal
+//   64   128     4       on        | 0.73 0.85 0.88      | 0.71 0.87 0.92
+//   64   128     2       on        | 0.74 0.86 0.89  <-  | 0.72 0.87 0.92  <-
+//   64   192     3       on        | 0.66 0.83 0.90      | 0.62 0.80 0.91
+//   128  128     2       off       | 0.78 0.87 0.90      | 0.76 0.89 0.98
+//   128  128     2       on        | 0.81 0.92 0.92      | 0.82 0.93 0.93  <-
+//   128  176     2       on        | 0.81 0.88 0.98  <-  | 0.71 0.89 1.00
+//   256  64      2       on        | 0.87 0.92 0.93      | 0.91 0.88 0.90
+//   256  64      2       off       | 0.89 0.88 0.89      | 0.90 0.87 0.92
+//   256  80      2       on        | 0.93 0.98 0.99  <-  | 0.88 0.93 0.99  <-
+//
+// Shared memory bounds the choice: Q + 2 x stages x kBlockN x D x 2 bytes
+// must fit 227 KB (D = 256, kBlockN = 80: 64 + 160 KB). FAE_SM90_BLOCK_N /
+// FAE_SM90_STAGES override every head dim at once (bench/tune_sm90.sh).
+template <int kHeadDim, bool kIsCausal>
 struct FwdSm90TileConfig {
 #ifdef FAE_SM90_BLOCK_N
   static constexpr int kBlockN = FAE_SM90_BLOCK_N;
 #else
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : kHeadDim <= 128 ? (kIsCausal ? 128 : 176) : 80;
 #endif
 #ifdef FAE_SM90_STAGES
   static constexpr int kStages = FAE_SM90_STAGES;
 #else
-  static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
+  static constexpr int kStages = 2;
 #endif
+  static constexpr bool kPingPong = true;
 };
 
 template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, bool kPingPong_ = true>

@@ -53,13 +53,13 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
 
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
-  using Config = FwdSm90TileConfig<kHeadDim>;
+  using Config = FwdSm90TileConfig<kHeadDim, kIsCausal>;
   if (params.head_dim > kHeadDim || params.num_splits > 1 || has_var_seqs(params)) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "Hopper forward");
   }
   // FLASH_ATTN_EXT_SM90_PINGPONG=0 turns the consumer ping-pong off (tuning).
-  if (fwd_sm90_pingpong()) {
+  if (Config::kPingPong && fwd_sm90_pingpong()) {
     launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, Config::kBlockN, Config::kStages, true>, kIsCausal>(
         params, stream);
   } else {
