@@ -31,6 +31,8 @@ bool fwd_sm90_pingpong();
 
 // Whether the current device is compute capability 9.0 (cached per device).
 bool device_is_sm90();
+// Multiprocessors of the current device (cached per device).
+int device_sm_count();
 
 // A 4-D TMA descriptor over a [batch, seqlen, heads, head_dim] tensor given by
 // element strides (any order: [B,S,H,D] and [B,H,S,D] alike), 16-bit

@@ -43,6 +43,21 @@ bool device_is_sm90() {
   return yes;
 }
 
+int device_sm_count() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return 1;
+  if (device < kMaxDevices && cached[device] > 0) return cached[device];
+  int count = 0;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      count <= 0) {
+    return 1;
+  }
+  if (device < kMaxDevices) cached[device] = count;
+  return count;
+}
+
 namespace {
 
 // cuTensorMapEncodeTiled lives in the driver (libcuda); fetching it through

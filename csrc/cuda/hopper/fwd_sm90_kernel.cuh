@@ -1,19 +1,21 @@
 // Hopper forward: TMA loads, wgmma, one producer warpgroup feeding two
-// consumer warpgroups through an mbarrier ring.
+// consumer warpgroups through an mbarrier ring; a persistent grid.
 //
-//   CTA = 3 warpgroups, one (query tile m_block, head h, batch b)
+//   CTA = 3 warpgroups, one per SM, looping over (query tile, head, batch)
 //
 //   warpgroup 0 (producer, 24 registers): one thread issues TMA copies
-//       Q tile once, then K_j, V_j for j = last .. first key tile
-//       into stage j % kStages after the consumers released it.
+//       per tile: Q once (after the previous tile's O left its buffer), then
+//       K_j, V_j for j = last .. first key tile into ring stage
+//       (running count % kStages) once the consumers released that stage.
 //   warpgroups 1, 2 (consumers, 240 registers): rows [64w, 64w + 64) of the
-//       query tile each; per key tile j
-//       S  = Q K_j^T            wgmma SS (Q, K both K-major in smem)
-//       mask, online softmax    registers (fwd_softmax.cuh, shared with sm80)
-//       O += P V_j              wgmma RS (P from registers, V MN-major in smem)
-//       release stage (one arrive per warp on kv_empty)
+//       query tile each; per key tile j, software-pipelined:
+//       S_j = Q K_j^T            wgmma SS (Q, K both K-major in smem)
+//       O  += P_{j-1} V_{j-1}    wgmma RS (P from registers, V MN-major)
+//       mask, online softmax of S_j while that P V runs (fwd_softmax.cuh)
+//       and the two warpgroups alternate GEMM issue (ping-pong).
 //   epilogue: O / rowsum -> the warpgroup's own Q rows in smem (same swizzle)
-//       -> one TMA store; LSE straight to global.
+//       -> one TMA store; LSE straight to global. Meanwhile the producer is
+//       already loading the next tile's K/V.
 //
 // Shared memory (every tile 1024-byte aligned, in 64-column chunks of
 // [rows x 128 bytes] with TMA's 128-byte swizzle, the layout wgmma reads):
@@ -85,7 +87,7 @@ struct FwdSm90Traits {
   static constexpr int kChunks = kHeadDim / kChunkCols;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
+  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
 
@@ -139,19 +141,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto k_empty = [&](int stage) { return bar0 + 8 * (1 + 2 * kStages + stage); };
   auto v_empty = [&](int stage) { return bar0 + 8 * (1 + 3 * kStages + stage); };
 
-  // Longest rows first: under causal masking the last query tiles do the
-  // most work, so launching them first shortens the tail of the grid.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int h_k = h / (params.heads / params.heads_k);
-  const SeqBounds seq = seq_bounds<false>(params, b);
-  const KeyTileRange range = key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, m_block, 0, 1);
-  const int n_tiles = range.end - range.begin;
+  const uint32_t q_empty = bar0 + 8 * (1 + 4 * kStages);
+
+  // Persistent grid: CTA c works through tiles c, c + gridDim.x, ... of the
+  // list (m_block, head, batch) with m_block fastest, so the CTAs running at
+  // one time share a few heads' K/V in L2, and m_block counts down, so under
+  // causal masking the longest tiles start first. Between tiles the producer
+  // already streams the next tile's K/V while the consumers store O.
+  const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+  const int num_tiles = num_m_blocks * params.heads * params.batch;
+  struct Tile {
+    int m_block, h, b, h_k;
+    KeyTileRange keys;
+  };
+  auto tile_at = [&](int t) {
+    Tile tile;
+    tile.m_block = num_m_blocks - 1 - t % num_m_blocks;
+    const int bh = t / num_m_blocks;
+    tile.h = bh % params.heads;
+    tile.b = bh / params.heads;
+    tile.h_k = tile.h / (params.heads / params.heads_k);
+    tile.keys = key_tile_range<kBlockM, kBlockN, kIsCausal>(seq_bounds<false>(params, tile.b),
+                                                           tile.m_block, 0, 1);
+    return tile;
+  };
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
     mbar_init(q_full, 1);
+    mbar_init(q_empty, Traits::kConsumerWarpgroups);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
@@ -169,28 +187,36 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tmap_q);
       prefetch_tensor_map(&tmap_k);
       prefetch_tensor_map(&tmap_v);
-      mbar_arrive_expect_tx(q_full, Traits::kQBytes);
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-        tma_load_4d(q_smem + c * kBlockM * 128, &tmap_q, q_full, c * 64, m_block * kBlockM, h, b);
-      }
-      for (int i = 0; i < n_tiles; ++i) {
-        const int n_block = range.end - 1 - i;
-        const int stage = i % kStages;
-        const uint32_t empty_parity = ((i / kStages) & 1) ^ 1;
-        mbar_wait(k_empty(stage), empty_parity);
-        mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
+      int kv_count = 0;  // K/V tiles loaded so far: ring stage and phase
+      int tile_count = 0;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++tile_count) {
+        const Tile tile = tile_at(t);
+        // Q is reused as the O staging buffer: wait until the previous
+        // tile's O has been read out by its TMA store.
+        mbar_wait(q_empty, (tile_count & 1) ^ 1);
+        mbar_arrive_expect_tx(q_full, Traits::kQBytes);
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
-          tma_load_4d(k_smem(stage) + c * kBlockN * 128, &tmap_k, k_full(stage), c * 64,
-                      n_block * kBlockN, h_k, b);
+          tma_load_4d(q_smem + c * kBlockM * 128, &tmap_q, q_full, c * 64,
+                      tile.m_block * kBlockM, tile.h, tile.b);
         }
-        mbar_wait(v_empty(stage), empty_parity);
-        mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
+        for (int n_block = tile.keys.end - 1; n_block >= tile.keys.begin; --n_block, ++kv_count) {
+          const int stage = kv_count % kStages;
+          const uint32_t empty_parity = ((kv_count / kStages) & 1) ^ 1;
+          mbar_wait(k_empty(stage), empty_parity);
+          mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          tma_load_4d(v_smem(stage) + c * kBlockN * 128, &tmap_v, v_full(stage), c * 64,
-                      n_block * kBlockN, h_k, b);
+          for (int c = 0; c < kChunks; ++c) {
+            tma_load_4d(k_smem(stage) + c * kBlockN * 128, &tmap_k, k_full(stage), c * 64,
+                        n_block * kBlockN, tile.h_k, tile.b);
+          }
+          mbar_wait(v_empty(stage), empty_parity);
+          mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
+#pragma unroll
+          for (int c = 0; c < kChunks; ++c) {
+            tma_load_4d(v_smem(stage) + c * kBlockN * 128, &tmap_v, v_full(stage), c * 64,
+                        n_block * kBlockN, tile.h_k, tile.b);
+          }
         }
       }
     }
@@ -203,20 +229,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  // Accumulator layout of m64nN (per warp: 16 rows, as mma.sync m16n8):
-  // acc[j][e], lane = 4g + q: e = 0,1 -> row g, cols 8j + 2q + {0,1};
-  // e = 2,3 -> row g + 8. So fwd_softmax.cuh applies with one m-tile.
-  const int row_base = m_block * kBlockM + wg * 64 + warp * 16 + lane / 4;
   const uint32_t q_rows = q_smem + wg * 64 * 128;  // this warpgroup's Q rows in chunk 0
-
-  float o[1][kHeadDim / 8][4];
-#pragma unroll
-  for (int j = 0; j < kHeadDim / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[0][j][e] = 0.f;
-  }
-  float* o_acc = &o[0][0][0];
-  OnlineSoftmax<1> softmax;
 
   // S = Q K^T: kHeadDim / 16 k-steps; inside a 64-column chunk a k-step moves
   // 32 bytes, across chunks a whole [rows x 128 B] chunk.
@@ -234,25 +247,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   // O += P V: kBlockN / 16 k-steps of 16 V rows (2048 bytes) each; the head
   // dim (wgmma N) spans the chunks, LBO apart.
-  auto issue_pv = [&](const uint32_t (&p)[kBlockN / 16][4], int stage) {
+  auto issue_pv = [&](float (&o)[1][kHeadDim / 8][4], const uint32_t (&p)[kBlockN / 16][4],
+                      int stage) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const uint64_t desc_v = smem_desc_sw128(v_smem(stage) + kk * 2048, kBlockN * 128, 1024);
-      WgmmaOps<T, kHeadDim>::rs_mnmajor(o_acc, p[kk], desc_v, 1);
+      WgmmaOps<T, kHeadDim>::rs_mnmajor(&o[0][0][0], p[kk], desc_v, 1);
     }
     wgmma_commit();
-  };
-  // Scores of key tile n_block -> probabilities (in place), running stats.
-  auto softmax_tile = [&](float (&s)[1][kBlockN / 8][4], int n_block, float (&rescale)[1][2]) {
-    const int col_base = n_block * kBlockN + 2 * (lane % 4);
-    if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block)) {
-      scale_and_mask<true, kIsCausal>(s, params.scale_log2, row_base, col_base, seq.seqlen_k,
-                                      seq.causal_offset);
-    } else {
-      scale_and_mask<false, kIsCausal>(s, params.scale_log2, row_base, col_base, seq.seqlen_k,
-                                       seq.causal_offset);
-    }
-    softmax.update_scores(s, rescale);
   };
   // P as the A operand of the next wgmma: the accumulator pair of n-tiles
   // (2k, 2k+1) is exactly the A fragment of k-step k (as with mma.sync).
@@ -268,104 +270,142 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs
   // (barrier kPingPongBarrier + wg, 256 threads = own sync + other's arrive),
   // so one warpgroup's softmax runs while the other's GEMMs occupy the tensor
-  // cores. Warpgroup 1 opens the first turn for warpgroup 0; its last turn
-  // hands nothing on, so every barrier sees as many arrives as syncs.
+  // cores. Per tile, warpgroup 1 opens the first turn for warpgroup 0 and its
+  // last turn hands nothing on, so every barrier sees as many arrives as syncs.
   constexpr int kPingPongBarrier = 3;
   auto gemm_turn_begin = [&]() {
     if (Traits::kPingPong) named_barrier_sync(kPingPongBarrier + wg, 256);
   };
   auto gemm_turn_end = [&](bool last) {
-    if (Traits::kPingPong && !(last && wg == 1)) named_barrier_arrive(kPingPongBarrier + 1 - wg, 256);
+    if (Traits::kPingPong && !(last && wg == 1)) {
+      named_barrier_arrive(kPingPongBarrier + 1 - wg, 256);
+    }
   };
 
-  mbar_wait(q_full, 0);
-  if (n_tiles > 0) {
-    if (Traits::kPingPong && wg == 1) named_barrier_arrive(kPingPongBarrier, 256);
-    // Software pipeline (intra-warpgroup overlap): iteration i issues
-    // S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, then runs the
-    // softmax of S_i while the P V product is still on the tensor cores.
-    float s[1][kBlockN / 8][4];
-    uint32_t p[kBlockN / 16][4];
-    float rescale[1][2];
-    mbar_wait(k_full(0), 0);
-    gemm_turn_begin();
-    wgmma_fence();
-    issue_qk(s, 0);
-    gemm_turn_end(false);
-    wgmma_wait<0>();
-    fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
-    if (lane == 0) mbar_arrive(k_empty(0));
-    softmax_tile(s, range.end - 1, rescale);  // O is still 0: no rescale
-    convert_p(s, p);
+  int kv_count = 0;  // K/V tiles consumed so far (same sequence as the producer)
+  int tile_count = 0;
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++tile_count) {
+    const Tile tile = tile_at(t);
+    const SeqBounds seq = seq_bounds<false>(params, tile.b);
+    const int n_tiles = tile.keys.end - tile.keys.begin;
+    // Accumulator layout of m64nN (per warp: 16 rows, as mma.sync m16n8):
+    // acc[j][e], lane = 4g + q: e = 0,1 -> row g, cols 8j + 2q + {0,1};
+    // e = 2,3 -> row g + 8. So fwd_softmax.cuh applies with one m-tile.
+    const int row_base = tile.m_block * kBlockM + wg * 64 + warp * 16 + lane / 4;
+    auto softmax_tile = [&](OnlineSoftmax<1>& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
+                            float (&rescale)[1][2]) {
+      const int col_base = n_block * kBlockN + 2 * (lane % 4);
+      if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, n_block)) {
+        scale_and_mask<true, kIsCausal>(s, params.scale_log2, row_base, col_base, seq.seqlen_k,
+                                        seq.causal_offset);
+      } else {
+        scale_and_mask<false, kIsCausal>(s, params.scale_log2, row_base, col_base, seq.seqlen_k,
+                                         seq.causal_offset);
+      }
+      softmax.update_scores(s, rescale);
+    };
 
-    for (int i = 1; i < n_tiles; ++i) {
-      const int stage = i % kStages;
-      const int prev_stage = (i - 1) % kStages;
-      mbar_wait(k_full(stage), (i / kStages) & 1);
-      mbar_wait(v_full(prev_stage), ((i - 1) / kStages) & 1);
+    float o[1][kHeadDim / 8][4];
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[0][j][e] = 0.f;
+    }
+    OnlineSoftmax<1> softmax;
+
+    mbar_wait(q_full, tile_count & 1);
+    if (n_tiles > 0) {
+      if (Traits::kPingPong && wg == 1) named_barrier_arrive(kPingPongBarrier, 256);
+      // Software pipeline (intra-warpgroup overlap): iteration i issues
+      // S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, then runs the
+      // softmax of S_i while the P V product is still on the tensor cores.
+      float s[1][kBlockN / 8][4];
+      uint32_t p[kBlockN / 16][4];
+      float rescale[1][2];
+      auto stage_of = [&](int i) { return (kv_count + i) % kStages; };
+      auto parity_of = [&](int i) { return static_cast<uint32_t>(((kv_count + i) / kStages) & 1); };
+
+      mbar_wait(k_full(stage_of(0)), parity_of(0));
       gemm_turn_begin();
       wgmma_fence();
-      issue_qk(s, stage);
-      issue_pv(p, prev_stage);
+      issue_qk(s, stage_of(0));
       gemm_turn_end(false);
-      wgmma_wait<1>();  // S_i done (groups retire in order), P V still running
+      wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
-      if (lane == 0) mbar_arrive(k_empty(stage));
-      softmax_tile(s, range.end - 1 - i, rescale);
+      if (lane == 0) mbar_arrive(k_empty(stage_of(0)));
+      softmax_tile(softmax, s, tile.keys.end - 1, rescale);  // O is still 0: no rescale
+      convert_p(s, p);
+
+      for (int i = 1; i < n_tiles; ++i) {
+        mbar_wait(k_full(stage_of(i)), parity_of(i));
+        mbar_wait(v_full(stage_of(i - 1)), parity_of(i - 1));
+        gemm_turn_begin();
+        wgmma_fence();
+        issue_qk(s, stage_of(i));
+        issue_pv(o, p, stage_of(i - 1));
+        gemm_turn_end(false);
+        wgmma_wait<1>();  // S_i done (groups retire in order), P V still running
+        fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
+        if (lane == 0) mbar_arrive(k_empty(stage_of(i)));
+        softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale);
+        wgmma_wait<0>();
+        fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
+        fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(p));
+        if (lane == 0) mbar_arrive(v_empty(stage_of(i - 1)));
+        OnlineSoftmax<1>::rescale_rows(o, rescale);
+        convert_p(s, p);
+      }
+
+      const int last = n_tiles - 1;
+      mbar_wait(v_full(stage_of(last)), parity_of(last));
+      gemm_turn_begin();
+      wgmma_fence();
+      issue_pv(o, p, stage_of(last));
+      gemm_turn_end(true);
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(p));
-      if (lane == 0) mbar_arrive(v_empty(prev_stage));
-      OnlineSoftmax<1>::rescale_rows(o, rescale);
-      convert_p(s, p);
+      if (lane == 0) mbar_arrive(v_empty(stage_of(last)));
+      kv_count += n_tiles;
     }
 
-    const int last = n_tiles - 1;
-    mbar_wait(v_full(last % kStages), (last / kStages) & 1);
-    gemm_turn_begin();
-    wgmma_fence();
-    issue_pv(p, last % kStages);
-    gemm_turn_end(true);
-    wgmma_wait<0>();
-    fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
-    fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(p));
-    if (lane == 0) mbar_arrive(v_empty(last % kStages));
-  }
-
-  // ---------------- epilogue ----------------
-  float lse[1][2];
-  softmax.finalize(o, lse);
-  if (lane % 4 == 0) {
+    // ---------------- epilogue ----------------
+    float lse[1][2];
+    softmax.finalize(o, lse);
+    if (lane % 4 == 0) {
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int row = row_base + 8 * hh;
-      if (row < seq.seqlen_q) params.lse[seq.lse_index(params, b, h, row)] = lse[0][hh];
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = row_base + 8 * hh;
+        if (row < seq.seqlen_q) params.lse[seq.lse_index(params, tile.b, tile.h, row)] = lse[0][hh];
+      }
     }
-  }
-  // O into this warpgroup's Q rows (its last S = Q K^T has completed), in the
-  // swizzled layout the TMA store expects: 16-byte unit u of row r sits at
-  // unit u ^ (r % 8). A quad writes one 16-byte unit per row; the 8 rows of a
-  // warp land in 8 different units, so the stores are conflict-free.
+    // O into this warpgroup's Q rows (its last S = Q K^T has completed), in
+    // the swizzled layout the TMA store expects: 16-byte unit u of row r sits
+    // at unit u ^ (r % 8). A quad writes one 16-byte unit per row; the 8 rows
+    // of a warp land in 8 different units, so the stores are conflict-free.
 #pragma unroll
-  for (int j = 0; j < kHeadDim / 8; ++j) {
+    for (int j = 0; j < kHeadDim / 8; ++j) {
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = warp * 16 + lane / 4 + 8 * hh;
-      const uint32_t addr = q_rows + (j / 8) * kBlockM * 128 + r * 128 +
-                            (((j % 8) ^ (r % 8)) * 16) + (lane % 4) * 4;
-      const uint32_t packed = pack2<T>(o[0][j][2 * hh], o[0][j][2 * hh + 1]);
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = warp * 16 + lane / 4 + 8 * hh;
+        const uint32_t addr = q_rows + (j / 8) * kBlockM * 128 + r * 128 +
+                              (((j % 8) ^ (r % 8)) * 16) + (lane % 4) * 4;
+        const uint32_t packed = pack2<T>(o[0][j][2 * hh], o[0][j][2 * hh + 1]);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
+      }
     }
-  }
-  fence_proxy_async_smem();
-  named_barrier_sync(1 + wg, 128);
-  if (tid == 0) {
+    fence_proxy_async_smem();
+    named_barrier_sync(1 + wg, 128);
+    if (tid == 0) {
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      tma_store_4d(&tmap_o, q_rows + c * kBlockM * 128, c * 64, m_block * kBlockM + wg * 64, h, b);
+      for (int c = 0; c < kChunks; ++c) {
+        tma_store_4d(&tmap_o, q_rows + c * kBlockM * 128, c * 64,
+                     tile.m_block * kBlockM + wg * 64, tile.h, tile.b);
+      }
+      tma_store_commit();
+      tma_store_wait_read();
+      mbar_arrive(q_empty);  // this warpgroup's half of Q may be reloaded
     }
-    tma_store_commit();
-    tma_store_wait_read();
   }
 #endif
 }

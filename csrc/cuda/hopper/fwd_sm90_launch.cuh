@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -39,9 +40,15 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
     throw std::runtime_error(std::string("flash_attn_ext: cudaFuncSetAttribute(Hopper forward): ") +
                              cudaGetErrorString(err));
   }
-  const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.heads,
-                  params.batch);
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  // Persistent: at most one CTA per SM (the kernel loops over tiles).
+  const int64_t num_tiles = static_cast<int64_t>((params.seqlen_q + Traits::kBlockM - 1) /
+                                                 Traits::kBlockM) *
+                            params.heads * params.batch;
+  if (num_tiles == 0) return;
+  if (num_tiles > 0x7fffffff) {
+    throw std::runtime_error("flash_attn_ext: too many query tiles for the Hopper forward");
+  }
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, device_sm_count())));
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, tmap_o,
                                                                   params);
   err = cudaGetLastError();
