@@ -34,7 +34,7 @@ if [[ " $steps " == *" bench "* ]]; then
   timeout ${BENCH_TIMEOUT:-300} $PY ${BENCH_PY:-bench/bench_attention.py} ${BENCH_ARGS:-} --csv "$OUT/bench.csv" 2> "$OUT/bench.err" | tee "$OUT/bench.log"
 fi
 if [[ " $steps " == *" sanitize "* ]]; then
-  $PY bench/sanitize_case.py --help > /dev/null 2>&1 && for tool in memcheck racecheck; do
+  $PY bench/sanitize_case.py --help > /dev/null 2>&1 && for tool in memcheck racecheck synccheck; do
     timeout 300 compute-sanitizer --tool $tool --print-limit 5 $PY bench/sanitize_case.py 2>&1 | tail -6 | tee "$OUT/sanitize_$tool.log"
   done
 fi

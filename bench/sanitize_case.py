@@ -2,7 +2,8 @@
 forward (full, causal, split-KV + combine), fp32 forward/backward, backward
 (atomic and deterministic dQ), odd lengths and a padded head dim; then the
 variable-sequence instantiations: GQA, varlen (with an empty sequence),
-seqused_k and the KV-cache decode path.
+seqused_k and the KV-cache decode path. On sm_90 the unsplit 16-bit forward cases run
+the Hopper kernel; one more case gives its persistent loop several tiles per CTA.
 
   compute-sanitizer --tool memcheck python bench/sanitize_case.py
 """
@@ -29,6 +30,11 @@ for dtype, sq, sk, d, causal, splits, det in cases:
     v = torch.randn(1, sk, 2, d, device="cuda", dtype=dtype, requires_grad=True)
     out = fa.flash_attn_func(q, k, v, causal=causal, num_splits=splits, deterministic=det)
     out.backward(torch.randn_like(out))
+
+# Hopper forward, non-causal: 4 * 40 heads * 2 query tiles = 320 tiles > SMs, so each
+# persistent CTA loops (Q buffer reuse, ring phases carried across tiles).
+q, k, v = (torch.randn(4, 200, 40, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+fa.flash_attn_func(q, k, v, num_splits=1)
 
 # Variable sequences: varlen fwd+bwd (GQA 2:1, a zero-length sequence), seqused_k fwd+bwd,
 # KV-cache append + regrouped GQA decode with split-KV, in 16-bit and fp32.
