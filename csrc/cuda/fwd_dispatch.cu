@@ -160,42 +160,20 @@ bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 }
 
 template <typename T>
-void dispatch_sm90(AttentionFwdParams& params, int kernel_dim, cudaStream_t stream) {
-#ifdef FAE_HAS_SM90A
-  auto run_dim = [&](auto dim_tag) {
-    constexpr int kDim = decltype(dim_tag)::value;
-    if (params.causal) {
-      run_fwd_sm90_impl<T, kDim, true>(params, stream);
-    } else {
-      run_fwd_sm90_impl<T, kDim, false>(params, stream);
-    }
-  };
-  switch (kernel_dim) {
-#ifdef FAE_HAS_HDIM_64
-    case 64: return run_dim(std::integral_constant<int, 64>{});
-#endif
-#ifdef FAE_HAS_HDIM_128
-    case 128: return run_dim(std::integral_constant<int, 128>{});
-#endif
-#ifdef FAE_HAS_HDIM_256
-    case 256: return run_dim(std::integral_constant<int, 256>{});
-#endif
-    default: throw_head_dim_not_compiled(params.head_dim, kernel_dim);
-  }
-#else
-  (void)params;
-  (void)stream;
-  throw_head_dim_not_compiled(params.head_dim, kernel_dim);
-#endif
-}
-
-template <typename T>
 void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
   const int kernel_dim = fwd_rounded_head_dim(params.head_dim);
-  if (use_sm90_forward(params, kernel_dim)) return dispatch_sm90<T>(params, kernel_dim, stream);
+  const bool sm90 = use_sm90_forward(params, kernel_dim);
   auto run = [&](auto causal_tag, auto dim_tag) {
     constexpr bool kCausal = decltype(causal_tag)::value;
     constexpr int kDim = decltype(dim_tag)::value;
+#ifdef FAE_HAS_SM90A
+    // The Hopper instantiations exist for these head dims (generate_instantiations.py)
+    // and are filtered by FLASH_ATTN_EXT_HEAD_DIMS like the others.
+    if constexpr (kDim == 64 || kDim == 128 || kDim == 256) {
+      if (sm90) return run_fwd_sm90_impl<T, kDim, kCausal>(params, stream);
+    }
+#endif
+    (void)sm90;
     run_fwd_impl<T, kDim, kCausal>(params, stream);
   };
   auto run_dim = [&](auto dim_tag) {

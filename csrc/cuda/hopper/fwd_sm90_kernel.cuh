@@ -187,6 +187,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tmap_q);
       prefetch_tensor_map(&tmap_k);
       prefetch_tensor_map(&tmap_v);
+      // One [rows x kHeadDim] tile: kChunks TMA boxes of 64 columns, each
+      // [rows x 128 B] in shared memory, completing on barrier `full`.
+      auto load_tile = [&](const CUtensorMap* map, uint32_t dst, int rows, uint32_t full, int row,
+                           int head, int batch) {
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          tma_load_4d(dst + c * rows * 128, map, full, c * 64, row, head, batch);
+        }
+      };
       int kv_count = 0;  // K/V tiles loaded so far: ring stage and phase
       int tile_count = 0;
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++tile_count) {
@@ -195,28 +204,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // tile's O has been read out by its TMA store.
         mbar_wait(q_empty, (tile_count & 1) ^ 1);
         mbar_arrive_expect_tx(q_full, Traits::kQBytes);
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          tma_load_4d(q_smem + c * kBlockM * 128, &tmap_q, q_full, c * 64,
-                      tile.m_block * kBlockM, tile.h, tile.b);
-        }
+        load_tile(&tmap_q, q_smem, kBlockM, q_full, tile.m_block * kBlockM, tile.h, tile.b);
         for (int n_block = tile.keys.end - 1; n_block >= tile.keys.begin; --n_block, ++kv_count) {
           const int stage = kv_count % kStages;
           const uint32_t empty_parity = ((kv_count / kStages) & 1) ^ 1;
           mbar_wait(k_empty(stage), empty_parity);
           mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
-#pragma unroll
-          for (int c = 0; c < kChunks; ++c) {
-            tma_load_4d(k_smem(stage) + c * kBlockN * 128, &tmap_k, k_full(stage), c * 64,
-                        n_block * kBlockN, tile.h_k, tile.b);
-          }
+          load_tile(&tmap_k, k_smem(stage), kBlockN, k_full(stage), n_block * kBlockN, tile.h_k,
+                    tile.b);
           mbar_wait(v_empty(stage), empty_parity);
           mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
-#pragma unroll
-          for (int c = 0; c < kChunks; ++c) {
-            tma_load_4d(v_smem(stage) + c * kBlockN * 128, &tmap_v, v_full(stage), c * 64,
-                        n_block * kBlockN, tile.h_k, tile.b);
-          }
+          load_tile(&tmap_v, v_smem(stage), kBlockN, v_full(stage), n_block * kBlockN, tile.h_k,
+                    tile.b);
         }
       }
     }
