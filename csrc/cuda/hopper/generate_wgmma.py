@@ -48,42 +48,48 @@ def outputs(n):
     return ", ".join(f'"+f"(d[{i}])' for i in range(n))
 
 
-def wrapper(ctype, ptx_type, n):
+def wrapper_macro(n):
+    """One macro per N; its two uses (fp16, bf16) differ only in the PTX type name,
+    spliced into the instruction by string-literal concatenation."""
     nacc = n // 2
-    # operand numbering: d[0..nacc), then inputs
-    ss = (
-        f"  // D (+)= A * B, A and B K-major in shared memory (descriptors).\n"
-        f"  static __device__ __forceinline__ void ss_kmajor(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {{\n"
-        f"    asm volatile(\n"
-        f"        \"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nacc + 2}, 0;\\n\"\n"
-        f"        \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} \"\n"
-        f"        \"{{{regs(nacc, 0)}}}, \"\n"
-        f"        \"%{nacc}, %{nacc + 1}, p, 1, 1, 0, 0;\\n}}\\n\"\n"
-        f"        : {outputs(nacc)}\n"
-        f"        : \"l\"(desc_a), \"l\"(desc_b), \"r\"(scale_d));\n"
-        f"  }}\n")
-    rs = (
-        f"  // D (+)= A * B, A in registers (the mma.sync A-fragment layout per warp),\n"
-        f"  // B MN-major in shared memory (transposed read).\n"
-        f"  static __device__ __forceinline__ void rs_mnmajor(float* d, const uint32_t* a, uint64_t desc_b, int scale_d) {{\n"
-        f"    asm volatile(\n"
-        f"        \"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nacc + 5}, 0;\\n\"\n"
-        f"        \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} \"\n"
-        f"        \"{{{regs(nacc, 0)}}}, \"\n"
-        f"        \"{{%{nacc}, %{nacc + 1}, %{nacc + 2}, %{nacc + 3}}}, %{nacc + 4}, p, 1, 1, 1;\\n}}\\n\"\n"
-        f"        : {outputs(nacc)}\n"
-        f"        : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc_b), \"r\"(scale_d));\n"
-        f"  }}\n")
-    return f"\ntemplate <>\nstruct WgmmaOps<{ctype}, {n}> {{\n{ss}{rs}}};\n"
+    lines = [
+        f"#define FAE_DEFINE_WGMMA_OPS_N{n}(CTYPE, PTX_TYPE)",
+        "  template <>",
+        f"  struct WgmmaOps<CTYPE, {n}> {{",
+        "    /* D (+)= A * B, A and B K-major in shared memory (descriptors). */",
+        "    static __device__ __forceinline__ void ss_kmajor(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {",
+        "      asm volatile(",
+        f"          \"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nacc + 2}, 0;\\n\"",
+        f"          \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.\" PTX_TYPE \".\" PTX_TYPE \" \"",
+        f"          \"{{{regs(nacc, 0)}}}, \"",
+        f"          \"%{nacc}, %{nacc + 1}, p, 1, 1, 0, 0;\\n}}\\n\"",
+        f"          : {outputs(nacc)}",
+        "          : \"l\"(desc_a), \"l\"(desc_b), \"r\"(scale_d));",
+        "    }",
+        "    /* D (+)= A * B, A in registers (the mma.sync A-fragment layout per warp), */",
+        "    /* B MN-major in shared memory (transposed read). */",
+        "    static __device__ __forceinline__ void rs_mnmajor(float* d, const uint32_t* a, uint64_t desc_b, int scale_d) {",
+        "      asm volatile(",
+        f"          \"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nacc + 5}, 0;\\n\"",
+        f"          \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.\" PTX_TYPE \".\" PTX_TYPE \" \"",
+        f"          \"{{{regs(nacc, 0)}}}, \"",
+        f"          \"{{%{nacc}, %{nacc + 1}, %{nacc + 2}, %{nacc + 3}}}, %{nacc + 4}, p, 1, 1, 1;\\n}}\\n\"",
+        f"          : {outputs(nacc)}",
+        "          : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc_b), \"r\"(scale_d));",
+        "    }",
+        "  };",
+    ]
+    body = " \\\n".join(lines)
+    uses = "".join(f"FAE_DEFINE_WGMMA_OPS_N{n}({ctype}, \"{ptx}\")\n" for ctype, ptx in DTYPES.items())
+    return f"\n{body}\n{uses}#undef FAE_DEFINE_WGMMA_OPS_N{n}\n"
 
 
 def main():
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wgmma_ops.cuh")
     with open(out, "w") as f:
         f.write(HEADER)
-        for ctype, ptx_type in DTYPES.items():
-            for n in N_VALUES:
-                f.write(wrapper(ctype, ptx_type, n))
+        for n in N_VALUES:
+            f.write(wrapper_macro(n))
         f.write(FOOTER)
 
 
