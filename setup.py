@@ -95,7 +95,7 @@ def _selected_cuda_sources():
         if not path.endswith((".cu", ".cpp")):
             continue
         m = pattern.search(os.path.basename(path))
-        if os.path.basename(path).startswith("fwd_sm90_") and not _has_sm90a():
+        if os.path.basename(path).startswith(("fwd_sm90_", "bwd_sm90_", "sm90_")) and not _has_sm90a():
             continue
         if m and (m.group(1) not in dtypes or int(m.group(2)) not in head_dims):
             continue

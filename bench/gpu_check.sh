@@ -2,7 +2,8 @@
 # One call on the GPU machine: build, GPU tests, benchmark; logs under $OUT.
 #   bash bench/gpu_check.sh [build] [test] [test_mma] [bench] [sanitize]   (default: build test bench)
 # test_mma reruns the GPU tests with the forward pinned to the mma.sync kernels
-# (FLASH_ATTN_EXT_FWD_IMPL=mma): on sm_90 "test" covers the Hopper forward.
+# (FLASH_ATTN_EXT_FWD_IMPL=mma, FLASH_ATTN_EXT_BWD_IMPL=mma): on sm_90 "test" covers the
+# Hopper forward and backward.
 # Iterate faster with FLASH_ATTN_EXT_HEAD_DIMS / FLASH_ATTN_EXT_DTYPES / FLASH_ATTN_EXT_CUDA_ARCHS.
 set -uo pipefail
 OUT=${OUT:-/tmp/fae_out}
@@ -28,7 +29,7 @@ if [[ " $steps " == *" test "* ]]; then
   (cd tests && timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -40)
 fi
 if [[ " $steps " == *" test_mma "* ]]; then
-  (cd tests && FLASH_ATTN_EXT_FWD_IMPL=mma timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test_mma.log" | tail -15)
+  (cd tests && FLASH_ATTN_EXT_FWD_IMPL=mma FLASH_ATTN_EXT_BWD_IMPL=mma timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test_mma.log" | tail -15)
 fi
 if [[ " $steps " == *" bench "* ]]; then
   timeout ${BENCH_TIMEOUT:-300} $PY ${BENCH_PY:-bench/bench_attention.py} ${BENCH_ARGS:-} --csv "$OUT/bench.csv" 2> "$OUT/bench.err" | tee "$OUT/bench.log"

@@ -43,3 +43,12 @@ def reference_and_baseline(q, k, v, dout, causal, bottom_right, layout="bshd", s
         grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
         results.append((out, *grads))
     return results
+
+
+def kernel_names(fn):
+    """Names of the CUDA kernels that fn() launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}

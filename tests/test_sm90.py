@@ -8,19 +8,11 @@ import pytest
 import torch
 
 import flash_attn_ext as fa
-from helpers import assert_fa_rule, make_qkv, reference_and_baseline
+from helpers import assert_fa_rule, kernel_names, make_qkv, reference_and_baseline
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 SM90_KERNEL = "flash_fwd_sm90_kernel"
-
-
-def kernel_names(fn):
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
 def ran_sm90(fn):

@@ -14,10 +14,14 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "bwd_fp32.h"
 #include "bwd_kernel_traits.cuh"
 #include "flash_api.h"
+#ifdef FAE_HAS_SM90A
+#include "hopper/bwd_sm90.h"
+#endif
 
 namespace flash_attn_ext {
 namespace cuda {
@@ -60,12 +64,39 @@ int64_t dsum_floats(const AttentionBwdParams& p) {
                            "); rebuild with it in FLASH_ATTN_EXT_HEAD_DIMS / FLASH_ATTN_EXT_DTYPES");
 }
 
+// The Hopper (wgmma + TMA) backward takes a call when it was compiled (an
+// sm_90a target), the device is sm_90, FLASH_ATTN_EXT_BWD_IMPL allows it, and
+// the call is one it implements: 16-bit, kernel head dim 64/128, padded batch
+// without seqused_k, not deterministic (README "Hopper backward").
+bool use_sm90_backward(const AttentionBwdParams& p) {
+#ifdef FAE_HAS_SM90A
+  if (kernel_impl_requested("FLASH_ATTN_EXT_BWD_IMPL") == KernelImpl::kMma) return false;
+  return !is_fp32(p) && bwd_sm90_head_dim(bwd_rounded_head_dim(p.head_dim)) &&
+         !has_var_seqs(p) && !p.deterministic && p.heads <= 65535 && p.batch <= 65535 &&
+         device_is_sm90();
+#else
+  (void)p;
+  return false;
+#endif
+}
+
 template <typename T, int kHeadDim>
 void run_causal_switch(const AttentionBwdParams& p, cudaStream_t stream) {
+  auto run = [&](auto causal_tag) {
+    constexpr bool kCausal = decltype(causal_tag)::value;
+#ifdef FAE_HAS_SM90A
+    // The Hopper instantiations exist for these head dims (generate_instantiations.py)
+    // and are filtered by FLASH_ATTN_EXT_HEAD_DIMS like the others.
+    if constexpr (kHeadDim == 64 || kHeadDim == 128) {
+      if (use_sm90_backward(p)) return run_bwd_sm90_impl<T, kHeadDim, kCausal>(p, stream);
+    }
+#endif
+    run_bwd_impl<T, kHeadDim, kCausal>(p, stream);
+  };
   if (p.causal) {
-    run_bwd_impl<T, kHeadDim, true>(p, stream);
+    run(std::true_type{});
   } else {
-    run_bwd_impl<T, kHeadDim, false>(p, stream);
+    run(std::false_type{});
   }
 }
 

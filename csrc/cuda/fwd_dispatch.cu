@@ -147,7 +147,7 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
 // (those stay on the mma.sync kernels; README "Hopper forward").
 bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 #ifdef FAE_HAS_SM90A
-  if (fwd_impl_requested() == FwdImpl::kMma) return false;
+  if (kernel_impl_requested("FLASH_ATTN_EXT_FWD_IMPL") == KernelImpl::kMma) return false;
   return params.dtype != DType::kFloat32 && fwd_sm90_head_dim(kernel_dim) &&
          !has_var_seqs(params) && params.num_splits <= 1 && params.fwd_tile == kFwdTileAuto &&
          !fwd_uses_decode_tile(params) && params.heads <= 65535 && params.batch <= 65535 &&

@@ -17,6 +17,9 @@ PASSES = {
     # Hopper forward (wgmma/TMA): device code only for sm_90a targets.
     "fwd_sm90": ("hopper/fwd_sm90_launch.cuh", "run_fwd_sm90_impl", "AttentionFwdParams",
                  (64, 128, 256)),
+    # Hopper backward (wgmma/TMA): device code only for sm_90a targets.
+    "bwd_sm90": ("hopper/bwd_sm90_launch.cuh", "run_bwd_sm90_impl", "AttentionBwdParams",
+                 (64, 128)),
 }
 
 TEMPLATE = """\

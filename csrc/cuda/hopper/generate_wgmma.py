@@ -4,9 +4,10 @@
 One `wgmma.mma_async` instruction names every accumulator register of the
 warpgroup tile explicitly (N/2 fp32 registers per thread for m64nNk16), so a
 wrapper per N is generated instead of written by hand. Two operand forms are
-used by the forward kernel:
-  ss_kmajor   D (+)= A[smem] * B[smem], both K-major   (S = Q K^T)
-  rs_mnmajor  D  += A[regs] * B[smem], B MN-major       (O += P V, V as stored)
+used:
+  ss_kmajor   D (+)= A[smem] * B[smem], both K-major    (S = Q K^T; bwd S^T = K Q^T, dP^T = V dO^T)
+  rs_mnmajor  D  += A[regs] * B[smem], B MN-major        (O += P V; bwd dV += P^T dO, dK += dS^T Q)
+  ss_mnmajor  D (+)= A[smem] * B[smem], both MN-major    (bwd dQ = dS K, dS stored as dS^T)
 Run after changing N_VALUES:  python csrc/cuda/hopper/generate_wgmma.py
 """
 import os
@@ -63,6 +64,16 @@ def wrapper_macro(n):
         f"          \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.\" PTX_TYPE \".\" PTX_TYPE \" \"",
         f"          \"{{{regs(nacc, 0)}}}, \"",
         f"          \"%{nacc}, %{nacc + 1}, p, 1, 1, 0, 0;\\n}}\\n\"",
+        f"          : {outputs(nacc)}",
+        "          : \"l\"(desc_a), \"l\"(desc_b), \"r\"(scale_d));",
+        "    }",
+        "    /* D (+)= A * B, A and B MN-major in shared memory (both read transposed). */",
+        "    static __device__ __forceinline__ void ss_mnmajor(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {",
+        "      asm volatile(",
+        f"          \"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nacc + 2}, 0;\\n\"",
+        f"          \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.\" PTX_TYPE \".\" PTX_TYPE \" \"",
+        f"          \"{{{regs(nacc, 0)}}}, \"",
+        f"          \"%{nacc}, %{nacc + 1}, p, 1, 1, 1, 1;\\n}}\\n\"",
         f"          : {outputs(nacc)}",
         "          : \"l\"(desc_a), \"l\"(desc_b), \"r\"(scale_d));",
         "    }",

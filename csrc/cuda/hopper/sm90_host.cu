@@ -1,4 +1,4 @@
-// Host helpers of the Hopper forward: tensor maps, device and env queries.
+// Host helpers of the Hopper kernels (sm90_host.h): env, device queries, tensor maps.
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <algorithm>
@@ -9,17 +9,18 @@
 #include <string>
 
 #include "fwd_sm90.h"
+#include "sm90_host.h"
 
 namespace flash_attn_ext {
 namespace cuda {
 
-FwdImpl fwd_impl_requested() {
-  const char* raw = std::getenv("FLASH_ATTN_EXT_FWD_IMPL");
-  if (raw == nullptr || raw[0] == '\0' || std::strcmp(raw, "auto") == 0) return FwdImpl::kAuto;
-  if (std::strcmp(raw, "mma") == 0) return FwdImpl::kMma;
-  if (std::strcmp(raw, "wgmma") == 0) return FwdImpl::kWgmma;
-  throw std::runtime_error(std::string("flash_attn_ext: FLASH_ATTN_EXT_FWD_IMPL must be auto, "
-                                       "mma or wgmma, got '") + raw + "'");
+KernelImpl kernel_impl_requested(const char* env_name) {
+  const char* raw = std::getenv(env_name);
+  if (raw == nullptr || raw[0] == '\0' || std::strcmp(raw, "auto") == 0) return KernelImpl::kAuto;
+  if (std::strcmp(raw, "mma") == 0) return KernelImpl::kMma;
+  if (std::strcmp(raw, "wgmma") == 0) return KernelImpl::kWgmma;
+  throw std::runtime_error(std::string("flash_attn_ext: ") + env_name +
+                           " must be auto, mma or wgmma, got '" + raw + "'");
 }
 
 bool fwd_sm90_pingpong() {
@@ -77,7 +78,7 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   if (fn == nullptr) {
     throw std::runtime_error(
         "flash_attn_ext: the CUDA driver has no cuTensorMapEncodeTiled (driver too old for the "
-        "Hopper kernels); set FLASH_ATTN_EXT_FWD_IMPL=mma");
+        "Hopper kernels); set FLASH_ATTN_EXT_FWD_IMPL=mma and FLASH_ATTN_EXT_BWD_IMPL=mma");
   }
   return fn;
 }
@@ -114,7 +115,7 @@ CUtensorMap make_attention_tensor_map(const void* base, bool bf16, int head_dim,
         std::to_string(seqlen) + ", heads " + std::to_string(heads) + ", head_dim " +
         std::to_string(head_dim) + "] with element strides (" + std::to_string(strides.batch) +
         ", " + std::to_string(strides.row) + ", " + std::to_string(strides.head) +
-        "); set FLASH_ATTN_EXT_FWD_IMPL=mma to use the mma.sync kernels");
+        "); set FLASH_ATTN_EXT_FWD_IMPL=mma / FLASH_ATTN_EXT_BWD_IMPL=mma to use the mma.sync kernels");
   }
   return map;
 }

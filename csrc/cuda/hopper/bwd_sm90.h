@@ -1,0 +1,21 @@
+// The Hopper backward's interface to the dispatcher (bwd_dispatch.cu): when it
+// applies, and the per-(dtype, head dim, causal) launchers generated into
+// instantiations/bwd_sm90_*.cu.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "../../params.h"
+#include "sm90_host.h"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+// Kernel head dims (bwd_rounded_head_dim) with a Hopper backward; the others
+// use mma.sync. D = 256 would need 256 fp32 registers per thread for dK + dV.
+inline bool bwd_sm90_head_dim(int kernel_dim) { return kernel_dim == 64 || kernel_dim == 128; }
+
+template <typename T, int kHeadDim, bool kIsCausal>
+void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

@@ -1,0 +1,73 @@
+// Host-side launcher of one Hopper backward configuration, included by the
+// generated instantiations/bwd_sm90_<dtype>_hdim<D>_<causal|full>.cu files:
+//   1. zero the fp32 dQ accumulator,
+//   2. D = rowsum(dO o O)                  (bwd_preprocess.cuh, shared with mma.sync),
+//   3. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh),
+//   4. dq = softmax_scale * dQ accumulator (bwd_preprocess.cuh).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "../bwd_preprocess.cuh"
+#include "bwd_sm90.h"
+#include "bwd_sm90_kernel.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+inline void bwd_sm90_check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("flash_attn_ext: Hopper backward ") + what + " failed: " +
+                             cudaGetErrorString(err));
+  }
+}
+
+template <typename T, int kHeadDim, bool kIsCausal>
+void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
+  using Traits = BwdSm90Traits<T, kHeadDim>;
+  if (params.head_dim > kHeadDim || params.deterministic || has_var_seqs(params)) {
+    throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
+                             "Hopper backward");
+  }
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  // Workspace rows have the kernel head dim as pitch (bwd_dispatch.cu: accum_dim).
+  bwd_sm90_check(cudaMemsetAsync(params.dq_accum, 0,
+                                 static_cast<size_t>(params.q_rows_total) * kHeadDim * sizeof(float),
+                                 stream),
+                 "dQ zeroing");
+  launch_bwd_dot_do_o<T>(params, stream);
+
+  const CUtensorMap tmap_q =
+      make_attention_tensor_map(params.q, kBf16, params.head_dim, params.seqlen_q, params.heads,
+                                params.batch, params.q_strides, Traits::kBlockM);
+  const CUtensorMap tmap_k =
+      make_attention_tensor_map(params.k, kBf16, params.head_dim, params.seqlen_k, params.heads_k,
+                                params.batch, params.k_strides, Traits::kBlockN);
+  const CUtensorMap tmap_v =
+      make_attention_tensor_map(params.v, kBf16, params.head_dim, params.seqlen_k, params.heads_k,
+                                params.batch, params.v_strides, Traits::kBlockN);
+  const CUtensorMap tmap_do =
+      make_attention_tensor_map(params.dout, kBf16, params.head_dim, params.seqlen_q, params.heads,
+                                params.batch, params.dout_strides, Traits::kBlockM);
+
+  auto kernel = flash_bwd_sm90_kernel<Traits, kIsCausal>;
+  bwd_sm90_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Traits::kSmemBytes),
+                 "shared-memory opt-in");
+  // One CTA per key tile; blockIdx.x = 0 holds the first keys, which under
+  // causal masking see the most queries, so the longest CTAs start first.
+  const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.heads,
+                  params.batch);
+  if (grid.x > 0) {
+    kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, tmap_do,
+                                                                    params);
+    bwd_sm90_check(cudaGetLastError(), "kernel launch");
+  }
+  launch_bwd_convert_dq<T>(params, kHeadDim, 1, stream);
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

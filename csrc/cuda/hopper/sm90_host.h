@@ -1,0 +1,38 @@
+// Host helpers shared by the Hopper forward and backward launchers: which
+// implementation the env asks for, device queries, TMA descriptors
+// (sm90_host.cu). Compiled only when an sm_90a target is built.
+#pragma once
+#include <cuda.h>  // CUtensorMap
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../params.h"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+// Which implementation an env var (FLASH_ATTN_EXT_FWD_IMPL,
+// FLASH_ATTN_EXT_BWD_IMPL) asks for:
+//   auto  (default) the Hopper kernel wherever it applies, else mma.sync
+//   mma   always the mma.sync kernels (sm_80 code path)
+//   wgmma the Hopper kernel wherever it applies (same as auto today; kept
+//         separate so benchmarks can name the path they mean)
+enum class KernelImpl { kAuto, kMma, kWgmma };
+KernelImpl kernel_impl_requested(const char* env_name);  // throws on an unknown value
+
+// Whether the current device is compute capability 9.0 (cached per device).
+bool device_is_sm90();
+// Multiprocessors of the current device (cached per device).
+int device_sm_count();
+
+// A 4-D TMA descriptor over a [batch, seqlen, heads, head_dim] tensor given by
+// element strides (any order: [B,S,H,D] and [B,H,S,D] alike), 16-bit
+// elements, boxes of [box_rows x 64 columns] stored with the 128-byte swizzle.
+// Rows past seqlen and columns past head_dim read as zeros and are not written.
+CUtensorMap make_attention_tensor_map(const void* base, bool bf16, int head_dim, int seqlen,
+                                      int heads, int batch, const TensorStrides& strides,
+                                      int box_rows);
+
+}  // namespace cuda
+}  // namespace flash_attn_ext

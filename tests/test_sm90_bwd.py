@@ -1,0 +1,149 @@
+"""The Hopper backward (wgmma + TMA, csrc/cuda/hopper/bwd_sm90_*): dispatch and gradients.
+
+Runs only on a compute-capability 9.0 GPU with a build that has an sm_90a
+target; FLASH_ATTN_EXT_BWD_IMPL (read on every call) switches between the
+Hopper kernel ("auto"/"wgmma") and the mma.sync kernels ("mma").
+"""
+import pytest
+import torch
+
+import flash_attn_ext as fa
+from helpers import assert_fa_rule, kernel_names, make_qkv, reference_and_baseline
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+SM90_BWD_KERNEL = "flash_bwd_sm90_kernel"
+
+
+def backward_ran_sm90(q, k, v, **kwargs):
+    out = fa.flash_attn_func(q, k, v, **kwargs)
+    dout = torch.randn_like(out)
+    names = kernel_names(lambda: torch.autograd.grad(out, (q, k, v), dout))
+    return any(SM90_BWD_KERNEL in n for n in names)
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward needs a compute capability 9.0 GPU")
+    q, k, v = make_qkv(1, 256, 256, 2, 128, torch.bfloat16, DEVICE)
+    if not backward_ran_sm90(q, k, v):
+        pytest.skip("this build has no sm_90a target (FLASH_ATTN_EXT_CUDA_ARCHS)")
+
+
+@pytest.fixture
+def impl(monkeypatch):
+    def set_impl(name):
+        monkeypatch.setenv("FLASH_ATTN_EXT_BWD_IMPL", name)
+    return set_impl
+
+
+def test_dispatch(sm90, impl):
+    q, k, v = make_qkv(2, 300, 300, 4, 128, torch.bfloat16, DEVICE)
+    assert backward_ran_sm90(q, k, v, causal=True)
+    impl("mma")
+    assert not backward_ran_sm90(q, k, v, causal=True)
+    impl("wgmma")
+    assert backward_ran_sm90(q, k, v)
+    # Calls the Hopper backward does not implement stay on mma.sync.
+    assert not backward_ran_sm90(q, k, v, deterministic=True)
+    for head_dim in (96, 256):
+        q2, k2, v2 = make_qkv(1, 300, 300, 2, head_dim, torch.bfloat16, DEVICE)
+        try:
+            assert not backward_ran_sm90(q2, k2, v2)
+        except RuntimeError as e:  # a build restricted with FLASH_ATTN_EXT_HEAD_DIMS
+            assert "not compiled" in str(e)
+    impl("bogus")
+    out = fa.flash_attn_func(q, k, v)
+    with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_BWD_IMPL"):
+        out.backward(torch.randn_like(out))
+
+
+def run_and_check_grads(q, k, v, causal, bottom_right=True, layout="bshd", **kwargs):
+    if layout == "bhsd":
+        out = fa.scaled_dot_product_attention(q, k, v, is_causal=causal, **kwargs)
+    elif causal and not bottom_right:
+        from flash_attn_ext.ops import FlashAttnFunction
+        out = FlashAttnFunction.apply(q, k, v, q.shape[-1] ** -0.5, True, False, False, 0, 0, None)[0]
+    else:
+        out = fa.flash_attn_func(q, k, v, causal=causal, **kwargs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    (ref, *ref_grads), (base, *base_grads) = reference_and_baseline(q, k, v, dout, causal,
+                                                                    bottom_right, layout)
+    assert_fa_rule(out, ref, base, 2)
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
+        assert g.dtype == q.dtype and g.shape == r.shape
+        assert_fa_rule(g, r, b, 3, what=name)
+    return grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [40, 64, 104, 128])
+@pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (63, 1025), (127, 127),
+                                               (128, 129), (1025, 63), (1025, 1025), (300, 3000)])
+def test_grads_match_reference(sm90, dtype, head_dim, causal, bottom_right, seqlen_q, seqlen_k):
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 3, head_dim, dtype, DEVICE)
+    run_and_check_grads(q, k, v, causal, bottom_right)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_layout_noncontiguous_and_gqa(sm90, causal):
+    q, k, v = make_qkv(2, 700, 700, 4, 128, torch.bfloat16, DEVICE, layout="bhsd")
+    run_and_check_grads(q, k, v, causal, bottom_right=False, layout="bhsd")
+    # Non-contiguous [B,S,H,D] views (two heads interleaved in one buffer).
+    base = torch.randn(1, 333, 6, 2, 64, device=DEVICE, dtype=torch.bfloat16)
+    q, k, v = (t.detach().requires_grad_() for t in (base[..., 0, :], base[..., 1, :],
+                                                     base[..., 0, :].flip(1)))
+    assert not q.is_contiguous()
+    run_and_check_grads(q, k, v, causal)
+    # GQA: dK/dV summed over the 4 query heads of each kv head; equal to the expanded call.
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    q = torch.randn(2, 500, 8, 64, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+    k = torch.randn(2, 500, 2, 64, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+    v = torch.randn(2, 500, 2, 64, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+    assert backward_ran_sm90(q, k, v, causal=causal)
+    ke, ve = (t.detach().repeat_interleave(4, 2).requires_grad_() for t in (k, v))
+    out = fa.flash_attn_func(q, ke, ve, causal=causal)
+    dout = torch.randn_like(out)
+    out_gqa = fa.flash_attn_func(q, k, v, causal=causal)
+    g_gqa = torch.autograd.grad(out_gqa, (q, k, v), dout)
+    g_exp = torch.autograd.grad(out, (q, ke, ve), dout)
+    torch.testing.assert_close(g_gqa[0], g_exp[0], atol=2e-2, rtol=0)  # dq: atomics, any order
+    for g, e in zip(g_gqa[1:], g_exp[1:]):
+        torch.testing.assert_close(g.float(), e.float().unflatten(2, (2, 4)).sum(3), atol=2e-2,
+                                   rtol=1e-2)
+
+
+def test_fully_masked_rows_get_zero_grads(sm90):
+    # bottom-right causal with more queries than keys: the first 200 rows see no key.
+    q, k, v = make_qkv(1, 300, 100, 2, 128, torch.bfloat16, DEVICE)
+    dq, dk, dv = run_and_check_grads(q, k, v, causal=True)
+    assert torch.all(dq[:, :200] == 0)
+
+
+def test_keys_nobody_sees_get_zero_grads(sm90):
+    # top-left causal with more keys than queries: keys >= 300 are never attended.
+    q, k, v = make_qkv(1, 300, 1000, 2, 64, torch.float16, DEVICE)
+    dq, dk, dv = run_and_check_grads(q, k, v, causal=True, bottom_right=False)
+    assert torch.all(dk[:, 300:] == 0) and torch.all(dv[:, 300:] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_repeatable(sm90, dtype):
+    # dK / dV have one writer per element: bit-identical. dQ is summed with fp32
+    # atomics (default, non-deterministic mode): equal up to summation order.
+    q, k, v = make_qkv(2, 1000, 1000, 4, 128, dtype, DEVICE)
+    out = fa.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(50):
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
+        torch.testing.assert_close(dq, first[0], atol=1e-2, rtol=1e-2)
+
+
+def test_long_sequence(sm90):
+    q, k, v = make_qkv(1, 16384, 16384, 1, 128, torch.bfloat16, DEVICE)
+    run_and_check_grads(q, k, v, causal=True)
