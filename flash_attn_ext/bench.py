@@ -26,6 +26,7 @@ above peak FLOP/s / peak bytes/s, both measured at start-up (a large matmul in t
 dtype, fp32 on CPU, and a large tensor copy).
 """
 import argparse
+import contextlib
 import csv
 import importlib
 import itertools
@@ -135,21 +136,9 @@ def make_fn(backend, cfg, device, deterministic=False):
     causal, Sq, Sk = cfg["causal"], cfg["Sq"], cfg["Sk"]
     scale = 1.0 / math.sqrt(cfg["D"])
     if backend == "ours-mma":
-        # ours, with the forward pinned to the mma.sync kernels (on sm_90 the default is
-        # the Hopper wgmma kernel): FLASH_ATTN_EXT_FWD_IMPL is read on every call.
-        ours = make_fn("ours", cfg, device, deterministic)
-
-        def ours_mma(q, k, v):
-            previous = os.environ.get("FLASH_ATTN_EXT_FWD_IMPL")
-            os.environ["FLASH_ATTN_EXT_FWD_IMPL"] = "mma"
-            try:
-                return ours(q, k, v)
-            finally:
-                if previous is None:
-                    del os.environ["FLASH_ATTN_EXT_FWD_IMPL"]
-                else:
-                    os.environ["FLASH_ATTN_EXT_FWD_IMPL"] = previous
-        return ours_mma
+        # ours with both passes pinned to the mma.sync kernels (on sm_90 the default is the
+        # Hopper wgmma kernels); run_config times it inside _pinned_to_mma().
+        return make_fn("ours", cfg, device, deterministic)
     if backend == "ours":
         if not deterministic:
             return lambda q, k, v: fa.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -302,6 +291,24 @@ def _short_error(e):
     return f"{type(e).__name__}: {first[:60]}"
 
 
+@contextlib.contextmanager
+def _pinned_to_mma(active=True):
+    """FLASH_ATTN_EXT_FWD_IMPL / _BWD_IMPL = mma while active (both are read on every call,
+    so this covers the backward that autograd runs after the forward returned)."""
+    names = ("FLASH_ATTN_EXT_FWD_IMPL", "FLASH_ATTN_EXT_BWD_IMPL")
+    previous = {n: os.environ.get(n) for n in names}
+    if active:
+        os.environ.update({n: "mma" for n in names})
+    try:
+        yield
+    finally:
+        for n, value in previous.items():
+            if value is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = value
+
+
 def _time_pass(fn, p, sets, douts, device):
     """(median ms, peak extra MB) of one pass. Its tensors die with this frame."""
     turn = itertools.cycle(range(len(sets)))
@@ -348,7 +355,7 @@ def bench_backend(backend, sets, cfg, passes, device, deterministic):
     if todo:
         try:
             fn = make_fn(backend, cfg, device, deterministic)
-            with warnings.catch_warnings(), torch.no_grad():
+            with warnings.catch_warnings(), torch.no_grad(), _pinned_to_mma(backend == "ours-mma"):
                 warnings.simplefilter("ignore")  # SDPA explains at length why a kernel was not used
                 probe = fn(*sets[0])  # does the backend take this input? (also compiles flex)
             douts = [torch.randn_like(probe) for _ in sets]
@@ -360,7 +367,8 @@ def bench_backend(backend, sets, cfg, passes, device, deterministic):
             fn = None
     for p, use in (todo.items() if fn is not None else ()):
         try:
-            res[p]["ms"], res[p]["mem_mb"] = _time_pass(fn, p, use, douts, device)
+            with _pinned_to_mma(backend == "ours-mma"):
+                res[p]["ms"], res[p]["mem_mb"] = _time_pass(fn, p, use, douts, device)
         except Exception as e:
             res[p]["note"] = _short_error(e)
         # Outside the except block: its traceback no longer holds the failed pass's tensors.
