@@ -146,20 +146,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tmap_k);
       prefetch_tensor_map(&tmap_v);
       prefetch_tensor_map(&tmap_do);
-      auto load_tile = [&](const CUtensorMap* map, uint32_t dst, int rows, uint32_t full, int row,
-                           int head) {
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) tma_load_4d(dst + c * rows * 128, map, full, c * 64, row, head, b);
-      };
       mbar_arrive_expect_tx(kv_full, 2 * Traits::kKVBytes);
-      load_tile(&tmap_k, k_smem, kBlockN, kv_full, n0, h_k);
-      load_tile(&tmap_v, v_smem, kBlockN, kv_full, n0, h_k);
+      tma_load_tile<kChunks>(&tmap_k, k_smem, kBlockN, kv_full, n0, h_k, b);
+      tma_load_tile<kChunks>(&tmap_v, v_smem, kBlockN, kv_full, n0, h_k, b);
       for (int i = 0; m_begin + i < m_end; ++i) {
         const int stage = i % kStages;
         mbar_wait(qdo_empty(stage), ((i / kStages) & 1) ^ 1);
         mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes);
-        load_tile(&tmap_q, q_smem(stage), kBlockM, qdo_full(stage), (m_begin + i) * kBlockM, h);
-        load_tile(&tmap_do, do_smem(stage), kBlockM, qdo_full(stage), (m_begin + i) * kBlockM, h);
+        const int m0 = (m_begin + i) * kBlockM;
+        tma_load_tile<kChunks>(&tmap_q, q_smem(stage), kBlockM, qdo_full(stage), m0, h, b);
+        tma_load_tile<kChunks>(&tmap_do, do_smem(stage), kBlockM, qdo_full(stage), m0, h, b);
       }
     }
     return;
@@ -210,17 +206,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       WgmmaOps<T, kHeadDim>::rs_mnmajor(&acc[0][0], a[kk], desc_b, 1);
     }
   };
-  // Accumulator pairs of n-tiles (2k, 2k+1) are the A fragment of k-step k.
-  auto to_a_fragments = [&](const float (&acc)[kBlockM / 8][4], uint32_t (&a)[kBlockM / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      a[kk][0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
-      a[kk][1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
-      a[kk][2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
-      a[kk][3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
-    }
-  };
-
   float* dq_accum_head = params.dq_accum + seq.lse_index(params, b, h, 0) * kHeadDim;
   const float* lse_head = params.lse + seq.lse_index(params, b, h, 0);
   const float* dsum_head = params.dsoftmax_sum + seq.lse_index(params, b, h, 0);
@@ -276,8 +261,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - dsum[j][e % 2]);
     }
     uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-    to_a_fragments(s, p_frag);
-    to_a_fragments(dp, ds_frag);
+    accumulators_to_a_fragments<T, kBlockM>(s, p_frag);
+    accumulators_to_a_fragments<T, kBlockM>(dp, ds_frag);
 
     wgmma_fence();
     issue_grad_update(dv, p_frag, do_smem(stage));

@@ -40,18 +40,11 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
                  "dQ zeroing");
   launch_bwd_dot_do_o<T>(params, stream);
 
-  const CUtensorMap tmap_q =
-      make_attention_tensor_map(params.q, kBf16, params.head_dim, params.seqlen_q, params.heads,
-                                params.batch, params.q_strides, Traits::kBlockM);
-  const CUtensorMap tmap_k =
-      make_attention_tensor_map(params.k, kBf16, params.head_dim, params.seqlen_k, params.heads_k,
-                                params.batch, params.k_strides, Traits::kBlockN);
-  const CUtensorMap tmap_v =
-      make_attention_tensor_map(params.v, kBf16, params.head_dim, params.seqlen_k, params.heads_k,
-                                params.batch, params.v_strides, Traits::kBlockN);
+  const CUtensorMap tmap_q = query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kBlockM);
+  const CUtensorMap tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
+  const CUtensorMap tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
   const CUtensorMap tmap_do =
-      make_attention_tensor_map(params.dout, kBf16, params.head_dim, params.seqlen_q, params.heads,
-                                params.batch, params.dout_strides, Traits::kBlockM);
+      query_tensor_map(params, params.dout, params.dout_strides, kBf16, Traits::kBlockM);
 
   auto kernel = flash_bwd_sm90_kernel<Traits, kIsCausal>;
   bwd_sm90_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

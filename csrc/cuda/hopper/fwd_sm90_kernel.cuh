@@ -187,15 +187,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tmap_q);
       prefetch_tensor_map(&tmap_k);
       prefetch_tensor_map(&tmap_v);
-      // One [rows x kHeadDim] tile: kChunks TMA boxes of 64 columns, each
-      // [rows x 128 B] in shared memory, completing on barrier `full`.
-      auto load_tile = [&](const CUtensorMap* map, uint32_t dst, int rows, uint32_t full, int row,
-                           int head, int batch) {
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          tma_load_4d(dst + c * rows * 128, map, full, c * 64, row, head, batch);
-        }
-      };
       int kv_count = 0;  // K/V tiles loaded so far: ring stage and phase
       int tile_count = 0;
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++tile_count) {
@@ -204,18 +195,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // tile's O has been read out by its TMA store.
         mbar_wait(q_empty, (tile_count & 1) ^ 1);
         mbar_arrive_expect_tx(q_full, Traits::kQBytes);
-        load_tile(&tmap_q, q_smem, kBlockM, q_full, tile.m_block * kBlockM, tile.h, tile.b);
+        tma_load_tile<kChunks>(&tmap_q, q_smem, kBlockM, q_full, tile.m_block * kBlockM, tile.h,
+                               tile.b);
         for (int n_block = tile.keys.end - 1; n_block >= tile.keys.begin; --n_block, ++kv_count) {
           const int stage = kv_count % kStages;
           const uint32_t empty_parity = ((kv_count / kStages) & 1) ^ 1;
           mbar_wait(k_empty(stage), empty_parity);
           mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
-          load_tile(&tmap_k, k_smem(stage), kBlockN, k_full(stage), n_block * kBlockN, tile.h_k,
-                    tile.b);
+          tma_load_tile<kChunks>(&tmap_k, k_smem(stage), kBlockN, k_full(stage),
+                                 n_block * kBlockN, tile.h_k, tile.b);
           mbar_wait(v_empty(stage), empty_parity);
           mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
-          load_tile(&tmap_v, v_smem(stage), kBlockN, v_full(stage), n_block * kBlockN, tile.h_k,
-                    tile.b);
+          tma_load_tile<kChunks>(&tmap_v, v_smem(stage), kBlockN, v_full(stage),
+                                 n_block * kBlockN, tile.h_k, tile.b);
         }
       }
     }
@@ -254,17 +246,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       WgmmaOps<T, kHeadDim>::rs_mnmajor(&o[0][0][0], p[kk], desc_v, 1);
     }
     wgmma_commit();
-  };
-  // P as the A operand of the next wgmma: the accumulator pair of n-tiles
-  // (2k, 2k+1) is exactly the A fragment of k-step k (as with mma.sync).
-  auto convert_p = [&](const float (&s)[1][kBlockN / 8][4], uint32_t (&p)[kBlockN / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      p[kk][0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
-      p[kk][1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
-      p[kk][2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-      p[kk][3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-    }
   };
   // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs
   // (barrier kPingPongBarrier + wg, 256 threads = own sync + other's arrive),
@@ -333,7 +314,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
       if (lane == 0) mbar_arrive(k_empty(stage_of(0)));
       softmax_tile(softmax, s, tile.keys.end - 1, rescale);  // O is still 0: no rescale
-      convert_p(s, p);
+      accumulators_to_a_fragments<T, kBlockN>(s[0], p);  // P: A operand of P V
 
       for (int i = 1; i < n_tiles; ++i) {
         mbar_wait(k_full(stage_of(i)), parity_of(i));
@@ -352,7 +333,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(p));
         if (lane == 0) mbar_arrive(v_empty(stage_of(i - 1)));
         OnlineSoftmax<1>::rescale_rows(o, rescale);
-        convert_p(s, p);
+        accumulators_to_a_fragments<T, kBlockN>(s[0], p);  // P: A operand of P V
       }
 
       const int last = n_tiles - 1;

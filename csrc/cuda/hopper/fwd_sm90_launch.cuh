@@ -19,19 +19,11 @@ template <typename Traits, bool kIsCausal>
 void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   using T = typename Traits::T;
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-  const CUtensorMap tmap_q =
-      make_attention_tensor_map(params.q, kBf16, params.head_dim, params.seqlen_q, params.heads,
-                                params.batch, params.q_strides, Traits::kBlockM);
-  const CUtensorMap tmap_k =
-      make_attention_tensor_map(params.k, kBf16, params.head_dim, params.seqlen_k, params.heads_k,
-                                params.batch, params.k_strides, Traits::kBlockN);
-  const CUtensorMap tmap_v =
-      make_attention_tensor_map(params.v, kBf16, params.head_dim, params.seqlen_k, params.heads_k,
-                                params.batch, params.v_strides, Traits::kBlockN);
+  const CUtensorMap tmap_q = query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kBlockM);
+  const CUtensorMap tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
+  const CUtensorMap tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
   // Each consumer warpgroup stores its own 64 rows.
-  const CUtensorMap tmap_o =
-      make_attention_tensor_map(params.out, kBf16, params.head_dim, params.seqlen_q, params.heads,
-                                params.batch, params.out_strides, 64);
+  const CUtensorMap tmap_o = query_tensor_map(params, params.out, params.out_strides, kBf16, 64);
 
   auto kernel = flash_fwd_sm90_kernel<Traits, kIsCausal>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -71,6 +71,16 @@ FAE_DEVICE void tma_load_4d(uint32_t smem_dst, const CUtensorMap* map, uint32_t 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
+// One [rows x 64 kChunks] tile: kChunks boxes of 64 columns, each stored as
+// [rows x 128 B] (the 128-byte swizzle atom width), all completing on `full`.
+template <int kChunks>
+FAE_DEVICE void tma_load_tile(const CUtensorMap* map, uint32_t smem_dst, int rows, uint32_t full,
+                              int row, int head, int batch) {
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    tma_load_4d(smem_dst + c * rows * 128, map, full, c * 64, row, head, batch);
+  }
+}
 // Shared -> global; out-of-bounds elements are not written.
 FAE_DEVICE void tma_store_4d(const CUtensorMap* map, uint32_t smem_src, int c0, int c1, int c2,
                              int c3) {
@@ -126,6 +136,21 @@ template <int kN>
 FAE_DEVICE void fence_registers(uint32_t (&r)[kN]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// The fp32 accumulators of an m64nN wgmma (kN / 8 n-tiles of 4 values) as the
+// register A operand of the next wgmma, whose K is that N: the accumulator pair
+// of n-tiles (2k, 2k+1) is exactly the A fragment of k-step k (as with mma.sync).
+template <typename T, int kN>
+FAE_DEVICE void accumulators_to_a_fragments(const float (&acc)[kN / 8][4],
+                                            uint32_t (&a)[kN / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    a[kk][0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+    a[kk][1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+    a[kk][2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+    a[kk][3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+  }
 }
 
 // ---- warpgroup coordination ---------------------------------------------------
