@@ -20,13 +20,6 @@
 namespace flash_attn_ext {
 namespace cuda {
 
-inline void bwd_check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("flash_attn_ext: backward ") + what + " failed: " +
-                             cudaGetErrorString(err));
-  }
-}
-
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_bwd_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   using Kt = BwdKernelTraits<T, kHeadDim>;

@@ -10,12 +10,22 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "../params.h"
 #include "common/ptx.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {
+
+// Every CUDA call of the backward launchers (mma.sync and Hopper) goes through this.
+inline void bwd_check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("flash_attn_ext: backward ") + what + " failed: " +
+                             cudaGetErrorString(err));
+  }
+}
 
 // ---- 8 consecutive elements <-> 8 floats ----------------------------------
 template <typename T>

@@ -18,13 +18,6 @@
 namespace flash_attn_ext {
 namespace cuda {
 
-inline void bwd_sm90_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("flash_attn_ext: Hopper backward ") + what + " failed: " +
-                             cudaGetErrorString(err));
-  }
-}
-
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   using Traits = BwdSm90Traits<T, kHeadDim>;
@@ -34,7 +27,7 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   }
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   // Workspace rows have the kernel head dim as pitch (bwd_dispatch.cu: accum_dim).
-  bwd_sm90_check(cudaMemsetAsync(params.dq_accum, 0,
+  bwd_check_cuda(cudaMemsetAsync(params.dq_accum, 0,
                                  static_cast<size_t>(params.q_rows_total) * kHeadDim * sizeof(float),
                                  stream),
                  "dQ zeroing");
@@ -47,7 +40,7 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
       query_tensor_map(params, params.dout, params.dout_strides, kBf16, Traits::kBlockM);
 
   auto kernel = flash_bwd_sm90_kernel<Traits, kIsCausal>;
-  bwd_sm90_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       Traits::kSmemBytes),
                  "shared-memory opt-in");
   // One CTA per key tile; blockIdx.x = 0 holds the first keys, which under
@@ -57,7 +50,7 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   if (grid.x > 0) {
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, tmap_do,
                                                                     params);
-    bwd_sm90_check(cudaGetLastError(), "kernel launch");
+    bwd_check_cuda(cudaGetLastError(), "Hopper kernel launch");
   }
   launch_bwd_convert_dq<T>(params, kHeadDim, 1, stream);
 }
