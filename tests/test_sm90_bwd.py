@@ -147,3 +147,24 @@ def test_repeatable(sm90, dtype):
 def test_long_sequence(sm90):
     q, k, v = make_qkv(1, 16384, 16384, 1, 128, torch.bfloat16, DEVICE)
     run_and_check_grads(q, k, v, causal=True)
+
+
+def test_broadcast_inputs_stay_on_mma(sm90):
+    # K/V and dO broadcast over the batch (stride 0, e.g. from expand()) cannot be described
+    # by a TMA tensor map: both passes take the mma.sync kernels and stay exact.
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    q = torch.randn(2, 300, 4, 64, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(1, 300, 4, 64, generator=gen).to(DEVICE, torch.bfloat16).expand(2, -1, -1, -1)
+            .requires_grad_() for _ in range(2))
+    dout = torch.randn(1, 300, 4, 64, generator=gen).to(DEVICE, torch.bfloat16).expand(2, -1, -1, -1)
+    assert k.stride(0) == 0 and dout.stride(0) == 0
+    out = fa.flash_attn_func(q, k, v, causal=True, num_splits=1)
+    names = kernel_names(lambda: fa.flash_attn_func(q, k, v, causal=True, num_splits=1))
+    assert not any("flash_fwd_sm90_kernel" in n for n in names)
+    names = kernel_names(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    assert not any(SM90_BWD_KERNEL in n for n in names)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    (ref, *ref_grads), (base, *base_grads) = reference_and_baseline(q, k, v, dout, True, True)
+    assert_fa_rule(out, ref, base, 2)
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
+        assert_fa_rule(g, r, b, 3, what=name)

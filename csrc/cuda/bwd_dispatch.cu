@@ -67,13 +67,17 @@ int64_t dsum_floats(const AttentionBwdParams& p) {
 // The Hopper (wgmma + TMA) backward takes a call when it was compiled (an
 // sm_90a target), the device is sm_90, FLASH_ATTN_EXT_BWD_IMPL allows it, and
 // the call is one it implements: 16-bit, kernel head dim 64/128, padded batch
-// without seqused_k, not deterministic (README "Hopper backward").
+// without seqused_k, not deterministic, no broadcast (stride-0) dimension
+// (README "Hopper backward").
 bool use_sm90_backward(const AttentionBwdParams& p) {
 #ifdef FAE_HAS_SM90A
   if (kernel_impl_requested("FLASH_ATTN_EXT_BWD_IMPL") == KernelImpl::kMma) return false;
   return !is_fp32(p) && bwd_sm90_head_dim(bwd_rounded_head_dim(p.head_dim)) &&
          !has_var_seqs(p) && !p.deterministic && p.heads <= 65535 && p.batch <= 65535 &&
-         device_is_sm90();
+         tma_strides_ok(p.q_strides, p.seqlen_q, p.heads, p.batch) &&
+         tma_strides_ok(p.dout_strides, p.seqlen_q, p.heads, p.batch) &&
+         tma_strides_ok(p.k_strides, p.seqlen_k, p.heads_k, p.batch) &&
+         tma_strides_ok(p.v_strides, p.seqlen_k, p.heads_k, p.batch) && device_is_sm90();
 #else
   (void)p;
   return false;

@@ -143,14 +143,19 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
 // The Hopper (wgmma + TMA) forward takes a call when it was compiled
 // (an sm_90a target), the device is sm_90, FLASH_ATTN_EXT_FWD_IMPL allows it,
 // and the call is one it implements: 16-bit, kernel head dim 64/128/256,
-// padded batch without seqused_k, no split-KV, not the small-M decode tile
-// (those stay on the mma.sync kernels; README "Hopper forward").
+// padded batch without seqused_k, no split-KV, not the small-M decode tile,
+// no broadcast (stride-0) dimension (those stay on the mma.sync kernels;
+// README "Hopper forward").
 bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 #ifdef FAE_HAS_SM90A
   if (kernel_impl_requested("FLASH_ATTN_EXT_FWD_IMPL") == KernelImpl::kMma) return false;
   return params.dtype != DType::kFloat32 && fwd_sm90_head_dim(kernel_dim) &&
          !has_var_seqs(params) && params.num_splits <= 1 && params.fwd_tile == kFwdTileAuto &&
          !fwd_uses_decode_tile(params) && params.heads <= 65535 && params.batch <= 65535 &&
+         tma_strides_ok(params.q_strides, params.seqlen_q, params.heads, params.batch) &&
+         tma_strides_ok(params.out_strides, params.seqlen_q, params.heads, params.batch) &&
+         tma_strides_ok(params.k_strides, params.seqlen_k, params.heads_k, params.batch) &&
+         tma_strides_ok(params.v_strides, params.seqlen_k, params.heads_k, params.batch) &&
          device_is_sm90();
 #else
   (void)params;

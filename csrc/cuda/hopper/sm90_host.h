@@ -34,6 +34,14 @@ CUtensorMap make_attention_tensor_map(const void* base, bool bf16, int head_dim,
                                       int heads, int batch, const TensorStrides& strides,
                                       int box_rows);
 
+// Whether TMA can describe a tensor with these strides: every dimension longer
+// than 1 needs a positive stride (a broadcast, stride-0 dimension, e.g. from
+// expand(), cannot be encoded; such calls stay on the mma.sync kernels, which
+// read any strides). 16-byte alignment is ensured by the op layer (ops_cuda.cpp).
+inline bool tma_strides_ok(const TensorStrides& st, int seqlen, int heads, int batch) {
+  return (seqlen <= 1 || st.row > 0) && (heads <= 1 || st.head > 0) && (batch <= 1 || st.batch > 0);
+}
+
 // The same for the query-side tensors (q, out, dout: seqlen_q, heads) and the
 // key-side ones (k, v: seqlen_k, heads_k) of one call.
 inline CUtensorMap query_tensor_map(const AttentionFwdParams& p, const void* base,
