@@ -19,6 +19,7 @@
 #include "bwd_fp32.h"
 #include "bwd_kernel_traits.cuh"
 #include "flash_api.h"
+#include "static_switch.h"
 #ifdef FAE_HAS_SM90A
 #include "hopper/bwd_sm90.h"
 #endif
@@ -69,8 +70,8 @@ int64_t dsum_floats(const AttentionBwdParams& p) {
 // the call is one it implements: 16-bit, kernel head dim 64/128, padded batch
 // without seqused_k, not deterministic, no broadcast (stride-0) dimension
 // (README "Hopper backward").
-bool use_sm90_backward(const AttentionBwdParams& p) {
 #ifdef FAE_HAS_SM90A
+bool use_sm90_backward(const AttentionBwdParams& p) {
   if (kernel_impl_requested("FLASH_ATTN_EXT_BWD_IMPL") == KernelImpl::kMma) return false;
   return !is_fp32(p) && bwd_sm90_head_dim(bwd_rounded_head_dim(p.head_dim)) &&
          !has_var_seqs(p) && !p.deterministic && p.heads <= 65535 && p.batch <= 65535 &&
@@ -78,61 +79,26 @@ bool use_sm90_backward(const AttentionBwdParams& p) {
          tma_strides_ok(p.dout_strides, p.seqlen_q, p.heads, p.batch) &&
          tma_strides_ok(p.k_strides, p.seqlen_k, p.heads_k, p.batch) &&
          tma_strides_ok(p.v_strides, p.seqlen_k, p.heads_k, p.batch) && device_is_sm90();
-#else
-  (void)p;
-  return false;
-#endif
 }
-
-template <typename T, int kHeadDim>
-void run_causal_switch(const AttentionBwdParams& p, cudaStream_t stream) {
-  auto run = [&](auto causal_tag) {
-    constexpr bool kCausal = decltype(causal_tag)::value;
-#ifdef FAE_HAS_SM90A
-    // The Hopper instantiations exist for these head dims (generate_instantiations.py)
-    // and are filtered by FLASH_ATTN_EXT_HEAD_DIMS like the others.
-    if constexpr (kHeadDim == 64 || kHeadDim == 128) {
-      if (use_sm90_backward(p)) return run_bwd_sm90_impl<T, kHeadDim, kCausal>(p, stream);
-    }
 #endif
-    run_bwd_impl<T, kHeadDim, kCausal>(p, stream);
-  };
-  if (p.causal) {
-    run(std::true_type{});
-  } else {
-    run(std::false_type{});
-  }
-}
 
 template <typename T>
 void run_head_dim_switch(const AttentionBwdParams& p, cudaStream_t stream) {
-  switch (bwd_rounded_head_dim(p.head_dim)) {
-#ifdef FAE_HAS_HDIM_32
-    case 32: return run_causal_switch<T, 32>(p, stream);
+  auto run = [&](auto dim_tag) {
+    with_causal(p.causal, [&](auto causal_tag) {
+      constexpr bool kCausal = decltype(causal_tag)::value;
+      constexpr int kHeadDim = decltype(dim_tag)::value;
+#ifdef FAE_HAS_SM90A
+      // The Hopper instantiations exist for these head dims (generate_instantiations.py)
+      // and are filtered by FLASH_ATTN_EXT_HEAD_DIMS like the others.
+      if constexpr (kHeadDim == 64 || kHeadDim == 128) {
+        if (use_sm90_backward(p)) return run_bwd_sm90_impl<T, kHeadDim, kCausal>(p, stream);
+      }
 #endif
-#ifdef FAE_HAS_HDIM_64
-    case 64: return run_causal_switch<T, 64>(p, stream);
-#endif
-#ifdef FAE_HAS_HDIM_96
-    case 96: return run_causal_switch<T, 96>(p, stream);
-#endif
-#ifdef FAE_HAS_HDIM_128
-    case 128: return run_causal_switch<T, 128>(p, stream);
-#endif
-#ifdef FAE_HAS_HDIM_160
-    case 160: return run_causal_switch<T, 160>(p, stream);
-#endif
-#ifdef FAE_HAS_HDIM_192
-    case 192: return run_causal_switch<T, 192>(p, stream);
-#endif
-#ifdef FAE_HAS_HDIM_224
-    case 224: return run_causal_switch<T, 224>(p, stream);
-#endif
-#ifdef FAE_HAS_HDIM_256
-    case 256: return run_causal_switch<T, 256>(p, stream);
-#endif
-    default: not_compiled(p, "head dim");
-  }
+      run_bwd_impl<T, kHeadDim, kCausal>(p, stream);
+    });
+  };
+  if (!with_compiled_head_dim(bwd_rounded_head_dim(p.head_dim), run)) not_compiled(p, "head dim");
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "fwd_kernel_traits.cuh"
 #include "fwd_launch.h"
 #include "hopper/fwd_sm90.h"
+#include "static_switch.h"
 
 namespace flash_attn_ext {
 namespace cuda {
@@ -17,31 +18,9 @@ namespace {
 // ---- compiled configurations ------------------------------------------------
 std::string compiled_head_dims() {
   std::string s;
-  auto add = [&](const char* d) { s += s.empty() ? d : std::string(",") + d; };
-#ifdef FAE_HAS_HDIM_32
-  add("32");
-#endif
-#ifdef FAE_HAS_HDIM_64
-  add("64");
-#endif
-#ifdef FAE_HAS_HDIM_96
-  add("96");
-#endif
-#ifdef FAE_HAS_HDIM_128
-  add("128");
-#endif
-#ifdef FAE_HAS_HDIM_160
-  add("160");
-#endif
-#ifdef FAE_HAS_HDIM_192
-  add("192");
-#endif
-#ifdef FAE_HAS_HDIM_224
-  add("224");
-#endif
-#ifdef FAE_HAS_HDIM_256
-  add("256");
-#endif
+  for_each_compiled_head_dim([&](auto tag) {
+    s += (s.empty() ? "" : ",") + std::to_string(decltype(tag)::value);
+  });
   return s.empty() ? "none" : s;
 }
 
@@ -168,52 +147,23 @@ template <typename T>
 void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
   const int kernel_dim = fwd_rounded_head_dim(params.head_dim);
   const bool sm90 = use_sm90_forward(params, kernel_dim);
-  auto run = [&](auto causal_tag, auto dim_tag) {
-    constexpr bool kCausal = decltype(causal_tag)::value;
-    constexpr int kDim = decltype(dim_tag)::value;
+  auto run = [&](auto dim_tag) {
+    with_causal(params.causal, [&](auto causal_tag) {
+      constexpr bool kCausal = decltype(causal_tag)::value;
+      constexpr int kDim = decltype(dim_tag)::value;
 #ifdef FAE_HAS_SM90A
-    // The Hopper instantiations exist for these head dims (generate_instantiations.py)
-    // and are filtered by FLASH_ATTN_EXT_HEAD_DIMS like the others.
-    if constexpr (kDim == 64 || kDim == 128 || kDim == 256) {
-      if (sm90) return run_fwd_sm90_impl<T, kDim, kCausal>(params, stream);
-    }
+      // The Hopper instantiations exist for these head dims (generate_instantiations.py)
+      // and are filtered by FLASH_ATTN_EXT_HEAD_DIMS like the others.
+      if constexpr (kDim == 64 || kDim == 128 || kDim == 256) {
+        if (sm90) return run_fwd_sm90_impl<T, kDim, kCausal>(params, stream);
+      }
 #endif
-    (void)sm90;
-    run_fwd_impl<T, kDim, kCausal>(params, stream);
+      (void)sm90;
+      run_fwd_impl<T, kDim, kCausal>(params, stream);
+    });
   };
-  auto run_dim = [&](auto dim_tag) {
-    if (params.causal) {
-      run(std::true_type{}, dim_tag);
-    } else {
-      run(std::false_type{}, dim_tag);
-    }
-  };
-  switch (kernel_dim) {
-#ifdef FAE_HAS_HDIM_32
-    case 32: return run_dim(std::integral_constant<int, 32>{});
-#endif
-#ifdef FAE_HAS_HDIM_64
-    case 64: return run_dim(std::integral_constant<int, 64>{});
-#endif
-#ifdef FAE_HAS_HDIM_96
-    case 96: return run_dim(std::integral_constant<int, 96>{});
-#endif
-#ifdef FAE_HAS_HDIM_128
-    case 128: return run_dim(std::integral_constant<int, 128>{});
-#endif
-#ifdef FAE_HAS_HDIM_160
-    case 160: return run_dim(std::integral_constant<int, 160>{});
-#endif
-#ifdef FAE_HAS_HDIM_192
-    case 192: return run_dim(std::integral_constant<int, 192>{});
-#endif
-#ifdef FAE_HAS_HDIM_224
-    case 224: return run_dim(std::integral_constant<int, 224>{});
-#endif
-#ifdef FAE_HAS_HDIM_256
-    case 256: return run_dim(std::integral_constant<int, 256>{});
-#endif
-    default: throw_head_dim_not_compiled(params.head_dim, kernel_dim);
+  if (!with_compiled_head_dim(kernel_dim, run)) {
+    throw_head_dim_not_compiled(params.head_dim, kernel_dim);
   }
 }
 
