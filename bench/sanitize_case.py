@@ -4,7 +4,7 @@ forward (full, causal, split-KV + combine), fp32 forward/backward, backward
 variable-sequence instantiations: GQA, varlen (with an empty sequence),
 seqused_k and the KV-cache decode path. On sm_90 the unsplit 16-bit forward cases run
 the Hopper kernel (one more case gives its persistent loop several tiles per CTA), and the
-non-deterministic 16-bit backward cases with head dim 40, 64 or 128 the Hopper backward.
+non-deterministic 16-bit backward cases with head dim 40, 64, 128 or 256 the Hopper backward.
 
   compute-sanitizer --tool memcheck python bench/sanitize_case.py
 """
@@ -25,6 +25,7 @@ cases = [  # (dtype, seqlen_q, seqlen_k, head_dim, causal, num_splits, determini
     (torch.float16, 65, 65, 40, False, 1, False),
     (torch.float32, 70, 90, 64, True, 1, False),
     (torch.float16, 150, 300, 128, True, 1, False),  # Hopper backward, 3 query tiles, D = 128
+    (torch.bfloat16, 200, 150, 256, False, 1, False),  # Hopper backward, head-dim split, 4 q tiles
 ]
 for dtype, sq, sk, d, causal, splits, det in cases:
     q = torch.randn(1, sq, 2, d, device="cuda", dtype=dtype, requires_grad=True)

@@ -47,7 +47,7 @@ def test_dispatch(sm90, impl):
     assert backward_ran_sm90(q, k, v)
     # Calls the Hopper backward does not implement stay on mma.sync.
     assert not backward_ran_sm90(q, k, v, deterministic=True)
-    for head_dim in (96, 256):
+    for head_dim in (96, 192):
         q2, k2, v2 = make_qkv(1, 300, 300, 2, head_dim, torch.bfloat16, DEVICE)
         try:
             assert not backward_ran_sm90(q2, k2, v2)
@@ -79,7 +79,7 @@ def run_and_check_grads(q, k, v, causal, bottom_right=True, layout="bshd", **kwa
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [40, 64, 104, 128])
+@pytest.mark.parametrize("head_dim", [40, 64, 104, 128, 232, 256])
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (63, 1025), (127, 127),
                                                (128, 129), (1025, 63), (1025, 1025), (300, 3000)])
@@ -131,10 +131,11 @@ def test_keys_nobody_sees_get_zero_grads(sm90):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_repeatable(sm90, dtype):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_repeatable(sm90, dtype, head_dim):
     # dK / dV have one writer per element: bit-identical. dQ is summed with fp32
     # atomics (default, non-deterministic mode): equal up to summation order.
-    q, k, v = make_qkv(2, 1000, 1000, 4, 128, dtype, DEVICE)
+    q, k, v = make_qkv(2, 1000, 1000, 4, head_dim, dtype, DEVICE)
     out = fa.flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)
     first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
@@ -144,8 +145,9 @@ def test_repeatable(sm90, dtype):
         torch.testing.assert_close(dq, first[0], atol=1e-2, rtol=1e-2)
 
 
-def test_long_sequence(sm90):
-    q, k, v = make_qkv(1, 16384, 16384, 1, 128, torch.bfloat16, DEVICE)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_long_sequence(sm90, head_dim):
+    q, k, v = make_qkv(1, 16384, 16384, 1, head_dim, torch.bfloat16, DEVICE)
     run_and_check_grads(q, k, v, causal=True)
 
 

@@ -67,7 +67,7 @@ int64_t dsum_floats(const AttentionBwdParams& p) {
 
 // The Hopper (wgmma + TMA) backward takes a call when it was compiled (an
 // sm_90a target), the device is sm_90, FLASH_ATTN_EXT_BWD_IMPL allows it, and
-// the call is one it implements: 16-bit, kernel head dim 64/128, padded batch
+// the call is one it implements: 16-bit, kernel head dim 64/128/256, padded batch
 // without seqused_k, not deterministic, no broadcast (stride-0) dimension
 // (README "Hopper backward").
 #ifdef FAE_HAS_SM90A
@@ -91,7 +91,7 @@ void run_head_dim_switch(const AttentionBwdParams& p, cudaStream_t stream) {
 #ifdef FAE_HAS_SM90A
       // The Hopper instantiations exist for these head dims (generate_instantiations.py)
       // and are filtered by FLASH_ATTN_EXT_HEAD_DIMS like the others.
-      if constexpr (kHeadDim == 64 || kHeadDim == 128) {
+      if constexpr (kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) {
         if (use_sm90_backward(p)) return run_bwd_sm90_impl<T, kHeadDim, kCausal>(p, stream);
       }
 #endif

@@ -19,7 +19,7 @@ PASSES = {
                  (64, 128, 256)),
     # Hopper backward (wgmma/TMA): device code only for sm_90a targets.
     "bwd_sm90": ("hopper/bwd_sm90_launch.cuh", "run_bwd_sm90_impl", "AttentionBwdParams",
-                 (64, 128)),
+                 (64, 128, 256)),
 }
 
 TEMPLATE = """\

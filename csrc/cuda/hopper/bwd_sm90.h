@@ -11,8 +11,10 @@ namespace flash_attn_ext {
 namespace cuda {
 
 // Kernel head dims (bwd_rounded_head_dim) with a Hopper backward; the others
-// use mma.sync. D = 256 would need 256 fp32 registers per thread for dK + dV.
-inline bool bwd_sm90_head_dim(int kernel_dim) { return kernel_dim == 64 || kernel_dim == 128; }
+// use mma.sync (bwd_sm90_kernel.cuh: D = 256 splits dK / dV by head-dim halves).
+inline bool bwd_sm90_head_dim(int kernel_dim) {
+  return kernel_dim == 64 || kernel_dim == 128 || kernel_dim == 256;
+}
 
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream);

@@ -6,10 +6,9 @@
 //   warpgroup 0 (producer, 24 registers): one thread loads K_j, V_j once,
 //       then Q_i, dO_i for every query tile i that sees key tile j into a
 //       kStages ring (mbarriers qdo_full / qdo_empty).
-//   warpgroups 1, 2 (consumers, 240 registers): keys [64w, 64w + 64) of the
-//       tile each (one wgmma M). Per query tile i (64 rows):
-//       S^T  = K_w Q_i^T                 wgmma SS (both K-major, as loaded)
-//       dP^T = V_w dO_i^T                wgmma SS
+//   warpgroups 1, 2 (consumers, 240 registers). Per query tile i (64 rows):
+//       S^T  = K Q_i^T                   wgmma SS (both K-major, as loaded)
+//       dP^T = V dO_i^T                  wgmma SS
 //       P^T  = exp2(S^T * scale*log2e - lse*log2e), masked   (registers)
 //       dS^T = P^T o (dP^T - D)                              (registers)
 //       dV  += P^T dO_i                  wgmma RS (dO MN-major: read transposed)
@@ -25,17 +24,30 @@
 // side, so the accumulators of S^T / dP^T are already the A operands (P^T,
 // dS^T) of the dV / dK products: no shared-memory round trip for them.
 //
-// dQ = dS K has 64 query rows x kHeadDim columns and sums over the 128 keys
-// of both consumers. With two 64-column chunks (D = 128) each consumer takes
-// one chunk over all 128 keys (dS^T of both consumers is shared through
-// shared memory, one 256-thread barrier per step, dS double-buffered); with
-// one chunk (D = 64) each consumer sums over its own 64 keys and both add
-// into the same accumulator rows (no cross-warpgroup barrier).
+// How the two consumers share the work depends on the head dim (the dK + dV
+// accumulators cost kHeadDim fp32 registers per thread for 64 keys):
+//
+//   D = 64, 128 ("key split", 128 keys per CTA): consumer w owns keys
+//     [64w, 64w + 64) and runs every product above for them. dQ = dS K sums
+//     over keys: with two 64-column chunks (D = 128) each consumer takes one
+//     chunk over all 128 keys (dS^T of both is shared through shared memory,
+//     one 256-thread barrier per step, dS double-buffered); with one chunk
+//     (D = 64) each sums over its own 64 keys into the same accumulator rows.
+//
+//   D = 256 ("head-dim split", 64 keys per CTA): 256 accumulator registers
+//     would not fit, so both consumers work on the same 64 keys and consumer w
+//     owns head-dim columns [128w, 128w + 128) of dK, dV and dQ. The two
+//     64 x 64 x 256 score products are split instead of duplicated:
+//
+//       consumer 0:  S^T -> P^T --(fp32 P^T, smem)--> | dV_0 | <-- dS^T -- | dK_0 dQ_0
+//       consumer 1:  dP^T ------------------ wait P^T | dS^T -> smem, dV_1 | dK_1 dQ_1
+//
+//     (named barriers: kPReady, consumer 0 arrives / 1 waits; kDsReady, both.)
 //
 // Shared memory (tiles in 64-column chunks of [rows x 128 B], TMA's 128-byte
 // swizzle; every tile 1024-byte aligned):
-//   | K [kChunks][128][64] | V | Q [kStages][kChunks][64][64] | dO [...] |
-//   | dS^T [2][128 keys][64 queries] | mbarriers |
+//   | K [kChunks][kBlockN][64] | V | Q [kStages][kChunks][64][64] | dO [...] |
+//   | dS^T [kDsBuffers][kBlockN keys][64 queries] | P^T (head-dim split) | mbarriers |
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -53,35 +65,48 @@ struct BwdSm90Traits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kBlockN = 64 * kConsumerWarpgroups;  // keys: one wgmma M per consumer
-  static constexpr int kBlockM = 64;                        // queries per step: wgmma N of S^T
+  static constexpr bool kSplitHeadDim = kHeadDim > 128;  // see the file comment
+  static constexpr int kBlockN = kSplitHeadDim ? 64 : 64 * kConsumerWarpgroups;  // keys
+  static constexpr int kBlockM = 64;  // queries per step: wgmma N of S^T
   static constexpr int kStages = 2;
   static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
 
   static constexpr int kChunkCols = 64;
   static constexpr int kChunks = kHeadDim / kChunkCols;
-  // dQ split between the consumers: by 64-column chunk when there are two.
-  static constexpr bool kDqSplitCols = kChunks == kConsumerWarpgroups;
-  static constexpr int kDqKeys = kDqSplitCols ? kBlockN : 64;  // keys summed per consumer
+  // dK / dV columns per consumer (each owns 64 keys of them).
+  static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / kConsumerWarpgroups : kHeadDim;
+  // dQ: 64-column chunks per consumer, and the keys each sums over. Key split
+  // with one chunk (D = 64): both consumers add their own 64 keys' part.
+  static constexpr bool kDqOwnKeys = !kSplitHeadDim && kChunks == 1;
+  static constexpr int kDqChunks = kDqOwnKeys ? 1 : kChunks / kConsumerWarpgroups;
+  static constexpr int kDqKeys = kDqOwnKeys ? 64 : kBlockN;
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // one Q (or dO) stage
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
+  // Key split: dS double-buffered so that one barrier per step suffices.
+  // Head-dim split: the P^T / dS^T handshakes order every reuse (see kernel).
+  static constexpr int kDsBuffers = kSplitHeadDim ? 1 : 2;
+  // Head-dim split: consumer 0 hands P^T to consumer 1 in fp32 (dS = P o (dP - D)
+  // keeps full precision), 8 float4 per thread, thread-major: conflict-free.
+  static constexpr int kPBytes = kSplitHeadDim ? 64 * kBlockM * 4 : 0;
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);
   // +1024: the dynamic shared memory base is only 16-byte aligned.
-  static constexpr int kSmemBytes =
-      2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes + kBarrierBytes + 1024;
+  static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
+                                    kPBytes + kBarrierBytes + 1024;
 
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
   static_assert(sizeof(T) == 2, "16-bit inputs only");
-  static_assert(kHeadDim == 64 || kHeadDim == 128,
-                "D = 64 or 128: dK + dV accumulators (kHeadDim fp32 registers per thread) "
-                "must leave room for S^T, dP^T within 240 registers");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+                "dK + dV accumulators (2 kGradCols / 2 fp32 registers per thread) must leave "
+                "room for S^T, dP^T and dQ within 240 registers");
+  static_assert(kGradCols <= 128, "at most 128 dK/dV columns per consumer (register budget)");
   static_assert(kBlockM * 2 == 128, "one 64-query step is one 128-byte swizzle row of dS^T");
-  static_assert(kDqSplitCols || kChunks == 1, "dQ split: one chunk per consumer, or one chunk");
+  static_assert(kDqOwnKeys || kChunks % kConsumerWarpgroups == 0,
+                "dQ columns split evenly between the consumers");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one CTA per SM");
   static_assert(128 * kProducerRegs + 128 * kConsumerWarpgroups * kConsumerRegs <= 65536,
                 "register file split between producer and consumers");
@@ -101,6 +126,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
   constexpr int kChunks = Traits::kChunks;
+  constexpr int kGradCols = Traits::kGradCols;
   using namespace sm90;
 
   extern __shared__ uint8_t smem_raw[];
@@ -110,7 +136,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const uint32_t q_smem0 = v_smem + Traits::kKVBytes;
   const uint32_t do_smem0 = q_smem0 + kStages * Traits::kQBytes;
   const uint32_t ds_smem0 = do_smem0 + kStages * Traits::kQBytes;
-  const uint32_t bar0 = ds_smem0 + 2 * Traits::kDsBytes;
+  const uint32_t p_smem = ds_smem0 + Traits::kDsBuffers * Traits::kDsBytes;
+  const uint32_t bar0 = p_smem + Traits::kPBytes;
   auto q_smem = [&](int stage) { return q_smem0 + stage * Traits::kQBytes; };
   auto do_smem = [&](int stage) { return do_smem0 + stage * Traits::kQBytes; };
   auto ds_smem = [&](int buf) { return ds_smem0 + buf * Traits::kDsBytes; };
@@ -163,28 +190,32 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // ---------------- consumers ----------------
   setmaxnreg_inc<Traits::kConsumerRegs>();
-  const int wg = warpgroup - 1;  // which 64 keys of the tile
+  const int wg = warpgroup - 1;
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const uint32_t k_rows = k_smem + wg * 64 * 128;  // this warpgroup's keys in chunk 0
-  const uint32_t v_rows = v_smem + wg * 64 * 128;
+  // This warpgroup's 64 keys (rows of S^T, dK, dV) within the tile, and its
+  // first dK / dV column.
+  const int wg_key0 = Traits::kSplitHeadDim ? 0 : wg * 64;
+  const int wg_col0 = Traits::kSplitHeadDim ? wg * kGradCols : 0;
 
   // Accumulator layout of m64nN (per warp 16 rows, as mma.sync m16n8):
   // acc[j][e], lane = 4g + q: e = 0,1 -> row g, cols 8j + 2q + {0,1};
   // e = 2,3 -> row g + 8. Rows are keys here, columns queries (or head dim).
-  float dk[kHeadDim / 8][4], dv[kHeadDim / 8][4];
+  float dk[kGradCols / 8][4], dv[kGradCols / 8][4];
 #pragma unroll
-  for (int j = 0; j < kHeadDim / 8; ++j) {
+  for (int j = 0; j < kGradCols / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
   }
-  const int key_base = n0 + wg * 64 + warp * 16 + lane / 4;  // + 8 * (e / 2)
+  const int key_row = wg_key0 + warp * 16 + lane / 4;  // + 8 * (e / 2), within the tile
+  const int key_base = n0 + key_row;
 
-  // X^T = A_w B^T for K-major A (keys) and B (queries): kHeadDim / 16 k-steps,
-  // 32 bytes apart inside a 64-column chunk.
-  auto issue_transposed_scores = [&](float (&acc)[kBlockM / 8][4], uint32_t a_rows,
+  // X^T = A B^T for K-major A (this warpgroup's 64 keys) and B (queries):
+  // kHeadDim / 16 k-steps, 32 bytes apart inside a 64-column chunk.
+  auto issue_transposed_scores = [&](float (&acc)[kBlockM / 8][4], uint32_t a_tile,
                                      uint32_t b_tile) {
+    const uint32_t a_rows = a_tile + wg_key0 * 128;
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t chunk_offset = (kk % 4) * 32;
@@ -196,51 +227,59 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     wgmma_commit();
   };
-  // acc += A^T B with A^T from registers (query k-steps of 16 rows = 2048 B of
-  // the MN-major B tile; its head-dim chunks are kBlockM * 128 B apart).
-  auto issue_grad_update = [&](float (&acc)[kHeadDim / 8][4], const uint32_t (&a)[kBlockM / 16][4],
-                               uint32_t b_tile) {
+  // acc += A^T B[:, this warpgroup's columns] with A^T from registers (query
+  // k-steps of 16 rows = 2048 B of the MN-major B tile; its head-dim chunks
+  // are kBlockM * 128 B apart).
+  auto issue_grad_update = [&](float (&acc)[kGradCols / 8][4],
+                               const uint32_t (&a)[kBlockM / 16][4], uint32_t b_tile) {
+    const uint32_t b_cols = b_tile + (wg_col0 / 64) * kBlockM * 128;
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint64_t desc_b = smem_desc_sw128(b_tile + kk * 2048, kBlockM * 128, 1024);
-      WgmmaOps<T, kHeadDim>::rs_mnmajor(&acc[0][0], a[kk], desc_b, 1);
+      const uint64_t desc_b = smem_desc_sw128(b_cols + kk * 2048, kBlockM * 128, 1024);
+      WgmmaOps<T, kGradCols>::rs_mnmajor(&acc[0][0], a[kk], desc_b, 1);
     }
   };
+  // dS^T (64 keys x 64 queries, queries contiguous) in shared memory, in the
+  // swizzled layout the dQ wgmma reads: 16-byte unit u of row r sits at unit
+  // u ^ (r % 8). A quad touches one unit per row, the 8 rows of a warp 8
+  // different units: conflict-free. A-fragment word (kk, w) of a thread holds
+  // row key_row + 8 (w % 2), unit 2kk + w / 2.
+  auto ds_word_addr = [&](uint32_t ds_buf, int kk, int w) {
+    const int r = key_row + 8 * (w % 2);
+    return ds_buf + r * 128 + (((2 * kk + w / 2) ^ (r % 8)) * 16) + (lane % 4) * 4;
+  };
+  // Per-query lse (as log2; rows past seqlen_q and fully masked rows, lse =
+  // -inf, get +inf so that P = 0) or D for the thread's accumulator columns.
   float* dq_accum_head = params.dq_accum + seq.lse_index(params, b, h, 0) * kHeadDim;
   const float* lse_head = params.lse + seq.lse_index(params, b, h, 0);
   const float* dsum_head = params.dsoftmax_sum + seq.lse_index(params, b, h, 0);
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr int kDsBarrier = 1;  // named barrier ids 1 (shared dS) or 1 + wg (own dS)
-
-  if (m_begin < m_end) mbar_wait(kv_full, 0);
-  for (int i = 0; m_begin + i < m_end; ++i) {
-    const int m_block = m_begin + i;
-    const int stage = i % kStages;
-    mbar_wait(qdo_full(stage), (i / kStages) & 1);
-
-    float s[kBlockM / 8][4], dp[kBlockM / 8][4];
-    wgmma_fence();
-    issue_transposed_scores(s, k_rows, q_smem(stage));
-    issue_transposed_scores(dp, v_rows, do_smem(stage));
-
-    // Per-query terms while the GEMMs run: lse (as log2; rows past seqlen_q
-    // and fully masked rows, lse = -inf, get +inf so that P = 0) and D.
-    const int query_base = m_block * kBlockM + 2 * (lane % 4);  // + 8j + e % 2
-    float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];
+  auto load_lse_log2 = [&](int m_block, float (&out)[kBlockM / 8][2]) {
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int m = query_base + 8 * j + e;
+        const int m = m_block * kBlockM + 2 * (lane % 4) + 8 * j + e;
         const float lse = m < seq.seqlen_q ? lse_head[m] : -INFINITY;
-        lse_log2[j][e] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-        dsum[j][e] = m < seq.seqlen_q ? dsum_head[m] : 0.f;
+        out[j][e] = lse == -INFINITY ? INFINITY : lse * kLog2e;
       }
     }
-
-    wgmma_wait<1>();
-    fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
-    // Causal: only tiles crossing the diagonal need the per-element test.
+  };
+  auto load_dsum = [&](int m_block, float (&out)[kBlockM / 8][2]) {
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = m_block * kBlockM + 2 * (lane % 4) + 8 * j + e;
+        out[j][e] = m < seq.seqlen_q ? dsum_head[m] : 0.f;
+      }
+    }
+  };
+  // S^T -> P^T in place. Causal: only tiles crossing the diagonal need the
+  // per-element test.
+  auto scores_to_probs = [&](int m_block, float (&s)[kBlockM / 8][4],
+                             const float (&lse_log2)[kBlockM / 8][2]) {
+    const int query_base = m_block * kBlockM + 2 * (lane % 4);  // + 8j + e % 2
     const bool needs_mask = kIsCausal && n0 + kBlockN - 1 > m_block * kBlockM + seq.causal_offset;
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
@@ -253,78 +292,178 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         s[j][e] = p;
       }
     }
-    wgmma_wait<0>();
-    fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
+  };
+  // dQ_i (64 queries x this warpgroup's dQ columns) = dS K, 64 columns at a
+  // time: A = dS^T read transposed (k-steps of 16 keys = 2048 B), B = K read
+  // transposed. The wait also retires the step's dV / dK products, so the
+  // Q/dO stage is released after the first chunk.
+  auto accumulate_dq = [&](uint32_t ds_buf, int m_block, uint32_t qdo_empty_bar) {
+    const uint32_t key_offset = (Traits::kDqOwnKeys ? wg_key0 : 0) * 128;
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
+    for (int c = 0; c < Traits::kDqChunks; ++c) {
+      const int chunk = Traits::kDqOwnKeys ? 0 : wg * Traits::kDqChunks + c;
+      float dq[8][4];
+      wgmma_fence();
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - dsum[j][e % 2]);
-    }
-    uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-    accumulators_to_a_fragments<T, kBlockM>(s, p_frag);
-    accumulators_to_a_fragments<T, kBlockM>(dp, ds_frag);
-
-    wgmma_fence();
-    issue_grad_update(dv, p_frag, do_smem(stage));
-    issue_grad_update(dk, ds_frag, q_smem(stage));
-    wgmma_commit();
-
-    // dS^T (keys x 64 queries, queries contiguous) into this step's buffer in
-    // the swizzled layout: 16-byte unit u of row r sits at unit u ^ (r % 8).
-    // A quad writes one unit per row, 8 rows of a warp hit 8 different units:
-    // conflict-free. Fragment word (kk, w) holds row g + 8 (w % 2), unit 2kk + w / 2.
-    const uint32_t ds_buf = ds_smem(i % 2);
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const int r = wg * 64 + warp * 16 + lane / 4 + 8 * (w % 2);
-        const int unit = 2 * kk + w / 2;
-        const uint32_t addr = ds_buf + r * 128 + ((unit ^ (r % 8)) * 16) + (lane % 4) * 4;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds_frag[kk][w]) : "memory");
+      for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk) {
+        const uint64_t desc_a =
+            smem_desc_sw128(ds_buf + key_offset + kk * 2048, kBlockM * 128, 1024);
+        const uint64_t desc_b = smem_desc_sw128(k_smem + chunk * kBlockN * 128 + key_offset +
+                                                    kk * 2048,
+                                                kBlockN * 128, 1024);
+        WgmmaOps<T, 64>::ss_mnmajor(&dq[0][0], desc_a, desc_b, kk > 0 ? 1 : 0);
       }
-    }
-    fence_proxy_async_smem();
-    if (Traits::kDqSplitCols) {
-      named_barrier_sync(kDsBarrier, 256);
-    } else {
-      named_barrier_sync(kDsBarrier + wg, 128);
-    }
-
-    // dQ_i (64 queries x 64 columns) = dS K: A = dS^T read transposed (one
-    // 64-query chunk, k-steps of 16 keys = 2048 B), B = K read transposed.
-    float dq[8][4];
-    const uint32_t dq_a = ds_buf + (Traits::kDqSplitCols ? 0 : wg * 64 * 128);
-    const uint32_t dq_b = Traits::kDqSplitCols ? k_smem + wg * kBlockN * 128 : k_rows;
-    wgmma_fence();
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(reinterpret_cast<float(&)[32]>(dq));
+      fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dk));
+      fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dv));
+      if (c == 0 && lane == 0) mbar_arrive(qdo_empty_bar);
+      // dQ rows are queries here: row g (+8) of the warp's 16, columns 8j + 2q.
+      const int col0 = chunk * 64 + 2 * (lane % 4);
 #pragma unroll
-    for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk) {
-      const uint64_t desc_a = smem_desc_sw128(dq_a + kk * 2048, kBlockM * 128, 1024);
-      const uint64_t desc_b = smem_desc_sw128(dq_b + kk * 2048, kBlockN * 128, 1024);
-      WgmmaOps<T, 64>::ss_mnmajor(&dq[0][0], desc_a, desc_b, kk > 0 ? 1 : 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(reinterpret_cast<float(&)[32]>(dq));
-    fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(dk));
-    fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(dv));
-    fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
-    fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
-    if (lane == 0) mbar_arrive(qdo_empty(stage));
-
-    // dQ rows are queries here: row g (+8) of the warp's 16, columns 8j + 2q.
-    const int dq_col0 = (Traits::kDqSplitCols ? wg * 64 : 0) + 2 * (lane % 4);
+      for (int hh = 0; hh < 2; ++hh) {
+        const int m = m_block * kBlockM + warp * 16 + lane / 4 + 8 * hh;
+        if (m < seq.seqlen_q) {
+          float* row = dq_accum_head + static_cast<int64_t>(m) * kHeadDim + col0;
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int m = m_block * kBlockM + warp * 16 + lane / 4 + 8 * hh;
-      if (m < seq.seqlen_q) {
-        float* row = dq_accum_head + static_cast<int64_t>(m) * kHeadDim + dq_col0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          atomicAdd(reinterpret_cast<float2*>(row + 8 * j),
-                    make_float2(dq[j][2 * hh], dq[j][2 * hh + 1]));
+          for (int j = 0; j < 8; ++j) {
+            atomicAdd(reinterpret_cast<float2*>(row + 8 * j),
+                      make_float2(dq[j][2 * hh], dq[j][2 * hh + 1]));
+          }
         }
       }
+    }
+  };
+
+  if (m_begin < m_end) mbar_wait(kv_full, 0);
+  if constexpr (!Traits::kSplitHeadDim) {
+    // ---- key split: each consumer runs the whole step for its 64 keys ----
+    constexpr int kDsBarrier = 1;  // named barrier ids 1 (shared dS) or 1 + wg (own dS)
+    for (int i = 0; m_begin + i < m_end; ++i) {
+      const int m_block = m_begin + i;
+      const int stage = i % kStages;
+      mbar_wait(qdo_full(stage), (i / kStages) & 1);
+
+      float s[kBlockM / 8][4], dp[kBlockM / 8][4];
+      wgmma_fence();
+      issue_transposed_scores(s, k_smem, q_smem(stage));
+      issue_transposed_scores(dp, v_smem, do_smem(stage));
+      float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];  // while the GEMMs run
+      load_lse_log2(m_block, lse_log2);
+      load_dsum(m_block, dsum);
+
+      wgmma_wait<1>();
+      fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
+      scores_to_probs(m_block, s, lse_log2);
+      wgmma_wait<0>();
+      fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - dsum[j][e % 2]);
+      }
+      uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+      accumulators_to_a_fragments<T, kBlockM>(s, p_frag);
+      accumulators_to_a_fragments<T, kBlockM>(dp, ds_frag);
+
+      wgmma_fence();
+      issue_grad_update(dv, p_frag, do_smem(stage));
+      issue_grad_update(dk, ds_frag, q_smem(stage));
+      wgmma_commit();
+
+      const uint32_t ds_buf = ds_smem(i % 2);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) st_shared_b32(ds_word_addr(ds_buf, kk, w), ds_frag[kk][w]);
+      }
+      fence_proxy_async_smem();
+      if (Traits::kDqOwnKeys) {
+        named_barrier_sync(kDsBarrier + wg, 128);
+      } else {
+        named_barrier_sync(kDsBarrier, 256);
+      }
+      accumulate_dq(ds_buf, m_block, qdo_empty(stage));
+      fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
+      fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
+    }
+  } else {
+    // ---- head-dim split: consumer 0 computes P^T, consumer 1 dP^T and dS^T ----
+    // Reuse of the single P^T and dS^T buffers is ordered by the handshakes:
+    // consumer 0 writes P^T of step i + 1 only after kDsReady of step i, which
+    // consumer 1 reaches after reading P^T of step i; consumer 1 writes dS^T of
+    // step i + 1 only after kPReady of step i + 1, which consumer 0 reaches
+    // after its dQ wgmma of step i (reading dS^T) has completed.
+    constexpr int kPReady = 1, kDsReady = 2;
+    const uint32_t ds_buf = ds_smem(0);
+    const uint32_t p_slot = p_smem + tid * 16;  // + q * 128 * 16 for float4 q
+    for (int i = 0; m_begin + i < m_end; ++i) {
+      const int m_block = m_begin + i;
+      const int stage = i % kStages;
+      mbar_wait(qdo_full(stage), (i / kStages) & 1);
+
+      // The wgmmas stay outside the warpgroup branches (operands selected
+      // instead): inside a divergent branch ptxas serialises them.
+      float acc[kBlockM / 8][4];  // consumer 0: S^T -> P^T; consumer 1: dP^T -> dS^T
+      wgmma_fence();
+      issue_transposed_scores(acc, wg == 0 ? k_smem : v_smem, wg == 0 ? q_smem(stage) : do_smem(stage));
+      float row_terms[kBlockM / 8][2];  // consumer 0: lse (log2); consumer 1: D
+      if (wg == 0) {
+        load_lse_log2(m_block, row_terms);
+      } else {
+        load_dsum(m_block, row_terms);
+      }
+      wgmma_wait<0>();
+      fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(acc));
+
+      uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+      if (wg == 0) {
+        scores_to_probs(m_block, acc, row_terms);
+#pragma unroll
+        for (int q = 0; q < kBlockM / 8; ++q) {
+          st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
+        }
+        named_barrier_arrive(kPReady, 256);
+        accumulators_to_a_fragments<T, kBlockM>(acc, p_frag);
+      } else {
+        named_barrier_sync(kPReady, 256);
+        float p[kBlockM / 8][4];
+#pragma unroll
+        for (int q = 0; q < kBlockM / 8; ++q) {
+          ld_shared_v4_f32(p_slot + q * 128 * 16, p[q][0], p[q][1], p[q][2], p[q][3]);
+        }
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] = p[j][e] * (acc[j][e] - row_terms[j][e % 2]);
+        }
+        accumulators_to_a_fragments<T, kBlockM>(p, p_frag);
+        accumulators_to_a_fragments<T, kBlockM>(acc, ds_frag);
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+          for (int w = 0; w < 4; ++w) st_shared_b32(ds_word_addr(ds_buf, kk, w), ds_frag[kk][w]);
+        }
+        fence_proxy_async_smem();
+      }
+      wgmma_fence();
+      issue_grad_update(dv, p_frag, do_smem(stage));
+      wgmma_commit();
+      named_barrier_sync(kDsReady, 256);
+      if (wg == 0) {
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+          for (int w = 0; w < 4; ++w) ds_frag[kk][w] = ld_shared_b32(ds_word_addr(ds_buf, kk, w));
+        }
+      }
+      wgmma_fence();
+      issue_grad_update(dk, ds_frag, q_smem(stage));
+      wgmma_commit();
+      accumulate_dq(ds_buf, m_block, qdo_empty(stage));
+      fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
+      fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
     }
   }
 
@@ -338,8 +477,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     T* dk_row = static_cast<T*>(params.dk) + row_offset(params.dk_strides, b, h, key);
     T* dv_row = static_cast<T*>(params.dv) + row_offset(params.dv_strides, b, h, key);
 #pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      const int col = 8 * j + 2 * (lane % 4);
+    for (int j = 0; j < kGradCols / 8; ++j) {
+      const int col = wg_col0 + 8 * j + 2 * (lane % 4);
       if (col < params.head_dim) {
         *reinterpret_cast<uint32_t*>(dk_row + col) =
             pack2<T>(dk[j][2 * hh] * params.softmax_scale, dk[j][2 * hh + 1] * params.softmax_scale);

@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const uint32_t addr = q_rows + (j / 8) * kBlockM * 128 + r * 128 +
                               (((j % 8) ^ (r % 8)) * 16) + (lane % 4) * 4;
         const uint32_t packed = pack2<T>(o[0][j][2 * hh], o[0][j][2 * hh + 1]);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
+        st_shared_b32(addr, packed);
       }
     }
     fence_proxy_async_smem();

@@ -101,6 +101,28 @@ FAE_DEVICE void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Shared memory by 32-bit address (the kernels keep tile addresses as
+// integers, as the TMA and wgmma descriptors want them).
+FAE_DEVICE void st_shared_b32(uint32_t addr, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
+}
+FAE_DEVICE uint32_t ld_shared_b32(uint32_t addr) {
+  uint32_t value;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
+  return value;
+}
+FAE_DEVICE void st_shared_v4_f32(uint32_t addr, float x, float y, float z, float w) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(x), "f"(y), "f"(z),
+               "f"(w)
+               : "memory");
+}
+FAE_DEVICE void ld_shared_v4_f32(uint32_t addr, float& x, float& y, float& z, float& w) {
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(x), "=f"(y), "=f"(z), "=f"(w)
+               : "r"(addr)
+               : "memory");
+}
+
 // ---- wgmma ------------------------------------------------------------------
 // Shared-memory matrix descriptor for a tile stored in 128-byte-swizzled
 // atoms (8 rows x 128 bytes = 1024 bytes, the layout TMA's SWIZZLE_128B
