@@ -293,65 +293,83 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     }
   };
-  // dQ_i (64 queries x this warpgroup's dQ columns) = dS K, 64 columns at a
-  // time: A = dS^T read transposed (k-steps of 16 keys = 2048 B), B = K read
-  // transposed. The wait also retires the step's dV / dK products, so the
-  // Q/dO stage is released after the first chunk.
-  auto accumulate_dq = [&](uint32_t ds_buf, int m_block, uint32_t qdo_empty_bar) {
+  // dQ_i (64 queries x this warpgroup's dQ columns) = dS K, 64 columns (chunk
+  // c) at a time: A = dS^T read transposed (k-steps of 16 keys = 2048 B), B =
+  // K read transposed. Issued and committed here; add_dq_chunk after the wait.
+  auto dq_chunk = [&](int c) { return Traits::kDqOwnKeys ? 0 : wg * Traits::kDqChunks + c; };
+  auto issue_dq_chunk = [&](float (&dq)[8][4], uint32_t ds_buf, int c) {
     const uint32_t key_offset = (Traits::kDqOwnKeys ? wg_key0 : 0) * 128;
+    const uint32_t k_cols = k_smem + dq_chunk(c) * kBlockN * 128 + key_offset;
+    wgmma_fence();
 #pragma unroll
-    for (int c = 0; c < Traits::kDqChunks; ++c) {
-      const int chunk = Traits::kDqOwnKeys ? 0 : wg * Traits::kDqChunks + c;
-      float dq[8][4];
-      wgmma_fence();
+    for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk) {
+      const uint64_t desc_a = smem_desc_sw128(ds_buf + key_offset + kk * 2048, kBlockM * 128, 1024);
+      const uint64_t desc_b = smem_desc_sw128(k_cols + kk * 2048, kBlockN * 128, 1024);
+      WgmmaOps<T, 64>::ss_mnmajor(&dq[0][0], desc_a, desc_b, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+  };
+  // fp32 atomics into the accumulator. dQ rows are queries here: row g (+8)
+  // of the warp's 16, columns 8j + 2q.
+  auto add_dq_chunk = [&](const float (&dq)[8][4], int m_block, int c) {
+    const int col0 = dq_chunk(c) * 64 + 2 * (lane % 4);
 #pragma unroll
-      for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk) {
-        const uint64_t desc_a =
-            smem_desc_sw128(ds_buf + key_offset + kk * 2048, kBlockM * 128, 1024);
-        const uint64_t desc_b = smem_desc_sw128(k_smem + chunk * kBlockN * 128 + key_offset +
-                                                    kk * 2048,
-                                                kBlockN * 128, 1024);
-        WgmmaOps<T, 64>::ss_mnmajor(&dq[0][0], desc_a, desc_b, kk > 0 ? 1 : 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_registers(reinterpret_cast<float(&)[32]>(dq));
-      fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dk));
-      fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dv));
-      if (c == 0 && lane == 0) mbar_arrive(qdo_empty_bar);
-      // dQ rows are queries here: row g (+8) of the warp's 16, columns 8j + 2q.
-      const int col0 = chunk * 64 + 2 * (lane % 4);
+    for (int hh = 0; hh < 2; ++hh) {
+      const int m = m_block * kBlockM + warp * 16 + lane / 4 + 8 * hh;
+      if (m < seq.seqlen_q) {
+        float* row = dq_accum_head + static_cast<int64_t>(m) * kHeadDim + col0;
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int m = m_block * kBlockM + warp * 16 + lane / 4 + 8 * hh;
-        if (m < seq.seqlen_q) {
-          float* row = dq_accum_head + static_cast<int64_t>(m) * kHeadDim + col0;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            atomicAdd(reinterpret_cast<float2*>(row + 8 * j),
-                      make_float2(dq[j][2 * hh], dq[j][2 * hh + 1]));
-          }
+        for (int j = 0; j < 8; ++j) {
+          atomicAdd(reinterpret_cast<float2*>(row + 8 * j),
+                    make_float2(dq[j][2 * hh], dq[j][2 * hh + 1]));
         }
       }
+    }
+  };
+  auto fence_grads = [&]() {
+    fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dk));
+    fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dv));
+  };
+  // Every chunk in turn; the first wait also retires the step's dV / dK
+  // products, so the Q/dO stage is released after it.
+  auto accumulate_dq = [&](uint32_t ds_buf, int m_block, uint32_t qdo_empty_bar) {
+#pragma unroll
+    for (int c = 0; c < Traits::kDqChunks; ++c) {
+      float dq[8][4];
+      issue_dq_chunk(dq, ds_buf, c);
+      wgmma_wait<0>();
+      fence_registers(reinterpret_cast<float(&)[32]>(dq));
+      fence_grads();
+      if (c == 0 && lane == 0) mbar_arrive(qdo_empty_bar);
+      add_dq_chunk(dq, m_block, c);
     }
   };
 
   if (m_begin < m_end) mbar_wait(kv_full, 0);
   if constexpr (!Traits::kSplitHeadDim) {
     // ---- key split: each consumer runs the whole step for its 64 keys ----
+    // kPipelined (D = 64, whose short GEMMs cannot hide the lse / D loads and
+    // the dQ round trip): the next step's S^T, dP^T and row terms are issued
+    // before this step's dQ wait, so its atomics run under them. Costs the
+    // next step's accumulators (64 registers) during dQ; D = 128 has no room.
+    constexpr bool kPipelined = kHeadDim == 64;
     constexpr int kDsBarrier = 1;  // named barrier ids 1 (shared dS) or 1 + wg (own dS)
-    for (int i = 0; m_begin + i < m_end; ++i) {
-      const int m_block = m_begin + i;
+    float s[kBlockM / 8][4], dp[kBlockM / 8][4];
+    float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];
+    auto issue_scores = [&](int i) {
       const int stage = i % kStages;
       mbar_wait(qdo_full(stage), (i / kStages) & 1);
-
-      float s[kBlockM / 8][4], dp[kBlockM / 8][4];
       wgmma_fence();
       issue_transposed_scores(s, k_smem, q_smem(stage));
       issue_transposed_scores(dp, v_smem, do_smem(stage));
-      float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];  // while the GEMMs run
-      load_lse_log2(m_block, lse_log2);
-      load_dsum(m_block, dsum);
+      load_lse_log2(m_begin + i, lse_log2);  // while the GEMMs run
+      load_dsum(m_begin + i, dsum);
+    };
+    if (kPipelined && m_begin < m_end) issue_scores(0);
+    for (int i = 0; m_begin + i < m_end; ++i) {
+      const int m_block = m_begin + i;
+      const int stage = i % kStages;
+      if (!kPipelined) issue_scores(i);
 
       wgmma_wait<1>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
@@ -384,7 +402,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       } else {
         named_barrier_sync(kDsBarrier, 256);
       }
-      accumulate_dq(ds_buf, m_block, qdo_empty(stage));
+      if constexpr (kPipelined) {
+        static_assert(Traits::kDqChunks == 1, "one dQ chunk per step when pipelined");
+        float dq[8][4];
+        issue_dq_chunk(dq, ds_buf, 0);
+        if (m_block + 1 < m_end) {
+          issue_scores(i + 1);
+          wgmma_wait<2>();  // retires dV / dK and dQ; the next S^T, dP^T stay in flight
+        } else {
+          wgmma_wait<0>();
+        }
+        fence_registers(reinterpret_cast<float(&)[32]>(dq));
+        fence_grads();
+        if (lane == 0) mbar_arrive(qdo_empty(stage));
+        add_dq_chunk(dq, m_block, 0);
+      } else {
+        accumulate_dq(ds_buf, m_block, qdo_empty(stage));
+      }
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
     }
