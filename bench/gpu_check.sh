@@ -24,6 +24,8 @@ if [[ " $steps " == *" build "* ]]; then
     || { grep -E "error|Error" "$OUT/build.log" | head -40; echo "BUILD FAILED"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
   grep -E "spill|Used [0-9]+ registers" "$OUT/build.log" | grep -v " 0 bytes spill" | sort | uniq -c | head -20
+  # ptxas C75xx: wgmma serialised or waits injected (a performance bug in a Hopper kernel).
+  grep -E "C75[0-9][0-9]" "$OUT/build.log" | sort -u | head -10
 fi
 if [[ " $steps " == *" test "* ]]; then
   (cd tests && timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -40)

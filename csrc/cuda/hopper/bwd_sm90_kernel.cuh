@@ -32,7 +32,7 @@
 //     over keys: with two 64-column chunks (D = 128) each consumer takes one
 //     chunk over all 128 keys (dS^T of both is shared through shared memory,
 //     one 256-thread barrier per step, dS double-buffered); with one chunk
-//     (D = 64) each sums over its own 64 keys into the same accumulator rows.
+//     (D = 64) each takes 32 of its columns, again over all 128 keys.
 //
 //   D = 256 ("head-dim split", 64 keys per CTA): 256 accumulator registers
 //     would not fit, so both consumers work on the same 64 keys and consumer w
@@ -76,11 +76,11 @@ struct BwdSm90Traits {
   static constexpr int kChunks = kHeadDim / kChunkCols;
   // dK / dV columns per consumer (each owns 64 keys of them).
   static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / kConsumerWarpgroups : kHeadDim;
-  // dQ: 64-column chunks per consumer, and the keys each sums over. Key split
-  // with one chunk (D = 64): both consumers add their own 64 keys' part.
-  static constexpr bool kDqOwnKeys = !kSplitHeadDim && kChunks == 1;
-  static constexpr int kDqChunks = kDqOwnKeys ? 1 : kChunks / kConsumerWarpgroups;
-  static constexpr int kDqKeys = kDqOwnKeys ? 64 : kBlockN;
+  // dQ columns per consumer, each summed over all kBlockN keys, in kDqChunks
+  // wgmmas of kDqCols columns. D = 64 (one 64-column chunk): 32 columns each
+  // (one sum over 128 keys has half the fp32 atomics of one per consumer).
+  static constexpr int kDqCols = kChunks == 1 ? 32 : 64;
+  static constexpr int kDqChunks = kHeadDim / kConsumerWarpgroups / kDqCols;
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // one Q (or dO) stage
@@ -105,7 +105,7 @@ struct BwdSm90Traits {
                 "room for S^T, dP^T and dQ within 240 registers");
   static_assert(kGradCols <= 128, "at most 128 dK/dV columns per consumer (register budget)");
   static_assert(kBlockM * 2 == 128, "one 64-query step is one 128-byte swizzle row of dS^T");
-  static_assert(kDqOwnKeys || kChunks % kConsumerWarpgroups == 0,
+  static_assert(kDqChunks * kDqCols * kConsumerWarpgroups == kHeadDim,
                 "dQ columns split evenly between the consumers");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one CTA per SM");
   static_assert(128 * kProducerRegs + 128 * kConsumerWarpgroups * kConsumerRegs <= 65536,
@@ -153,7 +153,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // n <= m + offset, so the first is the one holding m = n0 - offset.
   const int m_begin = kIsCausal ? max(0, n0 - seq.causal_offset) / kBlockM : 0;
   const int m_end = (seq.seqlen_q + kBlockM - 1) / kBlockM;
-  const int warpgroup = threadIdx.x / 128;
+  // Broadcast from lane 0 so that ptxas sees a warp-uniform value: wgmmas
+  // under a branch on it are then not serialised as in a divergent path.
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
@@ -293,36 +295,53 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     }
   };
-  // dQ_i (64 queries x this warpgroup's dQ columns) = dS K, 64 columns (chunk
-  // c) at a time: A = dS^T read transposed (k-steps of 16 keys = 2048 B), B =
-  // K read transposed. Issued and committed here; add_dq_chunk after the wait.
-  auto dq_chunk = [&](int c) { return Traits::kDqOwnKeys ? 0 : wg * Traits::kDqChunks + c; };
-  auto issue_dq_chunk = [&](float (&dq)[8][4], uint32_t ds_buf, int c) {
-    const uint32_t key_offset = (Traits::kDqOwnKeys ? wg_key0 : 0) * 128;
-    const uint32_t k_cols = k_smem + dq_chunk(c) * kBlockN * 128 + key_offset;
+  // dQ_i (64 queries x this warpgroup's dQ columns) = dS K, kDqCols columns
+  // (chunk c) at a time: A = dS^T read transposed (k-steps of 16 keys = 2048
+  // B), B = K read transposed from column dq_col0(c) of its 64-column chunk
+  // (32 columns: +64 B inside the 128-byte swizzle row, as the K-major k-steps
+  // step by 32 B; the swizzle applies to the absolute address). Issued and
+  // committed here; send_dq_chunk after the wait.
+  constexpr int kDqCols = Traits::kDqCols;
+  auto dq_col0 = [&](int c) { return (wg * Traits::kDqChunks + c) * kDqCols; };
+  auto issue_dq_chunk = [&](float (&dq)[kDqCols / 8][4], uint32_t ds_buf, int c) {
+    const int col0 = dq_col0(c);
+    const uint32_t k_cols = k_smem + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2;
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk) {
-      const uint64_t desc_a = smem_desc_sw128(ds_buf + key_offset + kk * 2048, kBlockM * 128, 1024);
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t desc_a = smem_desc_sw128(ds_buf + kk * 2048, kBlockM * 128, 1024);
       const uint64_t desc_b = smem_desc_sw128(k_cols + kk * 2048, kBlockN * 128, 1024);
-      WgmmaOps<T, 64>::ss_mnmajor(&dq[0][0], desc_a, desc_b, kk > 0 ? 1 : 0);
+      WgmmaOps<T, kDqCols>::ss_mnmajor(&dq[0][0], desc_a, desc_b, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
   };
   // fp32 atomics into the accumulator. dQ rows are queries here: row g (+8)
-  // of the warp's 16, columns 8j + 2q.
-  auto add_dq_chunk = [&](const float (&dq)[8][4], int m_block, int c) {
-    const int col0 = dq_chunk(c) * 64 + 2 * (lane % 4);
+  // of the warp's 16, columns 8j + 2q. Rows past seqlen_q are zeroed first
+  // (zero_dq_tail) and add to the last row instead of branching: reading
+  // wgmma results under a divergent branch makes ptxas serialise every wgmma
+  // of the kernel.
+  auto dq_row = [&](int m_block, int hh) { return m_block * kBlockM + warp * 16 + lane / 4 + 8 * hh; };
+  auto zero_dq_tail = [&](const float (&dq)[kDqCols / 8][4], int m_block,
+                          float (&out)[kDqCols / 8][4]) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const int m = m_block * kBlockM + warp * 16 + lane / 4 + 8 * hh;
-      if (m < seq.seqlen_q) {
-        float* row = dq_accum_head + static_cast<int64_t>(m) * kHeadDim + col0;
+      const float keep = dq_row(m_block, hh) < seq.seqlen_q ? 1.f : 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          atomicAdd(reinterpret_cast<float2*>(row + 8 * j),
-                    make_float2(dq[j][2 * hh], dq[j][2 * hh + 1]));
-        }
+      for (int j = 0; j < kDqCols / 8; ++j) {
+        out[j][2 * hh] = dq[j][2 * hh] * keep;
+        out[j][2 * hh + 1] = dq[j][2 * hh + 1] * keep;
+      }
+    }
+  };
+  auto send_dq_chunk = [&](const float (&dq)[kDqCols / 8][4], int m_block, int c) {
+    const int col0 = dq_col0(c) + 2 * (lane % 4);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int m = min(dq_row(m_block, hh), seq.seqlen_q - 1);
+      float* row = dq_accum_head + static_cast<int64_t>(m) * kHeadDim + col0;
+#pragma unroll
+      for (int j = 0; j < kDqCols / 8; ++j) {
+        atomicAdd(reinterpret_cast<float2*>(row + 8 * j), make_float2(dq[j][2 * hh], dq[j][2 * hh + 1]));
       }
     }
   };
@@ -335,41 +354,41 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto accumulate_dq = [&](uint32_t ds_buf, int m_block, uint32_t qdo_empty_bar) {
 #pragma unroll
     for (int c = 0; c < Traits::kDqChunks; ++c) {
-      float dq[8][4];
+      float dq[kDqCols / 8][4];
       issue_dq_chunk(dq, ds_buf, c);
       wgmma_wait<0>();
-      fence_registers(reinterpret_cast<float(&)[32]>(dq));
+      fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
       fence_grads();
       if (c == 0 && lane == 0) mbar_arrive(qdo_empty_bar);
-      add_dq_chunk(dq, m_block, c);
+      zero_dq_tail(dq, m_block, dq);
+      send_dq_chunk(dq, m_block, c);
     }
   };
 
   if (m_begin < m_end) mbar_wait(kv_full, 0);
   if constexpr (!Traits::kSplitHeadDim) {
     // ---- key split: each consumer runs the whole step for its 64 keys ----
-    // kPipelined (D = 64, whose short GEMMs cannot hide the lse / D loads and
-    // the dQ round trip): the next step's S^T, dP^T and row terms are issued
-    // before this step's dQ wait, so its atomics run under them. Costs the
-    // next step's accumulators (64 registers) during dQ; D = 128 has no room.
-    constexpr bool kPipelined = kHeadDim == 64;
-    constexpr int kDsBarrier = 1;  // named barrier ids 1 (shared dS) or 1 + wg (own dS)
-    float s[kBlockM / 8][4], dp[kBlockM / 8][4];
-    float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];
-    auto issue_scores = [&](int i) {
-      const int stage = i % kStages;
-      mbar_wait(qdo_full(stage), (i / kStages) & 1);
-      wgmma_fence();
-      issue_transposed_scores(s, k_smem, q_smem(stage));
-      issue_transposed_scores(dp, v_smem, do_smem(stage));
-      load_lse_log2(m_begin + i, lse_log2);  // while the GEMMs run
-      load_dsum(m_begin + i, dsum);
-    };
-    if (kPipelined && m_begin < m_end) issue_scores(0);
+    // D = 64 (kDeferDq): the dQ atomics of step i go out at the start of step
+    // i + 1, under its S^T / dP^T GEMMs (D = 64's short GEMMs cannot hide
+    // them otherwise). Every wgmma is waited for in the iteration that issued
+    // it: one left in flight across the loop's back edge, or waited for under
+    // a branch, made ptxas serialise all of them.
+    constexpr bool kDeferDq = Traits::kDqChunks == 1 && kHeadDim == 64;
+    constexpr int kDsBarrier = 1;  // both consumers' dS^T written
+    float dq_pending[kDqCols / 8][4];  // kDeferDq: the last step's dQ, atomics pending
     for (int i = 0; m_begin + i < m_end; ++i) {
       const int m_block = m_begin + i;
       const int stage = i % kStages;
-      if (!kPipelined) issue_scores(i);
+      mbar_wait(qdo_full(stage), (i / kStages) & 1);
+
+      float s[kBlockM / 8][4], dp[kBlockM / 8][4];
+      wgmma_fence();
+      issue_transposed_scores(s, k_smem, q_smem(stage));
+      issue_transposed_scores(dp, v_smem, do_smem(stage));
+      if (kDeferDq && i > 0) send_dq_chunk(dq_pending, m_block - 1, 0);
+      float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];  // while the GEMMs run
+      load_lse_log2(m_block, lse_log2);
+      load_dsum(m_block, dsum);
 
       wgmma_wait<1>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
@@ -397,31 +416,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int w = 0; w < 4; ++w) st_shared_b32(ds_word_addr(ds_buf, kk, w), ds_frag[kk][w]);
       }
       fence_proxy_async_smem();
-      if (Traits::kDqOwnKeys) {
-        named_barrier_sync(kDsBarrier + wg, 128);
-      } else {
-        named_barrier_sync(kDsBarrier, 256);
-      }
-      if constexpr (kPipelined) {
-        static_assert(Traits::kDqChunks == 1, "one dQ chunk per step when pipelined");
-        float dq[8][4];
+      named_barrier_sync(kDsBarrier, 256);
+      if constexpr (kDeferDq) {
+        float dq[kDqCols / 8][4];
         issue_dq_chunk(dq, ds_buf, 0);
-        if (m_block + 1 < m_end) {
-          issue_scores(i + 1);
-          wgmma_wait<2>();  // retires dV / dK and dQ; the next S^T, dP^T stay in flight
-        } else {
-          wgmma_wait<0>();
-        }
-        fence_registers(reinterpret_cast<float(&)[32]>(dq));
+        wgmma_wait<0>();
+        fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
+        // Into registers no wgmma writes: reading a wgmma accumulator while
+        // the next step's wgmmas are in flight would make ptxas inject a wait.
+        zero_dq_tail(dq, m_block, dq_pending);
         fence_grads();
         if (lane == 0) mbar_arrive(qdo_empty(stage));
-        add_dq_chunk(dq, m_block, 0);
       } else {
         accumulate_dq(ds_buf, m_block, qdo_empty(stage));
       }
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
     }
+    if (kDeferDq && m_begin < m_end) send_dq_chunk(dq_pending, m_end - 1, 0);
   } else {
     // ---- head-dim split: consumer 0 computes P^T, consumer 1 dP^T and dS^T ----
     // Reuse of the single P^T and dS^T buffers is ordered by the handshakes:

@@ -12,7 +12,7 @@ Run after changing N_VALUES:  python csrc/cuda/hopper/generate_wgmma.py
 """
 import os
 
-N_VALUES = (64, 80, 96, 112, 128, 160, 176, 192, 256)
+N_VALUES = (32, 64, 80, 96, 112, 128, 160, 176, 192, 256)
 DTYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
 
 HEADER = """\

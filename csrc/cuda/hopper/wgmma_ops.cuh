@@ -15,6 +15,45 @@ namespace sm90 {
 template <typename T, int N>
 struct WgmmaOps;  // only the generated shapes exist
 
+#define FAE_DEFINE_WGMMA_OPS_N32(CTYPE, PTX_TYPE) \
+  template <> \
+  struct WgmmaOps<CTYPE, 32> { \
+    /* D (+)= A * B, A and B K-major in shared memory (descriptors). */ \
+    static __device__ __forceinline__ void ss_kmajor(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) { \
+      asm volatile( \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+          "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX_TYPE "." PTX_TYPE " " \
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
+          "%16, %17, p, 1, 1, 0, 0;\n}\n" \
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
+    } \
+    /* D (+)= A * B, A and B MN-major in shared memory (both read transposed). */ \
+    static __device__ __forceinline__ void ss_mnmajor(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) { \
+      asm volatile( \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+          "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX_TYPE "." PTX_TYPE " " \
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
+          "%16, %17, p, 1, 1, 1, 1;\n}\n" \
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
+    } \
+    /* D (+)= A * B, A in registers (the mma.sync A-fragment layout per warp), */ \
+    /* B MN-major in shared memory (transposed read). */ \
+    static __device__ __forceinline__ void rs_mnmajor(float* d, const uint32_t* a, uint64_t desc_b, int scale_d) { \
+      asm volatile( \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" \
+          "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX_TYPE "." PTX_TYPE " " \
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
+          "{%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n" \
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)); \
+    } \
+  };
+FAE_DEFINE_WGMMA_OPS_N32(__half, "f16")
+FAE_DEFINE_WGMMA_OPS_N32(__nv_bfloat16, "bf16")
+#undef FAE_DEFINE_WGMMA_OPS_N32
+
 #define FAE_DEFINE_WGMMA_OPS_N64(CTYPE, PTX_TYPE) \
   template <> \
   struct WgmmaOps<CTYPE, 64> { \
