@@ -42,7 +42,7 @@
 //       consumer 0:  S^T -> P^T --(fp32 P^T, smem)--> | dV_0 | <-- dS^T -- | dK_0 dQ_0
 //       consumer 1:  dP^T ------------------ wait P^T | dS^T -> smem, dV_1 | dK_1 dQ_1
 //
-//     (named barriers: kPReady, consumer 0 arrives / 1 waits; kDsReady, both.)
+//     (named barriers kPReady and kDsReady, both consumers sync on each.)
 //
 // Shared memory (tiles in 64-column chunks of [rows x 128 B], TMA's 128-byte
 // swizzle; every tile 1024-byte aligned):
@@ -85,9 +85,8 @@ struct BwdSm90Traits {
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // one Q (or dO) stage
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
-  // Key split: dS double-buffered so that one barrier per step suffices.
-  // Head-dim split: the P^T / dS^T handshakes order every reuse (see kernel).
-  static constexpr int kDsBuffers = kSplitHeadDim ? 1 : 2;
+  // dS^T double-buffered (the key split then needs one barrier per step).
+  static constexpr int kDsBuffers = 2;
   // Head-dim split: consumer 0 hands P^T to consumer 1 in fp32 (dS = P o (dP - D)
   // keeps full precision), 8 float4 per thread, thread-major: conflict-free.
   static constexpr int kPBytes = kSplitHeadDim ? 64 * kBlockM * 4 : 0;
@@ -436,18 +435,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (kDeferDq && m_begin < m_end) send_dq_chunk(dq_pending, m_end - 1, 0);
   } else {
     // ---- head-dim split: consumer 0 computes P^T, consumer 1 dP^T and dS^T ----
-    // Reuse of the single P^T and dS^T buffers is ordered by the handshakes:
-    // consumer 0 writes P^T of step i + 1 only after kDsReady of step i, which
-    // consumer 1 reaches after reading P^T of step i; consumer 1 writes dS^T of
-    // step i + 1 only after kPReady of step i + 1, which consumer 0 reaches
-    // after its dQ wgmma of step i (reading dS^T) has completed.
+    // Every buffer reuse is separated by a bar.sync of both consumers: P^T of
+    // step i + 1 is written after kDsReady of step i (consumer 1 has read P^T
+    // of step i), dS^T of step i + 2 (the buffer of step i) after kPReady of
+    // step i + 2 (consumer 0 has read dS^T of step i and waited for its dQ).
+    // kPReady as bar.arrive for consumer 0 measured no faster, and
+    // compute-sanitizer racecheck flagged the dS^T reads under it.
     constexpr int kPReady = 1, kDsReady = 2;
-    const uint32_t ds_buf = ds_smem(0);
     const uint32_t p_slot = p_smem + tid * 16;  // + q * 128 * 16 for float4 q
     for (int i = 0; m_begin + i < m_end; ++i) {
       const int m_block = m_begin + i;
       const int stage = i % kStages;
       mbar_wait(qdo_full(stage), (i / kStages) & 1);
+      const uint32_t ds_buf = ds_smem(i % 2);
 
       // The wgmmas stay outside the warpgroup branches (operands selected
       // instead): inside a divergent branch ptxas serialises them.
@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int q = 0; q < kBlockM / 8; ++q) {
           st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
         }
-        named_barrier_arrive(kPReady, 256);
+        named_barrier_sync(kPReady, 256);
         accumulators_to_a_fragments<T, kBlockM>(acc, p_frag);
       } else {
         named_barrier_sync(kPReady, 256);
