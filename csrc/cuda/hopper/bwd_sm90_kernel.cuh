@@ -440,7 +440,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // of step i), dS^T of step i + 2 (the buffer of step i) after kPReady of
     // step i + 2 (consumer 0 has read dS^T of step i and waited for its dQ).
     // kPReady as bar.arrive for consumer 0 measured no faster, and
-    // compute-sanitizer racecheck flagged the dS^T reads under it.
+    // compute-sanitizer racecheck flagged the dS^T reads under it. Both
+    // barriers are single instructions outside the warpgroup branches.
     constexpr int kPReady = 1, kDsReady = 2;
     const uint32_t p_slot = p_smem + tid * 16;  // + q * 128 * 16 for float4 q
     for (int i = 0; m_begin + i < m_end; ++i) {
@@ -470,10 +471,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int q = 0; q < kBlockM / 8; ++q) {
           st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
         }
-        named_barrier_sync(kPReady, 256);
+      }
+      // One barrier instruction for both consumers: the same named barrier
+      // synced from two branches was flagged by compute-sanitizer synccheck.
+      named_barrier_sync(kPReady, 256);
+      if (wg == 0) {
         accumulators_to_a_fragments<T, kBlockM>(acc, p_frag);
       } else {
-        named_barrier_sync(kPReady, 256);
         float p[kBlockM / 8][4];
 #pragma unroll
         for (int q = 0; q < kBlockM / 8; ++q) {
