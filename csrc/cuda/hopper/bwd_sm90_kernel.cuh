@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using namespace sm90;
 
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t smem_base = smem_align_1024(smem_raw);
   const uint32_t k_smem = smem_base;
   const uint32_t v_smem = k_smem + Traits::kKVBytes;
   const uint32_t q_smem0 = v_smem + Traits::kKVBytes;
@@ -249,32 +249,44 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int r = key_row + 8 * (w % 2);
     return ds_buf + r * 128 + (((2 * kk + w / 2) ^ (r % 8)) * 16) + (lane % 4) * 4;
   };
+  auto store_ds = [&](uint32_t ds_buf, const uint32_t (&ds_frag)[kBlockM / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) st_shared_b32(ds_word_addr(ds_buf, kk, w), ds_frag[kk][w]);
+    }
+  };
+  auto load_ds = [&](uint32_t ds_buf, uint32_t (&ds_frag)[kBlockM / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) ds_frag[kk][w] = ld_shared_b32(ds_word_addr(ds_buf, kk, w));
+    }
+  };
   // Per-query lse (as log2; rows past seqlen_q and fully masked rows, lse =
   // -inf, get +inf so that P = 0) or D for the thread's accumulator columns.
   float* dq_accum_head = params.dq_accum + seq.lse_index(params, b, h, 0) * kHeadDim;
   const float* lse_head = params.lse + seq.lse_index(params, b, h, 0);
   const float* dsum_head = params.dsoftmax_sum + seq.lse_index(params, b, h, 0);
   constexpr float kLog2e = 1.4426950408889634f;
-  auto load_lse_log2 = [&](int m_block, float (&out)[kBlockM / 8][2]) {
+  // f(j, e, m) for the thread's accumulator columns 8j + 2q + e (query m).
+  auto for_query_columns = [&](int m_block, auto&& f) {
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int m = m_block * kBlockM + 2 * (lane % 4) + 8 * j + e;
-        const float lse = m < seq.seqlen_q ? lse_head[m] : -INFINITY;
-        out[j][e] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-      }
+      for (int e = 0; e < 2; ++e) f(j, e, m_block * kBlockM + 2 * (lane % 4) + 8 * j + e);
     }
   };
+  auto load_lse_log2 = [&](int m_block, float (&out)[kBlockM / 8][2]) {
+    for_query_columns(m_block, [&](int j, int e, int m) {
+      const float lse = m < seq.seqlen_q ? lse_head[m] : -INFINITY;
+      out[j][e] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    });
+  };
   auto load_dsum = [&](int m_block, float (&out)[kBlockM / 8][2]) {
-#pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int m = m_block * kBlockM + 2 * (lane % 4) + 8 * j + e;
-        out[j][e] = m < seq.seqlen_q ? dsum_head[m] : 0.f;
-      }
-    }
+    for_query_columns(m_block, [&](int j, int e, int m) {
+      out[j][e] = m < seq.seqlen_q ? dsum_head[m] : 0.f;
+    });
   };
   // S^T -> P^T in place. Causal: only tiles crossing the diagonal need the
   // per-element test.
@@ -372,7 +384,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // them otherwise). Every wgmma is waited for in the iteration that issued
     // it: one left in flight across the loop's back edge, or waited for under
     // a branch, made ptxas serialise all of them.
-    constexpr bool kDeferDq = Traits::kDqChunks == 1 && kHeadDim == 64;
+    constexpr bool kDeferDq = kHeadDim == 64;
     constexpr int kDsBarrier = 1;  // both consumers' dS^T written
     float dq_pending[kDqCols / 8][4];  // kDeferDq: the last step's dQ, atomics pending
     for (int i = 0; m_begin + i < m_end; ++i) {
@@ -409,11 +421,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_commit();
 
       const uint32_t ds_buf = ds_smem(i % 2);
-#pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) {
-#pragma unroll
-        for (int w = 0; w < 4; ++w) st_shared_b32(ds_word_addr(ds_buf, kk, w), ds_frag[kk][w]);
-      }
+      store_ds(ds_buf, ds_frag);
       fence_proxy_async_smem();
       named_barrier_sync(kDsBarrier, 256);
       if constexpr (kDeferDq) {
@@ -490,11 +498,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         accumulators_to_a_fragments<T, kBlockM>(p, p_frag);
         accumulators_to_a_fragments<T, kBlockM>(acc, ds_frag);
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-#pragma unroll
-          for (int w = 0; w < 4; ++w) st_shared_b32(ds_word_addr(ds_buf, kk, w), ds_frag[kk][w]);
-        }
+        store_ds(ds_buf, ds_frag);
         fence_proxy_async_smem();
       }
       wgmma_fence();
@@ -502,11 +506,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_commit();
       named_barrier_sync(kDsReady, 256);
       if (wg == 0) {
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-#pragma unroll
-          for (int w = 0; w < 4; ++w) ds_frag[kk][w] = ld_shared_b32(ds_word_addr(ds_buf, kk, w));
-        }
+        load_ds(ds_buf, ds_frag);
       }
       wgmma_fence();
       issue_grad_update(dk, ds_frag, q_smem(stage));

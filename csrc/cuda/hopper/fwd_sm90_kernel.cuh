@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using namespace sm90;
 
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t smem_base = smem_align_1024(smem_raw);
   const uint32_t q_smem = smem_base;
   const uint32_t k_smem0 = q_smem + Traits::kQBytes;
   const uint32_t v_smem0 = k_smem0 + kStages * Traits::kKVTileBytes;

@@ -101,6 +101,12 @@ FAE_DEVICE void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// The first 1024-byte-aligned address of dynamic shared memory (whose base is
+// only 16-byte aligned; kernels reserve 1024 bytes more): 128-byte-swizzle
+// atoms must be 1024-byte aligned.
+FAE_DEVICE uint32_t smem_align_1024(const void* smem_raw) {
+  return (smem_u32(smem_raw) + 1023u) & ~1023u;
+}
 // Shared memory by 32-bit address (the kernels keep tile addresses as
 // integers, as the TMA and wgmma descriptors want them).
 FAE_DEVICE void st_shared_b32(uint32_t addr, uint32_t value) {
