@@ -100,6 +100,9 @@ struct AttentionFwdParams {
   //   lse_accum [num_splits, batch, heads, seqlen_q]
   float* out_accum = nullptr;
   float* lse_accum = nullptr;
+  // Scratch int of the Hopper forward's dynamic tile scheduler (zeroed by its
+  // launcher on the stream before each launch); nullptr where not needed.
+  int* tile_counter = nullptr;
 };
 
 // One sequence of the batch: its lengths, where its rows start, its causal

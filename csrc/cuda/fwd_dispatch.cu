@@ -132,7 +132,6 @@ bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
          !has_var_seqs(params) && params.num_splits <= 1 && params.fwd_tile == kFwdTileAuto &&
          !fwd_uses_decode_tile(params) && params.heads <= 65535 && params.batch <= 65535 &&
          tma_strides_ok(params.q_strides, params.seqlen_q, params.heads, params.batch) &&
-         tma_strides_ok(params.out_strides, params.seqlen_q, params.heads, params.batch) &&
          tma_strides_ok(params.k_strides, params.seqlen_k, params.heads_k, params.batch) &&
          tma_strides_ok(params.v_strides, params.seqlen_k, params.heads_k, params.batch) &&
          device_is_sm90();
@@ -185,16 +184,28 @@ int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
   return num_splits_heuristic(ctas, std::max(1, num_sms) * shape.ctas_per_sm, n_blocks, 128);
 }
 
+// One 4-byte slot for the Hopper forward's tile counter (fwd_sm90_launch.cuh)
+// when the call may take that kernel; split-KV calls never do.
+static bool fwd_needs_tile_counter(const AttentionFwdParams& params, int num_splits) {
+  return num_splits <= 1 && params.dtype != DType::kFloat32 &&
+         use_sm90_forward(params, fwd_rounded_head_dim(params.head_dim));
+}
+
 int64_t fwd_workspace_floats(const AttentionFwdParams& params, int num_splits) {
-  if (num_splits <= 1 || params.dtype == DType::kFloat32) return 0;
+  if (params.dtype == DType::kFloat32) return 0;
+  if (num_splits <= 1) return fwd_needs_tile_counter(params, num_splits) ? 1 : 0;
   const int64_t rows = params.q_rows_total;
   return num_splits * rows * (fwd_rounded_head_dim(params.head_dim) + 1);
 }
 
 void fwd_set_workspace(AttentionFwdParams& params, float* workspace, int num_splits) {
+  params.tile_counter = nullptr;
   if (num_splits <= 1 || workspace == nullptr) {
     params.out_accum = nullptr;
     params.lse_accum = nullptr;
+    if (workspace != nullptr && fwd_needs_tile_counter(params, num_splits)) {
+      params.tile_counter = reinterpret_cast<int*>(workspace);
+    }
     return;
   }
   // out_accum [splits, q_rows_total, kernel head dim], then

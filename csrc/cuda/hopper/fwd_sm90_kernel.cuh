@@ -3,9 +3,11 @@
 //
 //   CTA = 3 warpgroups, one per SM, looping over (query tile, head, batch)
 //
-//   warpgroup 0 (producer, 24 registers): one thread issues TMA copies
-//       per tile: Q once (after the previous tile's O left its buffer), then
-//       K_j, V_j for j = last .. first key tile into ring stage
+//   warpgroup 0 (producer, 24 registers): one thread picks the CTA's next
+//       tile (round-robin, or from a global atomic counter: the dynamic
+//       scheduler of the causal grid) and issues TMA copies per tile:
+//       Q once (after both consumers finished the previous tile's last
+//       Q K^T), then K_j, V_j for j = last .. first key tile into ring stage
 //       (running count % kStages) once the consumers released that stage.
 //   warpgroups 1, 2 (consumers, 240 registers): rows [64w, 64w + 64) of the
 //       query tile each; per key tile j, software-pipelined:
@@ -13,13 +15,14 @@
 //       O  += P_{j-1} V_{j-1}    wgmma RS (P from registers, V MN-major)
 //       mask, online softmax of S_j while that P V runs (fwd_softmax.cuh)
 //       and the two warpgroups alternate GEMM issue (ping-pong).
-//   epilogue: O / rowsum -> the warpgroup's own Q rows in smem (same swizzle)
-//       -> one TMA store; LSE straight to global. Meanwhile the producer is
-//       already loading the next tile's K/V.
+//   epilogue: O / rowsum and LSE straight from registers to global memory.
+//       Q's buffer was released after the tile's last S = Q K^T, so the
+//       producer is already loading the next tile's Q, K and V meanwhile.
 //
 // Shared memory (every tile 1024-byte aligned, in 64-column chunks of
 // [rows x 128 bytes] with TMA's 128-byte swizzle, the layout wgmma reads):
-//   | Q [kChunks][kBlockM][64] | K [kStages][kChunks][kBlockN][64] | V [...] | mbarriers |
+//   | Q [kChunks][kBlockM][64] | K [kStages][kChunks][kBlockN][64] | V [...] |
+//   | mbarriers | next tile index |
 //
 // Key tiles are visited from the last to the first, so the tiles that need
 // the causal / sequence-end mask come first and the steady state has none.
@@ -87,7 +90,8 @@ struct FwdSm90Traits {
   static constexpr int kChunks = kHeadDim / kChunkCols;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
+  // mbarriers, then one int: the tile index the producer hands to the consumers.
+  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages) + 8;
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
 
@@ -113,8 +117,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmap_q,
                           const __grid_constant__ CUtensorMap tmap_k,
                           const __grid_constant__ CUtensorMap tmap_v,
-                          const __grid_constant__ CUtensorMap tmap_o,
-                          const __grid_constant__ AttentionFwdParams params) {
+                          const __grid_constant__ AttentionFwdParams params,
+                          int* tile_counter) {
 #if defined(FAE_SM90_ENABLED)
   using T = typename Traits::T;
   constexpr int kBlockM = Traits::kBlockM;
@@ -141,13 +145,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto k_empty = [&](int stage) { return bar0 + 8 * (1 + 2 * kStages + stage); };
   auto v_empty = [&](int stage) { return bar0 + 8 * (1 + 3 * kStages + stage); };
 
+  // q_empty: every consumer warp has finished its last S = Q K^T of the tile.
   const uint32_t q_empty = bar0 + 8 * (1 + 4 * kStages);
+  // The tile index travels with Q: the producer writes it before arriving on
+  // q_full (mbarrier arrive = release, the consumers' wait = acquire) and
+  // rewrites it only after q_empty, i.e. after every consumer has read it.
+  // An index >= num_tiles (sent without a Q load) tells the consumers to stop.
+  const uint32_t tile_slot = bar0 + 8 * (2 + 4 * kStages);
 
-  // Persistent grid: CTA c works through tiles c, c + gridDim.x, ... of the
-  // list (m_block, head, batch) with m_block fastest, so the CTAs running at
-  // one time share a few heads' K/V in L2, and m_block counts down, so under
-  // causal masking the longest tiles start first. Between tiles the producer
-  // already streams the next tile's K/V while the consumers store O.
+  // Persistent grid over the list of tiles (m_block, head, batch), m_block
+  // fastest, so the CTAs running at one time share a few heads' K/V in L2,
+  // and m_block counting down, so under causal masking each head's longest
+  // tiles come first. CTA c starts with tile c; its next tile is
+  // c + gridDim.x, ... (static round-robin, equal tiles) or, with a
+  // tile_counter, the next unclaimed one (dynamic: tiles of unequal length
+  // under causal masking go to whichever CTA is free first).
   const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
   const int num_tiles = num_m_blocks * params.heads * params.batch;
   struct Tile {
@@ -165,11 +177,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                                            tile.m_block, 0, 1);
     return tile;
   };
-  const int warpgroup = threadIdx.x / 128;
+  // Warp-uniform (shuffled from lane 0), so the role branches below are
+  // uniform and the value is not kept (spilled) across setmaxnreg.
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   if (threadIdx.x == 0) {
     mbar_init(q_full, 1);
-    mbar_init(q_empty, Traits::kConsumerWarpgroups);
+    mbar_init(q_empty, Traits::kConsumerWarps);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
@@ -188,12 +202,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tmap_k);
       prefetch_tensor_map(&tmap_v);
       int kv_count = 0;  // K/V tiles loaded so far: ring stage and phase
-      int tile_count = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++tile_count) {
-        const Tile tile = tile_at(t);
-        // Q is reused as the O staging buffer: wait until the previous
-        // tile's O has been read out by its TMA store.
+      int t = blockIdx.x;
+      for (int tile_count = 0;; ++tile_count) {
+        // Q's buffer (and the tile slot) are free once both consumers ran the
+        // previous tile's last Q K^T.
         mbar_wait(q_empty, (tile_count & 1) ^ 1);
+        st_shared_b32(tile_slot, static_cast<uint32_t>(t));
+        if (t >= num_tiles) {
+          mbar_arrive(q_full);
+          break;
+        }
+        const Tile tile = tile_at(t);
         mbar_arrive_expect_tx(q_full, Traits::kQBytes);
         tma_load_tile<kChunks>(&tmap_q, q_smem, kBlockM, q_full, tile.m_block * kBlockM, tile.h,
                                tile.b);
@@ -208,6 +227,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
           tma_load_tile<kChunks>(&tmap_v, v_smem(stage), kBlockN, v_full(stage),
                                  n_block * kBlockN, tile.h_k, tile.b);
+        }
+        // Claim the next tile only now (holding it through the loop spilled
+        // at 24 registers); the consumers are still kStages key tiles behind.
+        if (tile_counter != nullptr) {
+          t = atomicAdd(tile_counter, 1) + gridDim.x;
+        } else {
+          t += gridDim.x;
         }
       }
     }
@@ -250,21 +276,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs
   // (barrier kPingPongBarrier + wg, 256 threads = own sync + other's arrive),
   // so one warpgroup's softmax runs while the other's GEMMs occupy the tensor
-  // cores. Per tile, warpgroup 1 opens the first turn for warpgroup 0 and its
-  // last turn hands nothing on, so every barrier sees as many arrives as syncs.
+  // cores. The turn passes on across tiles too: both warpgroups take the same
+  // number of turns per tile (n_tiles + 1), so warpgroup 0 starts the next
+  // tile's first Q K^T while warpgroup 1 is still in its epilogue. Warpgroup
+  // 1 hands out the very first turn; warpgroup 0 takes the one left over
+  // after the last tile, so every barrier sees as many arrives as syncs.
   constexpr int kPingPongBarrier = 3;
   auto gemm_turn_begin = [&]() {
     if (Traits::kPingPong) named_barrier_sync(kPingPongBarrier + wg, 256);
   };
-  auto gemm_turn_end = [&](bool last) {
-    if (Traits::kPingPong && !(last && wg == 1)) {
-      named_barrier_arrive(kPingPongBarrier + 1 - wg, 256);
-    }
+  auto gemm_turn_end = [&]() {
+    if (Traits::kPingPong) named_barrier_arrive(kPingPongBarrier + 1 - wg, 256);
   };
+  if (Traits::kPingPong && wg == 1) named_barrier_arrive(kPingPongBarrier, 256);
 
   int kv_count = 0;  // K/V tiles consumed so far (same sequence as the producer)
-  int tile_count = 0;
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++tile_count) {
+  for (int tile_count = 0;; ++tile_count) {
+    mbar_wait(q_full, tile_count & 1);
+    const int t = static_cast<int>(ld_shared_b32(tile_slot));
+    if (t >= num_tiles) break;
     const Tile tile = tile_at(t);
     const SeqBounds seq = seq_bounds<false>(params, tile.b);
     const int n_tiles = tile.keys.end - tile.keys.begin;
@@ -293,9 +323,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     OnlineSoftmax<1> softmax;
 
-    mbar_wait(q_full, tile_count & 1);
+    // Every consumer warp arrives on q_empty once per tile, right after its
+    // last Q K^T (or now, for a tile without keys).
+    if (n_tiles == 0 && lane == 0) mbar_arrive(q_empty);
     if (n_tiles > 0) {
-      if (Traits::kPingPong && wg == 1) named_barrier_arrive(kPingPongBarrier, 256);
       // Software pipeline (intra-warpgroup overlap): iteration i issues
       // S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, then runs the
       // softmax of S_i while the P V product is still on the tensor cores.
@@ -309,10 +340,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       gemm_turn_begin();
       wgmma_fence();
       issue_qk(s, stage_of(0));
-      gemm_turn_end(false);
+      gemm_turn_end();
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
-      if (lane == 0) mbar_arrive(k_empty(stage_of(0)));
+      if (lane == 0) {
+        mbar_arrive(k_empty(stage_of(0)));
+        if (n_tiles == 1) mbar_arrive(q_empty);
+      }
       softmax_tile(softmax, s, tile.keys.end - 1, rescale);  // O is still 0: no rescale
       accumulators_to_a_fragments<T, kBlockN>(s[0], p);  // P: A operand of P V
 
@@ -323,10 +357,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         wgmma_fence();
         issue_qk(s, stage_of(i));
         issue_pv(o, p, stage_of(i - 1));
-        gemm_turn_end(false);
+        gemm_turn_end();
         wgmma_wait<1>();  // S_i done (groups retire in order), P V still running
         fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
-        if (lane == 0) mbar_arrive(k_empty(stage_of(i)));
+        if (lane == 0) {
+          mbar_arrive(k_empty(stage_of(i)));
+          if (i == n_tiles - 1) mbar_arrive(q_empty);
+        }
         softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale);
         wgmma_wait<0>();
         fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
@@ -341,7 +378,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       gemm_turn_begin();
       wgmma_fence();
       issue_pv(o, p, stage_of(last));
-      gemm_turn_end(true);
+      gemm_turn_end();
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(p));
@@ -359,34 +396,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (row < seq.seqlen_q) params.lse[seq.lse_index(params, tile.b, tile.h, row)] = lse[0][hh];
       }
     }
-    // O into this warpgroup's Q rows (its last S = Q K^T has completed), in
-    // the swizzled layout the TMA store expects: 16-byte unit u of row r sits
-    // at unit u ^ (r % 8). A quad writes one 16-byte unit per row; the 8 rows
-    // of a warp land in 8 different units, so the stores are conflict-free.
+    // O straight from the accumulators: a quad holds 8 consecutive columns
+    // (16 bytes) of a row per j, so a warp's store covers 8 rows x 16 bytes;
+    // L2 merges the partial sectors before they reach DRAM. Rows past
+    // seqlen_q and the columns past the true head dim are not written.
+    // The accumulators are read unconditionally and only the stores are
+    // predicated: ptxas serialises the kernel's wgmmas if their results are
+    // read under a branch.
+    T* out = static_cast<T*>(params.out);
 #pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = row_base + 8 * hh;
+      const bool row_ok = row < seq.seqlen_q;
+      T* out_row = out + row_offset(params.out_strides, tile.b, tile.h, row_ok ? row : 0) +
+                   2 * (lane % 4);
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = warp * 16 + lane / 4 + 8 * hh;
-        const uint32_t addr = q_rows + (j / 8) * kBlockM * 128 + r * 128 +
-                              (((j % 8) ^ (r % 8)) * 16) + (lane % 4) * 4;
+      for (int j = 0; j < kHeadDim / 8; ++j) {
         const uint32_t packed = pack2<T>(o[0][j][2 * hh], o[0][j][2 * hh + 1]);
-        st_shared_b32(addr, packed);
+        if (row_ok && 8 * j < params.head_dim) {
+          *reinterpret_cast<uint32_t*>(out_row + 8 * j) = packed;
+        }
       }
-    }
-    fence_proxy_async_smem();
-    named_barrier_sync(1 + wg, 128);
-    if (tid == 0) {
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-        tma_store_4d(&tmap_o, q_rows + c * kBlockM * 128, c * 64,
-                     tile.m_block * kBlockM + wg * 64, tile.h, tile.b);
-      }
-      tma_store_commit();
-      tma_store_wait_read();
-      mbar_arrive(q_empty);  // this warpgroup's half of Q may be reloaded
     }
   }
+  if (Traits::kPingPong && wg == 0) gemm_turn_begin();  // the turn left over (see above)
 #endif
 }
 

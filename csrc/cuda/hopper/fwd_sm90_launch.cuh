@@ -22,8 +22,6 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   const CUtensorMap tmap_q = query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kBlockM);
   const CUtensorMap tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
   const CUtensorMap tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
-  // Each consumer warpgroup stores its own 64 rows.
-  const CUtensorMap tmap_o = query_tensor_map(params, params.out, params.out_strides, kBf16, 64);
 
   auto kernel = flash_fwd_sm90_kernel<Traits, kIsCausal>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -32,11 +30,6 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
     throw std::runtime_error(std::string("flash_attn_ext: cudaFuncSetAttribute(Hopper forward): ") +
                              cudaGetErrorString(err));
   }
-  // Non-causal: persistent, one CTA per SM looping over equal-sized tiles.
-  // Causal: one CTA per tile. Tile costs differ (up to kBlockN-fold), and a
-  // static round-robin over them measured 0.56-0.76x cuDNN against
-  // 0.71-0.93x here (e.g. with 4 query tiles per head and 132 SMs every CTA
-  // got the same m_block over and over); the hardware scheduler balances it.
   const int64_t num_tiles = static_cast<int64_t>((params.seqlen_q + Traits::kBlockM - 1) /
                                                  Traits::kBlockM) *
                             params.heads * params.batch;
@@ -44,10 +37,29 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   if (num_tiles > 0x7fffffff) {
     throw std::runtime_error("flash_attn_ext: too many query tiles for the Hopper forward");
   }
-  const dim3 grid(static_cast<unsigned>(
-      kIsCausal ? num_tiles : std::min<int64_t>(num_tiles, device_sm_count())));
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, tmap_o,
-                                                                  params);
+  // Causal tiles differ in cost (up to kBlockN-fold). A static round-robin
+  // over them measured 0.56-0.76x cuDNN against 0.71-0.93x for one CTA per
+  // tile (e.g. with 4 query tiles per head and 132 SMs every CTA got the same
+  // m_block over and over); the dynamic scheduler balances like the hardware
+  // and, being persistent, still loads the next tile under this one.
+  Sm90Schedule schedule = fwd_sm90_schedule(kIsCausal);
+  if (schedule == Sm90Schedule::kDynamic && params.tile_counter == nullptr) {
+    schedule = Sm90Schedule::kPerTile;  // no scratch for the counter
+  }
+  int* tile_counter = nullptr;
+  if (schedule == Sm90Schedule::kDynamic) {
+    tile_counter = params.tile_counter;
+    err = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream);
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("flash_attn_ext: Hopper forward tile counter: ") +
+                               cudaGetErrorString(err));
+    }
+  }
+  const dim3 grid(static_cast<unsigned>(schedule == Sm90Schedule::kPerTile
+                                            ? num_tiles
+                                            : std::min<int64_t>(num_tiles, device_sm_count())));
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, params,
+                                                                  tile_counter);
   err = cudaGetLastError();
   if (err != cudaSuccess) {
     throw std::runtime_error(std::string("flash_attn_ext: Hopper forward kernel launch: ") +

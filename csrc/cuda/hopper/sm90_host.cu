@@ -28,6 +28,18 @@ bool fwd_sm90_pingpong() {
   return raw == nullptr || raw[0] == '\0' || std::strcmp(raw, "0") != 0;
 }
 
+Sm90Schedule fwd_sm90_schedule(bool causal) {
+  const char* raw = std::getenv("FLASH_ATTN_EXT_SM90_SCHED");
+  if (raw == nullptr || raw[0] == '\0' || std::strcmp(raw, "auto") == 0) {
+    return causal ? Sm90Schedule::kDynamic : Sm90Schedule::kStatic;
+  }
+  if (std::strcmp(raw, "tile") == 0) return Sm90Schedule::kPerTile;
+  if (std::strcmp(raw, "static") == 0) return Sm90Schedule::kStatic;
+  if (std::strcmp(raw, "dynamic") == 0) return Sm90Schedule::kDynamic;
+  throw std::runtime_error(std::string("flash_attn_ext: FLASH_ATTN_EXT_SM90_SCHED must be auto, "
+                                       "tile, static or dynamic, got '") + raw + "'");
+}
+
 bool device_is_sm90() {
   constexpr int kMaxDevices = 64;
   static int cached[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
