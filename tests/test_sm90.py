@@ -50,9 +50,35 @@ def test_dispatch(sm90, impl):
         assert not ran_sm90(lambda: fa.flash_attn_func(q96, k96, v96))         # head dim 96
     except RuntimeError as e:  # a build restricted with FLASH_ATTN_EXT_HEAD_DIMS
         assert "not compiled" in str(e)
+    # softmax_scale <= 0: the kernel folds the scale into exp2 after the row max.
+    for scale in (-0.05, 0.0):
+        assert not ran_sm90(lambda: fa.flash_attn_func(q, k, v, softmax_scale=scale, num_splits=1))
+        out = fa.flash_attn_func(q, k, v, softmax_scale=scale, causal=True, num_splits=1)
+        ref = fa.attention_ref(q, k, v, softmax_scale=scale, causal=True)
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=0)
     impl("bogus")
     with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_FWD_IMPL"):
         fa.flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_schedules_agree(sm90, monkeypatch, causal):
+    """Every tile schedule (one CTA per tile, persistent round-robin, persistent
+    dynamic) computes each tile with the same code: bit-identical outputs. More
+    tiles than SMs, so the persistent CTAs loop (unequal tiles when causal)."""
+    q, k, v = make_qkv(2, 2000, 1500, 8, 128, torch.bfloat16, DEVICE, requires_grad=False)
+    outs = {}
+    for sched in ("auto", "tile", "static", "dynamic"):
+        monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHED", sched)
+        assert ran_sm90(lambda: fa.flash_attn_func(q, k, v, causal=causal, num_splits=1))
+        outs[sched] = fa.flash_attn_func(q, k, v, causal=causal, return_lse=True, num_splits=1)
+    for sched, (out, lse) in outs.items():
+        assert torch.equal(out, outs["auto"][0]), sched
+        assert torch.equal(lse, outs["auto"][1]), sched
+    check_forward(q, k, v, causal)
+    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHED", "bogus")
+    with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_SM90_SCHED"):
+        fa.flash_attn_func(q, k, v, num_splits=1)
 
 
 def run_forward(q, k, v, causal, bottom_right):

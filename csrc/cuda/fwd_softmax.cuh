@@ -63,7 +63,8 @@ FAE_DEVICE bool key_tile_needs_mask(const SeqBounds& seq, int m_block, int n_blo
 //   row_base: global query row of the lane's row (m = 0, h = 0)
 //   col_base: global key of the lane's column (j = 0, e = 0)
 // ---------------------------------------------------------------------------
-template <bool kMask, bool kIsCausal, int kMmaM, int kTilesN>
+// kScale = false only masks (for OnlineSoftmax::update_scores_folded).
+template <bool kMask, bool kIsCausal, int kMmaM, int kTilesN, bool kScale = true>
 FAE_DEVICE void scale_and_mask(float (&s)[kMmaM][kTilesN][4], float scale_log2, int row_base,
                                int col_base, int seqlen_k, int causal_offset) {
 #pragma unroll
@@ -78,7 +79,7 @@ FAE_DEVICE void scale_and_mask(float (&s)[kMmaM][kTilesN][4], float scale_log2, 
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[m][j][2 * h + e];
-          x *= scale_log2;
+          if (kScale) x *= scale_log2;
           if (kMask && col_base + j * 8 + e >= key_limit) x = -INFINITY;
         }
       }
@@ -152,6 +153,47 @@ struct OnlineSoftmax {
           }
         }
         row_sum[m][h] = row_sum[m][h] * rescale[m][h] + tile_sum;
+      }
+    }
+  }
+
+  // update_scores for raw (unscaled) scores with the scale folded into the
+  // exponent: p = exp2(s * scale_log2 - max * scale_log2), one FFMA per score
+  // instead of an FMUL and an FADD. Needs scale_log2 > 0 (the max of the raw
+  // scores is then the max of the scaled ones; a masked -inf stays -inf), so
+  // callers dispatch other scales elsewhere. The row max and sum reductions
+  // use two independent chains each: their latency, not just the exp2
+  // throughput, sits on the critical path of the Hopper kernel's softmax.
+  template <int kTilesN>
+  FAE_DEVICE void update_scores_folded(float (&s)[kMmaM][kTilesN][4], float scale_log2,
+                                       float (&rescale)[kMmaM][2]) {
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float max_even = s[m][0][2 * h], max_odd = s[m][0][2 * h + 1];
+#pragma unroll
+        for (int j = 1; j < kTilesN; ++j) {
+          max_even = fmaxf(max_even, s[m][j][2 * h]);
+          max_odd = fmaxf(max_odd, s[m][j][2 * h + 1]);
+        }
+        const float tile_max = quad_max(fmaxf(max_even, max_odd)) * scale_log2;
+        const float new_max = fmaxf(row_max[m][h], tile_max);
+        const float base = new_max == -INFINITY ? 0.f : new_max;  // see update_scores
+        rescale[m][h] = fast_exp2(row_max[m][h] - base);
+        row_max[m][h] = new_max;
+
+        float sum_even = 0.f, sum_odd = 0.f;
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) {
+          const float p0 = fast_exp2(fmaf(s[m][j][2 * h], scale_log2, -base));
+          const float p1 = fast_exp2(fmaf(s[m][j][2 * h + 1], scale_log2, -base));
+          s[m][j][2 * h] = p0;
+          s[m][j][2 * h + 1] = p1;
+          sum_even += p0;
+          sum_odd += p1;
+        }
+        row_sum[m][h] = row_sum[m][h] * rescale[m][h] + (sum_even + sum_odd);
       }
     }
   }

@@ -250,15 +250,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // S = Q K^T: kHeadDim / 16 k-steps; inside a 64-column chunk a k-step moves
   // 32 bytes, across chunks a whole [rows x 128 B] chunk.
+  const uint64_t desc_q = smem_desc_sw128(q_rows, 16, 1024);
   auto issue_qk = [&](float (&s)[1][kBlockN / 8][4], int stage) {
+    const uint64_t desc_k = smem_desc_sw128(k_smem(stage), 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t chunk_offset = (kk % 4) * 32;
-      const uint64_t desc_q =
-          smem_desc_sw128(q_rows + (kk / 4) * kBlockM * 128 + chunk_offset, 16, 1024);
-      const uint64_t desc_k =
-          smem_desc_sw128(k_smem(stage) + (kk / 4) * kBlockN * 128 + chunk_offset, 16, 1024);
-      WgmmaOps<T, kBlockN>::ss_kmajor(&s[0][0][0], desc_q, desc_k, kk > 0 ? 1 : 0);
+      WgmmaOps<T, kBlockN>::ss_kmajor(
+          &s[0][0][0], smem_desc_advance(desc_q, (kk / 4) * kBlockM * 128 + chunk_offset),
+          smem_desc_advance(desc_k, (kk / 4) * kBlockN * 128 + chunk_offset), kk > 0 ? 1 : 0);
     }
     wgmma_commit();
   };
@@ -266,10 +266,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // dim (wgmma N) spans the chunks, LBO apart.
   auto issue_pv = [&](float (&o)[1][kHeadDim / 8][4], const uint32_t (&p)[kBlockN / 16][4],
                       int stage) {
+    const uint64_t desc_v = smem_desc_sw128(v_smem(stage), kBlockN * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t desc_v = smem_desc_sw128(v_smem(stage) + kk * 2048, kBlockN * 128, 1024);
-      WgmmaOps<T, kHeadDim>::rs_mnmajor(&o[0][0][0], p[kk], desc_v, 1);
+      WgmmaOps<T, kHeadDim>::rs_mnmajor(&o[0][0][0], p[kk], smem_desc_advance(desc_v, kk * 2048), 1);
     }
     wgmma_commit();
   };
@@ -302,17 +302,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // acc[j][e], lane = 4g + q: e = 0,1 -> row g, cols 8j + 2q + {0,1};
     // e = 2,3 -> row g + 8. So fwd_softmax.cuh applies with one m-tile.
     const int row_base = tile.m_block * kBlockM + wg * 64 + warp * 16 + lane / 4;
+    // Scores stay unscaled: only the masked ones become -inf, and the scale
+    // is folded into the exponent (update_scores_folded; the dispatcher sends
+    // softmax_scale <= 0 to the mma.sync kernels).
     auto softmax_tile = [&](OnlineSoftmax<1>& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
                             float (&rescale)[1][2]) {
       const int col_base = n_block * kBlockN + 2 * (lane % 4);
       if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, n_block)) {
-        scale_and_mask<true, kIsCausal>(s, params.scale_log2, row_base, col_base, seq.seqlen_k,
-                                        seq.causal_offset);
-      } else {
-        scale_and_mask<false, kIsCausal>(s, params.scale_log2, row_base, col_base, seq.seqlen_k,
-                                         seq.causal_offset);
+        scale_and_mask<true, kIsCausal, 1, kBlockN / 8, false>(
+            s, params.scale_log2, row_base, col_base, seq.seqlen_k, seq.causal_offset);
       }
-      softmax.update_scores(s, rescale);
+      softmax.update_scores_folded(s, params.scale_log2, rescale);
     };
 
     float o[1][kHeadDim / 8][4];

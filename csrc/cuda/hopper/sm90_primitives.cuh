@@ -144,6 +144,15 @@ FAE_DEVICE uint64_t smem_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint
          (static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16) |
          (static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
+// The descriptor of the same operand layout `byte_offset` bytes further (the
+// next k-step or 64-column chunk): one 32-bit add to the start-address field
+// (bits 0-13, address >> 4) instead of rebuilding the descriptor (4 uniform
+// instructions per wgmma, issued from the consumer warps). A shared memory
+// address stays below 2^18, so the field never carries into the LBO bits.
+FAE_DEVICE uint64_t smem_desc_advance(uint64_t desc, uint32_t byte_offset) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (byte_offset >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
 // Orders register accesses before the next wgmma (accumulators, A fragments).
 FAE_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 FAE_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
