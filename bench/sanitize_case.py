@@ -3,7 +3,7 @@ forward (full, causal, split-KV + combine), fp32 forward/backward, backward
 (atomic and deterministic dQ), odd lengths and a padded head dim; then the
 variable-sequence instantiations: GQA, varlen (with an empty sequence),
 seqused_k and the KV-cache decode path. On sm_90 the unsplit 16-bit forward cases run
-the Hopper kernel (one more case gives its persistent loop several tiles per CTA), and the
+the Hopper kernel (two more cases give its persistent loop several tiles per CTA), and the
 non-deterministic 16-bit backward cases with head dim 40, 64, 128 or 256 the Hopper backward.
 
   compute-sanitizer --tool memcheck python bench/sanitize_case.py
@@ -34,10 +34,13 @@ for dtype, sq, sk, d, causal, splits, det in cases:
     out = fa.flash_attn_func(q, k, v, causal=causal, num_splits=splits, deterministic=det)
     out.backward(torch.randn_like(out))
 
-# Hopper forward, non-causal: 4 * 40 heads * 2 query tiles = 320 tiles > SMs, so each
-# persistent CTA loops (Q buffer reuse, ring phases carried across tiles).
+# Hopper forward: 4 * 40 heads * 2 query tiles = 320 tiles > SMs, so each persistent
+# CTA loops (Q reloaded after the last Q K^T, ring phases and the ping-pong turn carried
+# across tiles); non-causal with the static schedule, causal with the dynamic one
+# (tile counter).
 q, k, v = (torch.randn(4, 200, 40, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 fa.flash_attn_func(q, k, v, num_splits=1)
+fa.flash_attn_func(q, k, v, causal=True, num_splits=1)
 
 # Variable sequences: varlen fwd+bwd (GQA 2:1, a zero-length sequence), seqused_k fwd+bwd,
 # KV-cache append + regrouped GQA decode with split-KV, in 16-bit and fp32.
