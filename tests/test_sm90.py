@@ -163,8 +163,9 @@ def test_race_free(sm90, dtype):
         assert torch.equal(out, first) and torch.equal(lse, lse2)
 
 
-def test_long_sequence(sm90):
-    q, k, v = make_qkv(1, 16384, 16384, 1, 128, torch.bfloat16, DEVICE, requires_grad=False)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_long_sequence(sm90, head_dim):
+    q, k, v = make_qkv(1, 16384, 16384, 1, head_dim, torch.bfloat16, DEVICE, requires_grad=False)
     check_forward(q, k, v, causal=True)
 
 

@@ -55,6 +55,10 @@ namespace cuda {
 //   256  64      2       off       | 0.89 0.88 0.89      | 0.90 0.87 0.92
 //   256  80      2       on        | 0.93 0.98 0.99  <-  | 0.88 0.93 0.99  <-
 //
+// Since then (scale folded into exp2, Q released after the last Q K^T, the
+// dynamic causal scheduler) the full grid measured 0.96x cuDNN; D = 256 at
+// seqlen_k <= 1024 takes kBlockNShort = 64 keys: 80-key tiles leave the last
+// key tile of a 512-key row 60% empty (causal: up to 25% of all visited keys).
 // Shared memory bounds the choice: Q + 2 x stages x kBlockN x D x 2 bytes
 // must fit 227 KB (D = 256, kBlockN = 80: 64 + 160 KB). FAE_SM90_BLOCK_N /
 // FAE_SM90_STAGES override every head dim at once (bench/tune_sm90.sh).
@@ -71,6 +75,9 @@ struct FwdSm90TileConfig {
   static constexpr int kStages = 2;
 #endif
   static constexpr bool kPingPong = true;
+  // Key tile for short key sequences (seqlen_k <= kShortSeqlenK); 0 = none.
+  static constexpr int kBlockNShort = kHeadDim == 256 ? 64 : 0;
+  static constexpr int kShortSeqlenK = 1024;
 };
 
 template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, bool kPingPong_ = true>
@@ -293,7 +300,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int kv_count = 0;  // K/V tiles consumed so far (same sequence as the producer)
   for (int tile_count = 0;; ++tile_count) {
     mbar_wait(q_full, tile_count & 1);
-    const int t = static_cast<int>(ld_shared_b32(tile_slot));
+    // Lane 0 reads the slot for its warp (and is the lane that later arrives
+    // on q_empty, which lets the producer rewrite it).
+    const int t = __shfl_sync(0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot)) : 0, 0);
     if (t >= num_tiles) break;
     const Tile tile = tile_at(t);
     const SeqBounds seq = seq_bounds<false>(params, tile.b);

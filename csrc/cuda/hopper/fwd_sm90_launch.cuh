@@ -74,6 +74,13 @@ void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "Hopper forward");
   }
+  if constexpr (Config::kBlockNShort > 0) {
+    if (params.seqlen_k <= Config::kShortSeqlenK) {
+      launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, Config::kBlockNShort, Config::kStages, true>,
+                      kIsCausal>(params, stream);
+      return;
+    }
+  }
   // FLASH_ATTN_EXT_SM90_PINGPONG=0 turns the consumer ping-pong off (tuning).
   if (Config::kPingPong && fwd_sm90_pingpong()) {
     launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, Config::kBlockN, Config::kStages, true>, kIsCausal>(
