@@ -57,7 +57,7 @@ namespace cuda {
 //
 // Since then (scale folded into exp2, Q released after the last Q K^T, the
 // dynamic causal scheduler) the full grid measured 0.96x cuDNN; D = 256 at
-// seqlen_k <= 1024 takes kBlockNShort = 64 keys: 80-key tiles leave the last
+// seqlen_k <= 512 takes kBlockNShort = 64 keys: 80-key tiles leave the last
 // key tile of a 512-key row 60% empty (causal: up to 25% of all visited keys).
 // Shared memory bounds the choice: Q + 2 x stages x kBlockN x D x 2 bytes
 // must fit 227 KB (D = 256, kBlockN = 80: 64 + 160 KB). FAE_SM90_BLOCK_N /
@@ -77,7 +77,7 @@ struct FwdSm90TileConfig {
   static constexpr bool kPingPong = true;
   // Key tile for short key sequences (seqlen_k <= kShortSeqlenK); 0 = none.
   static constexpr int kBlockNShort = kHeadDim == 256 ? 64 : 0;
-  static constexpr int kShortSeqlenK = 1024;
+  static constexpr int kShortSeqlenK = 512;
 };
 
 template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, bool kPingPong_ = true>
