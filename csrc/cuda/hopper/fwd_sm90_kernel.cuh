@@ -97,7 +97,8 @@ struct FwdSm90Traits {
   static constexpr int kChunks = kHeadDim / kChunkCols;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
-  // mbarriers, then one int: the tile index the producer hands to the consumers.
+  // mbarriers, then the tile index the producer hands to the consumers (an
+  // int, padded to 8 bytes).
   static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages) + 8;
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
@@ -276,7 +277,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint64_t desc_v = smem_desc_sw128(v_smem(stage), kBlockN * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      WgmmaOps<T, kHeadDim>::rs_mnmajor(&o[0][0][0], p[kk], smem_desc_advance(desc_v, kk * 2048), 1);
+      WgmmaOps<T, kHeadDim>::rs_mnmajor(&o[0][0][0], p[kk], smem_desc_advance(desc_v, kk * 2048),
+                                         1);
     }
     wgmma_commit();
   };
@@ -302,7 +304,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbar_wait(q_full, tile_count & 1);
     // Lane 0 reads the slot for its warp (and is the lane that later arrives
     // on q_empty, which lets the producer rewrite it).
-    const int t = __shfl_sync(0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot)) : 0, 0);
+    const int t = __shfl_sync(
+        0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot)) : 0, 0);
     if (t >= num_tiles) break;
     const Tile tile = tile_at(t);
     const SeqBounds seq = seq_bounds<false>(params, tile.b);

@@ -81,20 +81,6 @@ FAE_DEVICE void tma_load_tile(const CUtensorMap* map, uint32_t smem_dst, int row
     tma_load_4d(smem_dst + c * rows * 128, map, full, c * 64, row, head, batch);
   }
 }
-// Shared -> global; out-of-bounds elements are not written.
-FAE_DEVICE void tma_store_4d(const CUtensorMap* map, uint32_t smem_src, int c0, int c1, int c2,
-                             int c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
-          reinterpret_cast<uint64_t>(map)),
-      "r"(smem_src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
-}
-FAE_DEVICE void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// Waits until the committed stores have read their shared memory.
-FAE_DEVICE void tma_store_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
 // Generic-proxy writes to shared memory (st.shared) become visible to the
 // async proxy (TMA store, wgmma) only after this fence in the writing thread.
 FAE_DEVICE void fence_proxy_async_smem() {
