@@ -59,6 +59,11 @@ namespace cuda {
 // dynamic causal scheduler) the full grid measured 0.96x cuDNN; D = 256 at
 // seqlen_k <= 512 takes kBlockNShort = 64 keys: 80-key tiles leave the last
 // key tile of a 512-key row 60% empty (causal: up to 25% of all visited keys).
+// Measured and dropped (24-config sample, same run): the producer claiming the
+// next tile when it starts the current one and prefetching that tile's Q and
+// first K/V into L2 (cp.async.bulk.prefetch.tensor): 0.88x against 0.92x
+// cuDNN (the early claim unbalances the causal tail; non-causal D = 128 lost
+// 2-4% too); 64-key D = 256 tiles at seqlen_k = 1024: 0.89-0.90x against 0.94x.
 // Shared memory bounds the choice: Q + 2 x stages x kBlockN x D x 2 bytes
 // must fit 227 KB (D = 256, kBlockN = 80: 64 + 160 KB). FAE_SM90_BLOCK_N /
 // FAE_SM90_STAGES override every head dim at once (bench/tune_sm90.sh).
