@@ -205,9 +205,8 @@ void fwd_set_workspace(AttentionFwdParams& params, float* workspace, int num_spl
   if (num_splits <= 1 || workspace == nullptr) {
     params.out_accum = nullptr;
     params.lse_accum = nullptr;
-    if (workspace != nullptr && fwd_needs_tile_counter(params, num_splits)) {
-      params.tile_counter = reinterpret_cast<int*>(workspace);
-    }
+    // Unsplit calls get a workspace only for the tile counter (fwd_workspace_floats).
+    params.tile_counter = reinterpret_cast<int*>(workspace);
     return;
   }
   // out_accum [splits, q_rows_total, kernel head dim], then

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -14,13 +15,31 @@
 namespace flash_attn_ext {
 namespace cuda {
 
-KernelImpl kernel_impl_requested(const char* env_name) {
+namespace {
+// Index of the env var's value in `values`; unset or empty reads as values[0].
+// Anything else is an error that lists the choices.
+int env_choice(const char* env_name, std::initializer_list<const char*> values) {
   const char* raw = std::getenv(env_name);
-  if (raw == nullptr || raw[0] == '\0' || std::strcmp(raw, "auto") == 0) return KernelImpl::kAuto;
-  if (std::strcmp(raw, "mma") == 0) return KernelImpl::kMma;
-  if (std::strcmp(raw, "wgmma") == 0) return KernelImpl::kWgmma;
-  throw std::runtime_error(std::string("flash_attn_ext: ") + env_name +
-                           " must be auto, mma or wgmma, got '" + raw + "'");
+  if (raw == nullptr || raw[0] == '\0') return 0;
+  int index = 0;
+  std::string choices;
+  for (const char* value : values) {
+    if (std::strcmp(raw, value) == 0) return index;
+    if (index > 0) choices += index + 1 == static_cast<int>(values.size()) ? " or " : ", ";
+    choices += value;
+    ++index;
+  }
+  throw std::runtime_error(std::string("flash_attn_ext: ") + env_name + " must be " + choices +
+                           ", got '" + raw + "'");
+}
+}  // namespace
+
+KernelImpl kernel_impl_requested(const char* env_name) {
+  switch (env_choice(env_name, {"auto", "mma", "wgmma"})) {
+    case 1: return KernelImpl::kMma;
+    case 2: return KernelImpl::kWgmma;
+    default: return KernelImpl::kAuto;
+  }
 }
 
 bool fwd_sm90_pingpong() {
@@ -29,15 +48,12 @@ bool fwd_sm90_pingpong() {
 }
 
 Sm90Schedule fwd_sm90_schedule(bool causal) {
-  const char* raw = std::getenv("FLASH_ATTN_EXT_SM90_SCHED");
-  if (raw == nullptr || raw[0] == '\0' || std::strcmp(raw, "auto") == 0) {
-    return causal ? Sm90Schedule::kDynamic : Sm90Schedule::kStatic;
+  switch (env_choice("FLASH_ATTN_EXT_SM90_SCHED", {"auto", "tile", "static", "dynamic"})) {
+    case 1: return Sm90Schedule::kPerTile;
+    case 2: return Sm90Schedule::kStatic;
+    case 3: return Sm90Schedule::kDynamic;
+    default: return causal ? Sm90Schedule::kDynamic : Sm90Schedule::kStatic;
   }
-  if (std::strcmp(raw, "tile") == 0) return Sm90Schedule::kPerTile;
-  if (std::strcmp(raw, "static") == 0) return Sm90Schedule::kStatic;
-  if (std::strcmp(raw, "dynamic") == 0) return Sm90Schedule::kDynamic;
-  throw std::runtime_error(std::string("flash_attn_ext: FLASH_ATTN_EXT_SM90_SCHED must be auto, "
-                                       "tile, static or dynamic, got '") + raw + "'");
 }
 
 bool device_is_sm90() {
