@@ -9,6 +9,7 @@ import argparse
 import csv
 import math
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ def main():
     ap.add_argument("--seqlens", default="512,2048,8192")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--csv", default="sm90_variants.csv")
+    ap.add_argument("--rounds", type=int, default=2, help="timings per variant (median), order alternating")
     args = ap.parse_args()
     variants = []
     for v in args.variants:
@@ -42,21 +44,31 @@ def main():
                 B, H = 16384 // S, 2048 // D
                 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
-                res = {}
-                for name, pairs in variants:
+                def run_variant(name):
+                    if name in ("cudnn", "flash"):
+                        sdpb = SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION
+                        with sdpa_kernel(sdpb):
+                            return bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                    pairs = dict(variants)[name]
                     saved = {key: os.environ.get(key) for key, _ in pairs}
                     os.environ.update(dict(pairs))
                     try:
-                        res[name] = bench_ms(lambda: fa.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                        return bench_ms(lambda: fa.scaled_dot_product_attention(q, k, v, is_causal=causal))
                     finally:
                         for key, val in saved.items():
                             if val is None:
                                 os.environ.pop(key, None)
                             else:
                                 os.environ[key] = val
-                for be, sdpb in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-                    with sdpa_kernel(sdpb):
-                        res[be] = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+
+                # Rounds alternate the order (A B C, C B A, ...): whichever
+                # runs first or last in a round gets no systematic advantage.
+                order = [n for n, _ in variants] + ["cudnn", "flash"]
+                times = {n: [] for n in order}
+                for rnd in range(args.rounds):
+                    for name in (order if rnd % 2 == 0 else order[::-1]):
+                        times[name].append(run_variant(name))
+                res = {n: statistics.median(ts) for n, ts in times.items()}
                 row = {"D": D, "S": S, "causal": int(causal)}
                 row.update({f"{n} TF/s": flops / ms / 1e9 for n, ms in res.items()})
                 rows.append(row)

@@ -83,9 +83,18 @@ struct FwdSm90TileConfig {
   // Key tile for short key sequences (seqlen_k <= kShortSeqlenK); 0 = none.
   static constexpr int kBlockNShort = kHeadDim == 256 ? 64 : 0;
   static constexpr int kShortSeqlenK = 512;
+  // Q ring slots (64-row slices) for a key tile of block_n: as many as shared
+  // memory holds beside the K/V ring, at most 4 (two whole tiles). D = 64: 4;
+  // D = 128: 4 with 128-key tiles, 3 with 176; D = 256: 3 with 64, 2 with 80.
+  static constexpr int q_ring(int block_n) {
+    const int free_bytes = 227 * 1024 - 1024 - 256 - 2 * kStages * block_n * kHeadDim * 2;
+    const int slots = free_bytes / (64 * kHeadDim * 2);
+    return slots > 4 ? 4 : slots;
+  }
 };
 
-template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, bool kPingPong_ = true>
+template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, int kQRing_ = 2,
+          bool kPingPong_ = true>
 struct FwdSm90Traits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -100,13 +109,21 @@ struct FwdSm90Traits {
   // kChunks chunks of [rows x 64].
   static constexpr int kChunkCols = 64;
   static constexpr int kChunks = kHeadDim / kChunkCols;
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
-  // mbarriers, then the tile index the producer hands to the consumers (an
-  // int, padded to 8 bytes).
-  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages) + 8;
+  // Q travels in 64-row slices, one per consumer warpgroup, through a ring of
+  // kQRing slots with a full/empty barrier pair each: slice u = 2 * tile +
+  // warpgroup goes to slot u % kQRing. With 2 slots a warpgroup's next slice
+  // loads once that warpgroup ran its last Q K^T (not waiting for the other
+  // one); every slot beyond 2 lets one more slice load a whole tile ahead.
+  static constexpr int kQRing = kQRing_;
+  static constexpr int kQSliceRows = 64;
+  static constexpr int kQSliceBytes = kQSliceRows * kHeadDim * 2;
+  // mbarriers, then the tile index the producer hands to the consumers (one
+  // int per Q slot).
+  static constexpr int kBarrierBytes = 8 * (2 * kQRing + 4 * kStages) + 4 * kQRing;
   // +1024: the dynamic shared memory base is only 16-byte aligned.
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
+  static constexpr int kSmemBytes =
+      kQRing * kQSliceBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
 
   // Consumer warpgroups alternate their GEMM issue (see the kernel).
   static constexpr bool kPingPong = kPingPong_;
@@ -120,6 +137,8 @@ struct FwdSm90Traits {
   static_assert(kBlockN % 8 == 0, "swizzle atoms are 8 rows");
   static_assert(kHeadDim <= 256, "wgmma N (head dim) is at most 256");
   static_assert(kStages >= 2, "the ring needs at least two stages to overlap loads");
+  static_assert(kQRing >= kConsumerWarpgroups, "one Q slot per consumer warpgroup at least");
+  static_assert(kQSliceRows * kConsumerWarpgroups == kBlockM, "a Q slice per warpgroup's rows");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one CTA per SM");
   static_assert(128 * kProducerRegs + 128 * kConsumerWarpgroups * kConsumerRegs <= 65536,
                 "register file split between producer and consumers");
@@ -143,28 +162,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t smem_base = smem_align_1024(smem_raw);
-  const uint32_t q_smem = smem_base;
-  const uint32_t k_smem0 = q_smem + Traits::kQBytes;
+  constexpr int kQRing = Traits::kQRing;
+  auto q_smem = [&](int slot) { return smem_base + slot * Traits::kQSliceBytes; };
+  const uint32_t k_smem0 = smem_base + kQRing * Traits::kQSliceBytes;
   const uint32_t v_smem0 = k_smem0 + kStages * Traits::kKVTileBytes;
   const uint32_t bar0 = v_smem0 + kStages * Traits::kKVTileBytes;
   auto k_smem = [&](int stage) { return k_smem0 + stage * Traits::kKVTileBytes; };
   auto v_smem = [&](int stage) { return v_smem0 + stage * Traits::kKVTileBytes; };
-  const uint32_t q_full = bar0;
-  auto k_full = [&](int stage) { return bar0 + 8 * (1 + stage); };
-  auto v_full = [&](int stage) { return bar0 + 8 * (1 + kStages + stage); };
+  auto q_full = [&](int slot) { return bar0 + 8 * slot; };
+  auto k_full = [&](int stage) { return bar0 + 8 * (kQRing + stage); };
+  auto v_full = [&](int stage) { return bar0 + 8 * (kQRing + kStages + stage); };
   // K and V stages are released separately: K_i as soon as S_i is done, V_i
   // after O += P_i V_i, which (pipelined) completes one iteration later. With
   // one shared "empty" barrier, 2 stages would leave the next K load no slack.
-  auto k_empty = [&](int stage) { return bar0 + 8 * (1 + 2 * kStages + stage); };
-  auto v_empty = [&](int stage) { return bar0 + 8 * (1 + 3 * kStages + stage); };
+  auto k_empty = [&](int stage) { return bar0 + 8 * (kQRing + 2 * kStages + stage); };
+  auto v_empty = [&](int stage) { return bar0 + 8 * (kQRing + 3 * kStages + stage); };
 
-  // q_empty: every consumer warp has finished its last S = Q K^T of the tile.
-  const uint32_t q_empty = bar0 + 8 * (1 + 4 * kStages);
-  // The tile index travels with Q: the producer writes it before arriving on
-  // q_full (mbarrier arrive = release, the consumers' wait = acquire) and
-  // rewrites it only after q_empty, i.e. after every consumer has read it.
-  // An index >= num_tiles (sent without a Q load) tells the consumers to stop.
-  const uint32_t tile_slot = bar0 + 8 * (2 + 4 * kStages);
+  // q_empty(slot): the 4 warps reading the slice held there have finished
+  // their last S = Q K^T of the tile.
+  auto q_empty = [&](int slot) { return bar0 + 8 * (kQRing + 4 * kStages + slot); };
+  // The tile index travels with each Q slice: the producer writes it before
+  // arriving on q_full (mbarrier arrive = release, the consumers' wait =
+  // acquire) and rewrites it only after q_empty, i.e. after every consumer of
+  // the slice has read it. An index >= num_tiles (sent without a Q load)
+  // tells the consumers to stop.
+  auto tile_slot = [&](int slot) { return bar0 + 8 * (2 * kQRing + 4 * kStages) + 4 * slot; };
+  // Slice u (= 2 * tile_count + warpgroup) of the ring: slot and phase.
+  auto q_slot_of = [&](int u) { return u % kQRing; };
+  auto q_phase_of = [&](int u) { return static_cast<uint32_t>((u / kQRing) & 1); };
 
   // Persistent grid over the list of tiles (m_block, head, batch), m_block
   // fastest, so the CTAs running at one time share a few heads' K/V in L2,
@@ -195,8 +220,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   if (threadIdx.x == 0) {
-    mbar_init(q_full, 1);
-    mbar_init(q_empty, Traits::kConsumerWarps);
+    for (int slot = 0; slot < kQRing; ++slot) {
+      mbar_init(q_full(slot), 1);
+      mbar_init(q_empty(slot), Traits::kConsumerWarps / Traits::kConsumerWarpgroups);
+    }
     for (int s = 0; s < kStages; ++s) {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
@@ -217,29 +244,54 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       int kv_count = 0;  // K/V tiles loaded so far: ring stage and phase
       int t = blockIdx.x;
       for (int tile_count = 0;; ++tile_count) {
-        // Q's buffer (and the tile slot) are free once both consumers ran the
-        // previous tile's last Q K^T.
-        mbar_wait(q_empty, (tile_count & 1) ^ 1);
-        st_shared_b32(tile_slot, static_cast<uint32_t>(t));
+        // A Q slice (and its tile slot) is free once the warpgroup reading it
+        // ran the previous tile's last Q K^T. tile == nullptr: no more tiles.
+        auto send_q = [&](const Tile* tile) {
+          for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
+            const int u = Traits::kConsumerWarpgroups * tile_count + wg;
+            const int slot = q_slot_of(u);
+            mbar_wait(q_empty(slot), q_phase_of(u) ^ 1);
+            st_shared_b32(tile_slot(slot), static_cast<uint32_t>(t));
+            if (tile == nullptr) {
+              mbar_arrive(q_full(slot));
+              continue;
+            }
+            constexpr int kRows = Traits::kQSliceRows;
+            mbar_arrive_expect_tx(q_full(slot), Traits::kQSliceBytes);
+            tma_load_tile<kChunks>(&tmap_q, q_smem(slot), kRows, q_full(slot),
+                                   tile->m_block * kBlockM + wg * kRows, tile->h, tile->b);
+          }
+        };
         if (t >= num_tiles) {
-          mbar_arrive(q_full);
+          send_q(nullptr);
           break;
         }
         const Tile tile = tile_at(t);
-        mbar_arrive_expect_tx(q_full, Traits::kQBytes);
-        tma_load_tile<kChunks>(&tmap_q, q_smem, kBlockM, q_full, tile.m_block * kBlockM, tile.h,
-                               tile.b);
-        for (int n_block = tile.keys.end - 1; n_block >= tile.keys.begin; --n_block, ++kv_count) {
-          const int stage = kv_count % kStages;
-          const uint32_t empty_parity = ((kv_count / kStages) & 1) ^ 1;
-          mbar_wait(k_empty(stage), empty_parity);
+        // K_n then V_n into ring stage (kv_count % kStages) once the
+        // consumers released the K / V held there kStages key tiles earlier.
+        auto load_k = [&](int n_block, int count) {
+          const int stage = count % kStages;
+          mbar_wait(k_empty(stage), ((count / kStages) & 1) ^ 1);
           mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
           tma_load_tile<kChunks>(&tmap_k, k_smem(stage), kBlockN, k_full(stage),
                                  n_block * kBlockN, tile.h_k, tile.b);
-          mbar_wait(v_empty(stage), empty_parity);
+        };
+        auto load_v = [&](int n_block, int count) {
+          const int stage = count % kStages;
+          mbar_wait(v_empty(stage), ((count / kStages) & 1) ^ 1);
           mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
           tma_load_tile<kChunks>(&tmap_v, v_smem(stage), kBlockN, v_full(stage),
                                  n_block * kBlockN, tile.h_k, tile.b);
+        };
+        // The tile's first K goes out before its Q: its stage was freed by
+        // the previous tile's second-to-last Q K^T, Q's slices only by the
+        // last one of each warpgroup.
+        const int n_last = tile.keys.end - 1;
+        if (n_last >= tile.keys.begin) load_k(n_last, kv_count);
+        send_q(&tile);
+        for (int n_block = n_last; n_block >= tile.keys.begin; --n_block, ++kv_count) {
+          load_v(n_block, kv_count);
+          if (n_block > tile.keys.begin) load_k(n_block - 1, kv_count + 1);
         }
         // Claim the next tile only now (holding it through the loop spilled
         // at 24 registers); the consumers are still kStages key tiles behind.
@@ -259,18 +311,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const uint32_t q_rows = q_smem + wg * 64 * 128;  // this warpgroup's Q rows in chunk 0
 
   // S = Q K^T: kHeadDim / 16 k-steps; inside a 64-column chunk a k-step moves
-  // 32 bytes, across chunks a whole [rows x 128 B] chunk.
-  const uint64_t desc_q = smem_desc_sw128(q_rows, 16, 1024);
+  // 32 bytes, across chunks a whole [rows x 128 B] chunk. desc_q: this
+  // warpgroup's Q slice (set per tile).
+  uint64_t desc_q = 0;
   auto issue_qk = [&](float (&s)[1][kBlockN / 8][4], int stage) {
     const uint64_t desc_k = smem_desc_sw128(k_smem(stage), 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t chunk_offset = (kk % 4) * 32;
       WgmmaOps<T, kBlockN>::ss_kmajor(
-          &s[0][0][0], smem_desc_advance(desc_q, (kk / 4) * kBlockM * 128 + chunk_offset),
+          &s[0][0][0], smem_desc_advance(desc_q, (kk / 4) * Traits::kQSliceRows * 128 + chunk_offset),
           smem_desc_advance(desc_k, (kk / 4) * kBlockN * 128 + chunk_offset), kk > 0 ? 1 : 0);
     }
     wgmma_commit();
@@ -306,12 +358,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   int kv_count = 0;  // K/V tiles consumed so far (same sequence as the producer)
   for (int tile_count = 0;; ++tile_count) {
-    mbar_wait(q_full, tile_count & 1);
+    const int q_slice = Traits::kConsumerWarpgroups * tile_count + wg;
+    const int q_slot = q_slot_of(q_slice);
+    mbar_wait(q_full(q_slot), q_phase_of(q_slice));
     // Lane 0 reads the slot for its warp (and is the lane that later arrives
     // on q_empty, which lets the producer rewrite it).
     const int t = __shfl_sync(
-        0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot)) : 0, 0);
+        0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot(q_slot))) : 0, 0);
     if (t >= num_tiles) break;
+    desc_q = smem_desc_sw128(q_smem(q_slot), 16, 1024);
     const Tile tile = tile_at(t);
     const SeqBounds seq = seq_bounds<false>(params, tile.b);
     const int n_tiles = tile.keys.end - tile.keys.begin;
@@ -342,7 +397,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Every consumer warp arrives on q_empty once per tile, right after its
     // last Q K^T (or now, for a tile without keys).
-    if (n_tiles == 0 && lane == 0) mbar_arrive(q_empty);
+    if (n_tiles == 0 && lane == 0) mbar_arrive(q_empty(q_slot));
     if (n_tiles > 0) {
       // Software pipeline (intra-warpgroup overlap): iteration i issues
       // S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, then runs the
@@ -362,7 +417,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
       if (lane == 0) {
         mbar_arrive(k_empty(stage_of(0)));
-        if (n_tiles == 1) mbar_arrive(q_empty);
+        if (n_tiles == 1) mbar_arrive(q_empty(q_slot));
       }
       softmax_tile(softmax, s, tile.keys.end - 1, rescale);  // O is still 0: no rescale
       accumulators_to_a_fragments<T, kBlockN>(s[0], p);  // P: A operand of P V
@@ -379,7 +434,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
         if (lane == 0) {
           mbar_arrive(k_empty(stage_of(i)));
-          if (i == n_tiles - 1) mbar_arrive(q_empty);
+          if (i == n_tiles - 1) mbar_arrive(q_empty(q_slot));
         }
         softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale);
         wgmma_wait<0>();

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -19,7 +20,7 @@ template <typename Traits, bool kIsCausal>
 void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   using T = typename Traits::T;
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-  const CUtensorMap tmap_q = query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kBlockM);
+  const CUtensorMap tmap_q = query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kQSliceRows);
   const CUtensorMap tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
   const CUtensorMap tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
 
@@ -67,6 +68,25 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   }
 }
 
+// One key tile size: the Q ring as deep as shared memory allows, ping-pong on
+// unless FLASH_ATTN_EXT_SM90_PINGPONG=0 (tuning).
+template <typename T, int kHeadDim, bool kIsCausal, int kBlockN>
+void launch_fwd_sm90_block_n(const AttentionFwdParams& params, cudaStream_t stream) {
+  using Config = FwdSm90TileConfig<kHeadDim, kIsCausal>;
+  constexpr int kQRing = Config::q_ring(kBlockN);
+  const char* qring = std::getenv("FLASH_ATTN_EXT_SM90_QRING");  // TEMPORARY A/B
+  if (qring != nullptr && qring[0] == '2') {
+    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, 2, true>, kIsCausal>(
+        params, stream);
+  } else if (Config::kPingPong && fwd_sm90_pingpong()) {
+    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, kQRing, true>, kIsCausal>(
+        params, stream);
+  } else {
+    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, kQRing, false>,
+                    kIsCausal>(params, stream);
+  }
+}
+
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
   using Config = FwdSm90TileConfig<kHeadDim, kIsCausal>;
@@ -76,19 +96,11 @@ void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
   }
   if constexpr (Config::kBlockNShort > 0) {
     if (params.seqlen_k <= Config::kShortSeqlenK) {
-      launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, Config::kBlockNShort, Config::kStages, true>,
-                      kIsCausal>(params, stream);
+      launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, Config::kBlockNShort>(params, stream);
       return;
     }
   }
-  // FLASH_ATTN_EXT_SM90_PINGPONG=0 turns the consumer ping-pong off (tuning).
-  if (Config::kPingPong && fwd_sm90_pingpong()) {
-    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, Config::kBlockN, Config::kStages, true>, kIsCausal>(
-        params, stream);
-  } else {
-    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, Config::kBlockN, Config::kStages, false>, kIsCausal>(
-        params, stream);
-  }
+  launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, Config::kBlockN>(params, stream);
 }
 
 }  // namespace cuda

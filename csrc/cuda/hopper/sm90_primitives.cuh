@@ -73,6 +73,9 @@ FAE_DEVICE void tma_load_4d(uint32_t smem_dst, const CUtensorMap* map, uint32_t 
 }
 // One [rows x 64 kChunks] tile: kChunks boxes of 64 columns, each stored as
 // [rows x 128 B] (the 128-byte swizzle atom width), all completing on `full`.
+// `rows` is the shared-memory tile's height (the chunk stride); the map's box
+// may hold fewer rows, which fills a row slice of the tile starting at
+// smem_dst (a multiple of 8 rows keeps the swizzle pattern).
 template <int kChunks>
 FAE_DEVICE void tma_load_tile(const CUtensorMap* map, uint32_t smem_dst, int rows, uint32_t full,
                               int row, int head, int batch) {
