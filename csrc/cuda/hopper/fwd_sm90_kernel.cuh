@@ -6,9 +6,10 @@
 //   warpgroup 0 (producer, 24 registers): one thread picks the CTA's next
 //       tile (round-robin, or from a global atomic counter: the dynamic
 //       scheduler of the causal grid) and issues TMA copies per tile:
-//       Q once (after both consumers finished the previous tile's last
-//       Q K^T), then K_j, V_j for j = last .. first key tile into ring stage
-//       (running count % kStages) once the consumers released that stage.
+//       K_j, V_j for j = last .. first key tile into ring stage (running
+//       count % kStages) once the consumers released that stage, and after
+//       the first K the tile's Q, one 64-row slice per consumer warpgroup,
+//       each once that warpgroup ran the previous tile's last Q K^T.
 //   warpgroups 1, 2 (consumers, 240 registers): rows [64w, 64w + 64) of the
 //       query tile each; per key tile j, software-pipelined:
 //       S_j = Q K_j^T            wgmma SS (Q, K both K-major in smem)
@@ -16,13 +17,13 @@
 //       mask, online softmax of S_j while that P V runs (fwd_softmax.cuh)
 //       and the two warpgroups alternate GEMM issue (ping-pong).
 //   epilogue: O / rowsum and LSE straight from registers to global memory.
-//       Q's buffer was released after the tile's last S = Q K^T, so the
+//       The Q slices were released after the tile's last S = Q K^T, so the
 //       producer is already loading the next tile's Q, K and V meanwhile.
 //
 // Shared memory (every tile 1024-byte aligned, in 64-column chunks of
 // [rows x 128 bytes] with TMA's 128-byte swizzle, the layout wgmma reads):
-//   | Q [kChunks][kBlockM][64] | K [kStages][kChunks][kBlockN][64] | V [...] |
-//   | mbarriers | next tile index |
+//   | Q slices [kQRing][kChunks][64][64] | K [kStages][kChunks][kBlockN][64] |
+//   | V [...] | mbarriers | tile index per Q slot |
 //
 // Key tiles are visited from the last to the first, so the tiles that need
 // the causal / sequence-end mask come first and the steady state has none.
@@ -64,6 +65,12 @@ namespace cuda {
 // first K/V into L2 (cp.async.bulk.prefetch.tensor): 0.88x against 0.92x
 // cuDNN (the early claim unbalances the causal tail; non-causal D = 128 lost
 // 2-4% too); 64-key D = 256 tiles at seqlen_k = 1024: 0.89-0.90x against 0.94x.
+// Session 8 (24 configs S 512-8k, rounds in alternating order): Q as two
+// 64-row slices with their own barriers (each warpgroup's next slice loads
+// after its own last Q K^T) and the tile's first K sent before its Q: 0.909x
+// against 0.889x for one 128-row Q; a deeper Q ring (4 slots at D = 64 and
+// D = 128 / 128 keys, 3 at D = 128 / 176 keys and D = 256 / 64 keys, so the
+// next tile's slices load a whole tile ahead): 0.934x against 0.944x for 2.
 // Shared memory bounds the choice: Q + 2 x stages x kBlockN x D x 2 bytes
 // must fit 227 KB (D = 256, kBlockN = 80: 64 + 160 KB). FAE_SM90_BLOCK_N /
 // FAE_SM90_STAGES override every head dim at once (bench/tune_sm90.sh).
@@ -83,14 +90,14 @@ struct FwdSm90TileConfig {
   // Key tile for short key sequences (seqlen_k <= kShortSeqlenK); 0 = none.
   static constexpr int kBlockNShort = kHeadDim == 256 ? 64 : 0;
   static constexpr int kShortSeqlenK = 512;
-  // Q ring slots (64-row slices) for a key tile of block_n: as many as shared
-  // memory holds beside the K/V ring, at most 4 (two whole tiles). D = 64: 4;
-  // D = 128: 4 with 128-key tiles, 3 with 176; D = 256: 3 with 64, 2 with 80.
-  static constexpr int q_ring(int block_n) {
-    const int free_bytes = 227 * 1024 - 1024 - 256 - 2 * kStages * block_n * kHeadDim * 2;
-    const int slots = free_bytes / (64 * kHeadDim * 2);
-    return slots > 4 ? 4 : slots;
-  }
+  // Q ring slots (64-row slices, see FwdSm90Traits): 2, one per consumer
+  // warpgroup; deeper rings (3-4, where shared memory allows) measured no
+  // better.
+#ifdef FAE_SM90_Q_RING
+  static constexpr int kQRing = FAE_SM90_Q_RING;
+#else
+  static constexpr int kQRing = 2;
+#endif
 };
 
 template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, int kQRing_ = 2,

@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -68,21 +67,16 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   }
 }
 
-// One key tile size: the Q ring as deep as shared memory allows, ping-pong on
-// unless FLASH_ATTN_EXT_SM90_PINGPONG=0 (tuning).
+// One key tile size; FLASH_ATTN_EXT_SM90_PINGPONG=0 turns the consumer
+// ping-pong off (tuning).
 template <typename T, int kHeadDim, bool kIsCausal, int kBlockN>
 void launch_fwd_sm90_block_n(const AttentionFwdParams& params, cudaStream_t stream) {
   using Config = FwdSm90TileConfig<kHeadDim, kIsCausal>;
-  constexpr int kQRing = Config::q_ring(kBlockN);
-  const char* qring = std::getenv("FLASH_ATTN_EXT_SM90_QRING");  // TEMPORARY A/B
-  if (qring != nullptr && qring[0] == '2') {
-    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, 2, true>, kIsCausal>(
-        params, stream);
-  } else if (Config::kPingPong && fwd_sm90_pingpong()) {
-    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, kQRing, true>, kIsCausal>(
-        params, stream);
+  if (Config::kPingPong && fwd_sm90_pingpong()) {
+    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, Config::kQRing, true>,
+                    kIsCausal>(params, stream);
   } else {
-    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, kQRing, false>,
+    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, Config::kQRing, false>,
                     kIsCausal>(params, stream);
   }
 }
