@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--seqlens", default="512,2048,8192")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--csv", default="sm90_variants.csv")
-    ap.add_argument("--rounds", type=int, default=2, help="timings per variant (median), order alternating")
+    ap.add_argument("--rounds", type=int, default=2, help="timings per variant (median), order rotated per round")
     args = ap.parse_args()
     variants = []
     for v in args.variants:
@@ -61,12 +61,14 @@ def main():
                             else:
                                 os.environ[key] = val
 
-                # Rounds alternate the order (A B C, C B A, ...): whichever
-                # runs first or last in a round gets no systematic advantage.
+                # Round r starts at the r-th entry (A B C, B C A, ...): with as
+                # many rounds as entries each runs once in every position (the
+                # first one measured up to 5% apart from the same kernel later).
                 order = [n for n, _ in variants] + ["cudnn", "flash"]
                 times = {n: [] for n in order}
                 for rnd in range(args.rounds):
-                    for name in (order if rnd % 2 == 0 else order[::-1]):
+                    shift = rnd % len(order)
+                    for name in order[shift:] + order[:shift]:
                         times[name].append(run_variant(name))
                 res = {n: statistics.median(ts) for n, ts in times.items()}
                 row = {"D": D, "S": S, "causal": int(causal)}

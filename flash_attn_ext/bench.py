@@ -78,6 +78,11 @@ def parse_args(argv=None):
     p.add_argument("--deterministic", action="store_true", help="our backward in deterministic mode")
     p.add_argument("--rotate", type=int, default=None,
                    help="input sets cycled through while timing (default 3 on GPU, 1 on CPU)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every backend this many times per config, each round in a rotated "
+                        "order, and report the median: on a GPU whose clock follows its recent "
+                        "load, whichever runs first measured up to 5%% apart from the same kernel "
+                        "run later (default 1)")
     p.add_argument("--no-roofline", action="store_true",
                    help="skip the peak FLOP/s and bandwidth measurement")
     p.add_argument("--csv", default=None, help="write every row to this CSV file")
@@ -516,6 +521,7 @@ def run_bench(args):
                 device_name=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 cpu_threads=torch.get_num_threads(), dtype=str(dtype).replace("torch.", ""),
                 backends=run["backends"], passes=run["passes"], rotate=run["rotate"],
+                rounds=max(1, args.rounds),
                 deterministic=args.deterministic, timer=timer_name(device), flops_convention=FLOPS_NOTE)
     peak_flops = peak_bw = None
     if not args.no_roofline:
@@ -528,10 +534,21 @@ def run_bench(args):
     for cfg in cfgs:
         sets = make_inputs(cfg, cfg["layout"], run["rotate"], device, dtype)
         results = {}
-        for be in run["backends"]:
-            results[be] = bench_backend(be, sets, cfg, run["passes"], device,
-                                        args.deterministic and be == "ours")
-            progress.step(f"D={cfg['D']} Sk={cfg['Sk']} causal={int(cfg['causal'])} {be}")
+        backends = run["backends"]
+        for rnd in range(meta["rounds"]):
+            shift = rnd % len(backends)
+            for be in backends[shift:] + backends[:shift]:
+                res = bench_backend(be, sets, cfg, run["passes"], device,
+                                    args.deterministic and be == "ours")
+                for p, r in res.items():  # ms per round; the median below
+                    kept = results.setdefault(be, {}).setdefault(p, dict(r, all_ms=[]))
+                    kept["all_ms"].append(r["ms"])
+                if rnd == 0:
+                    progress.step(f"D={cfg['D']} Sk={cfg['Sk']} causal={int(cfg['causal'])} {be}")
+        for per_pass in results.values():
+            for r in per_pass.values():
+                times = [t for t in r.pop("all_ms") if t is not None]
+                r["ms"] = statistics.median(times) if times else None
         for p in run["passes"]:
             f, nbytes = flops(cfg, p), min_bytes(cfg, p, elt)
             intensity = f / nbytes
@@ -753,7 +770,8 @@ def main(argv=None):
         print("wrote " + ", ".join(written), file=sys.stderr)
     # Everything else first: the table is the last thing on stdout.
     print(f"torch {meta['torch']}, device {meta['device_name']} ({meta['cpu_threads']} CPU threads), "
-          f"dtype {meta['dtype']}, timer: {meta['timer']}, {meta['rotate']} input set(s) rotated")
+          f"dtype {meta['dtype']}, timer: {meta['timer']}, {meta['rotate']} input set(s) rotated, "
+          f"median of {meta.get('rounds', 1)} round(s) in rotated backend order")
     print(FLOPS_NOTE)
     if meta["device"] == "cuda":
         print("MB = peak extra memory: torch.cuda.max_memory_allocated during one call minus the "

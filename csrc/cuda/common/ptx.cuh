@@ -127,6 +127,53 @@ FAE_DEVICE float quad_sum(float x) {
   return x;
 }
 
+// 4x4 transpose across the lanes of a quad: lane q's v[i] becomes lane i's
+// v[q]. Two exchange rounds: lanes q ^ 2 swap the off-diagonal 2x2 blocks,
+// then lanes q ^ 1 transpose inside the blocks (2 shuffles each; the selects
+// keep every register index static).
+FAE_DEVICE void quad_transpose(uint32_t (&v)[4], int quad_lane) {
+  const bool upper = quad_lane & 2;
+#pragma unroll
+  for (int d = 0; d < 2; ++d) {
+    const uint32_t got = __shfl_xor_sync(0xffffffff, upper ? v[d] : v[2 + d], 2);
+    if (upper) v[d] = got; else v[2 + d] = got;
+  }
+  const bool odd = quad_lane & 1;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const uint32_t got = __shfl_xor_sync(0xffffffff, odd ? v[2 * c] : v[2 * c + 1], 1);
+    if (odd) v[2 * c] = got; else v[2 * c + 1] = got;
+  }
+}
+
+// Stores row `half` (0: row lane / 4, 1: that row + 8) of an accumulator
+// fragment acc[kCols / 8][4] in the mma / wgmma layout (a quad holds columns
+// 8j + 2q + {0, 1} of the row, j = 0 .. kCols / 8 - 1), times `scale`, into
+// row[col0 ...]. Per 4 j's a quad transpose gives each lane 8 consecutive
+// columns, so a warp writes 8 rows x 64 bytes with 16-byte stores: whole
+// 32-byte sectors, a quarter of the instructions of 4-byte stores (which
+// write every sector in two halves). Columns >= col_end, and everything when
+// !row_ok, are skipped; the accumulators are read either way (ptxas
+// serialises wgmmas whose results are read under a branch).
+template <typename T, int kCols>
+FAE_DEVICE void store_accumulator_row(T* row, const float (&acc)[kCols / 8][4], int half,
+                                      float scale, int col0, int col_end, bool row_ok, int lane) {
+  static_assert(kCols % 32 == 0, "stored in groups of 4 x 8 columns");
+#pragma unroll
+  for (int c = 0; c < kCols / 32; ++c) {
+    uint32_t cols[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      cols[i] = pack2<T>(acc[4 * c + i][2 * half] * scale, acc[4 * c + i][2 * half + 1] * scale);
+    }
+    quad_transpose(cols, lane % 4);
+    const int col = col0 + 8 * (4 * c + lane % 4);
+    if (row_ok && col < col_end) {
+      *reinterpret_cast<uint4*>(row + col) = make_uint4(cols[0], cols[1], cols[2], cols[3]);
+    }
+  }
+}
+
 // ---- shared-memory swizzle ------------------------------------------------
 // Tiles are stored as rows of kRowChunks 16-byte chunks (8 halves each).
 // ldmatrix reads 8 rows at the same column chunk; without a swizzle those 8

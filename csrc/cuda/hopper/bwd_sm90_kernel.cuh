@@ -523,18 +523,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int key = key_base + 8 * hh;
-    if (key >= seq.seqlen_k) continue;
-    T* dk_row = static_cast<T*>(params.dk) + row_offset(params.dk_strides, b, h, key);
-    T* dv_row = static_cast<T*>(params.dv) + row_offset(params.dv_strides, b, h, key);
-#pragma unroll
-    for (int j = 0; j < kGradCols / 8; ++j) {
-      const int col = wg_col0 + 8 * j + 2 * (lane % 4);
-      if (col < params.head_dim) {
-        *reinterpret_cast<uint32_t*>(dk_row + col) =
-            pack2<T>(dk[j][2 * hh] * params.softmax_scale, dk[j][2 * hh + 1] * params.softmax_scale);
-        *reinterpret_cast<uint32_t*>(dv_row + col) = pack2<T>(dv[j][2 * hh], dv[j][2 * hh + 1]);
-      }
-    }
+    const bool key_ok = key < seq.seqlen_k;
+    const int row = key_ok ? key : 0;
+    T* dk_row = static_cast<T*>(params.dk) + row_offset(params.dk_strides, b, h, row);
+    T* dv_row = static_cast<T*>(params.dv) + row_offset(params.dv_strides, b, h, row);
+    store_accumulator_row<T, kGradCols>(dk_row, dk, hh, params.softmax_scale, wg_col0,
+                                        params.head_dim, key_ok, lane);
+    store_accumulator_row<T, kGradCols>(dv_row, dv, hh, 1.f, wg_col0, params.head_dim, key_ok,
+                                        lane);
   }
 #endif
 }

@@ -475,27 +475,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (row < seq.seqlen_q) params.lse[seq.lse_index(params, tile.b, tile.h, row)] = lse[0][hh];
       }
     }
-    // O straight from the accumulators: a quad holds 8 consecutive columns
-    // (16 bytes) of a row per j, so a warp's store covers 8 rows x 16 bytes;
-    // L2 merges the partial sectors before they reach DRAM. Rows past
-    // seqlen_q and the columns past the true head dim are not written.
-    // The accumulators are read unconditionally and only the stores are
-    // predicated: ptxas serialises the kernel's wgmmas if their results are
-    // read under a branch.
+    // O straight from the accumulators, 16 bytes per lane and store (see
+    // store_accumulator_row). Rows past seqlen_q and the columns past the
+    // true head dim are not written.
     T* out = static_cast<T*>(params.out);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = row_base + 8 * hh;
       const bool row_ok = row < seq.seqlen_q;
-      T* out_row = out + row_offset(params.out_strides, tile.b, tile.h, row_ok ? row : 0) +
-                   2 * (lane % 4);
-#pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
-        const uint32_t packed = pack2<T>(o[0][j][2 * hh], o[0][j][2 * hh + 1]);
-        if (row_ok && 8 * j < params.head_dim) {
-          *reinterpret_cast<uint32_t*>(out_row + 8 * j) = packed;
-        }
-      }
+      T* out_row = out + row_offset(params.out_strides, tile.b, tile.h, row_ok ? row : 0);
+      store_accumulator_row<T, kHeadDim>(out_row, o[0], hh, 1.f, 0, params.head_dim, row_ok, lane);
     }
   }
   if (Traits::kPingPong && wg == 0) gemm_turn_begin();  // the turn left over (see above)
