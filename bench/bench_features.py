@@ -59,7 +59,7 @@ import torch.nn.functional as F
 import flash_attn_ext as fa
 from flash_attn_ext.bench import (DTYPES, PASS_FLOP_FACTOR, Progress, _fmt, _geomean,
                                   _sdpa_backend_enum, _short_error, _time_pass, measure_peaks,
-                                  timer_name)
+                                  rotated_rounds, timer_name)
 
 # Full sizes (the brief's), and --quick sizes per device.
 SIZES = {
@@ -101,6 +101,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the varlen lengths and the inputs")
     p.add_argument("--no-peaks", action="store_true",
                    help="skip the peak FLOP/s and copy-bandwidth measurement (no %%peak / %%BW)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every backend this many times, each round in a rotated order, and "
+                        "keep the median (see flash_attn_ext.bench.rotated_rounds; default 1)")
     p.add_argument("--csv", default=None, help="write every row to this CSV file")
     p.add_argument("--json", default=None, help="write every row and the run's metadata here")
     return p.parse_args(argv)
@@ -258,14 +261,16 @@ def run_varlen(run, sizes, progress):
         inp = varlen_inputs(lens, H, D, device, dtype, run["seed"])
         for causal in (False, True):
             base = 4.0 * H * D * sum(n * n for n in lens) / (2 if causal else 1)
-            results = {}
-            for name in names:
+            def time_one(name, first_round):
                 layout = ("packed" if name == "ours" or name.startswith("varlen") else
                           "bshd" if name == "ours_padded" else "bhsd")
                 make = functools.partial(make_varlen_fn, name, causal, inp["cu"], inp["max_len"],
                                          device, torch_varlen)
-                results[name] = run_backend(make, [inp[layout]], passes, device)
-                progress.step(f"varlen D={D} causal={int(causal)} {name}")
+                res = run_backend(make, [inp[layout]], passes, device)
+                if first_round:
+                    progress.step(f"varlen D={D} causal={int(causal)} {name}")
+                return res
+            results = rotated_rounds(names, time_one, run["rounds"])
             for p in passes:
                 f = base * PASS_FLOP_FACTOR[p]
                 ours_ms = results["ours"][p]["ms"]
@@ -326,12 +331,14 @@ def run_decode(run, sizes, progress):
                 "bhsd": [tuple(t.transpose(1, 2).contiguous() for t in (q, kc, vc))]}
         nbytes = (2 * B * S * Hkv * D + 2 * B * Sq * H * D) * elt  # K, V, q, out
         f = 4.0 * B * H * Sq * S * D
-        results = {}
-        for name in names:
+        def time_one(name, first_round):
             make = functools.partial(make_decode_fn, name, seqlens, device)
             layout = "bhsd" if name.startswith("sdpa_") else "bshd"
-            results[name] = run_backend(make, sets[layout], ["fwd"], device)["fwd"]
-            progress.step(f"decode S={S} {name}")
+            res = run_backend(make, sets[layout], ["fwd"], device)
+            if first_round:
+                progress.step(f"decode S={S} {name}")
+            return res
+        results = {n: r["fwd"] for n, r in rotated_rounds(names, time_one, run["rounds"]).items()}
         timed = [n for n in sdpa_names if results[n]["ms"]]
         if timed:
             best = min(timed, key=lambda n: results[n]["ms"])
@@ -460,6 +467,7 @@ def main(argv=None):
     sizes = SIZES["full" if not args.quick else "quick_cuda" if device == "cuda" else "quick_cpu"]
     parts = [args.only] if args.only else ["varlen", "decode"]
     run = dict(device=device, dtype=DTYPES[dtype_name], dtype_name=dtype_name, seed=args.seed,
+               rounds=args.rounds,
                peak_flops=None, peak_bw=None)
     meta = dict(torch=torch.__version__, flash_attn_ext=getattr(fa, "__version__", "?"),
                 device=device, device_name=torch.cuda.get_device_name() if device == "cuda" else "cpu",

@@ -512,6 +512,25 @@ def configs(run, args):
                                H=args.heads or (max(1, 2048 // D) if gpu else 8))
 
 
+def rotated_rounds(names, time_one, rounds):
+    """Times every name `rounds` times, round r in the order rotated by r (A B C, B C A, ...),
+    and keeps the median ms per pass. A GPU's clock follows its recent load: the same kernel
+    measured up to 5% apart first in a row of backends and later in it, so with as many rounds
+    as names each one runs once in every position. time_one(name, first_round) returns
+    {pass: {"ms", ...}}; the other fields are kept from the first round."""
+    results, all_ms = {}, {}
+    for rnd in range(max(1, rounds)):
+        shift = rnd % len(names)
+        for name in names[shift:] + names[:shift]:
+            for p, r in time_one(name, rnd == 0).items():
+                results.setdefault(name, {}).setdefault(p, r)
+                all_ms.setdefault((name, p), []).append(r["ms"])
+    for (name, p), times in all_ms.items():
+        times = [t for t in times if t is not None]
+        results[name][p]["ms"] = statistics.median(times) if times else None
+    return results
+
+
 def run_bench(args):
     """Runs every config; returns (rows, meta). Rows carry numbers (None when absent)."""
     run = resolve(args)
@@ -533,22 +552,13 @@ def run_bench(args):
     rows = []
     for cfg in cfgs:
         sets = make_inputs(cfg, cfg["layout"], run["rotate"], device, dtype)
-        results = {}
-        backends = run["backends"]
-        for rnd in range(meta["rounds"]):
-            shift = rnd % len(backends)
-            for be in backends[shift:] + backends[:shift]:
-                res = bench_backend(be, sets, cfg, run["passes"], device,
-                                    args.deterministic and be == "ours")
-                for p, r in res.items():  # ms per round; the median below
-                    kept = results.setdefault(be, {}).setdefault(p, dict(r, all_ms=[]))
-                    kept["all_ms"].append(r["ms"])
-                if rnd == 0:
-                    progress.step(f"D={cfg['D']} Sk={cfg['Sk']} causal={int(cfg['causal'])} {be}")
-        for per_pass in results.values():
-            for r in per_pass.values():
-                times = [t for t in r.pop("all_ms") if t is not None]
-                r["ms"] = statistics.median(times) if times else None
+        def time_one(be, first_round):
+            res = bench_backend(be, sets, cfg, run["passes"], device,
+                                args.deterministic and be == "ours")
+            if first_round:
+                progress.step(f"D={cfg['D']} Sk={cfg['Sk']} causal={int(cfg['causal'])} {be}")
+            return res
+        results = rotated_rounds(run["backends"], time_one, meta["rounds"])
         for p in run["passes"]:
             f, nbytes = flops(cfg, p), min_bytes(cfg, p, elt)
             intensity = f / nbytes
