@@ -70,7 +70,11 @@ namespace cuda {
 // after its own last Q K^T) and the tile's first K sent before its Q: 0.909x
 // against 0.889x for one 128-row Q; a deeper Q ring (4 slots at D = 64 and
 // D = 128 / 128 keys, 3 at D = 128 / 176 keys and D = 256 / 64 keys, so the
-// next tile's slices load a whole tile ahead): 0.934x against 0.944x for 2.
+// next tile's slices load a whole tile ahead): 0.934x against 0.944x for 2;
+// O stored 16 bytes per lane (store_accumulator_row) instead of 4: 0.976x
+// against 0.922x (D = 256, S = 512: 0.96-0.98x from 0.81-0.83x); 176-key
+// tiles at D = 64: +1% at S >= 8k, -4 to -14% at S <= 2k. Full grid after
+// all of it: 1.01x (bf16), 0.997x (fp16).
 // Shared memory bounds the choice: Q + 2 x stages x kBlockN x D x 2 bytes
 // must fit 227 KB (D = 256, kBlockN = 80: 64 + 160 KB). FAE_SM90_BLOCK_N /
 // FAE_SM90_STAGES override every head dim at once (bench/tune_sm90.sh).
