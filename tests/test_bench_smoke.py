@@ -15,3 +15,29 @@ def test_bench_cpu_smoke(tmp_path, capsys):
     n_backends = len("ours,naive,math,sdpa".split(","))  # the CPU default
     # header + causal x backends x passes
     assert csv_path.read_text().count("\n") == 1 + 2 * n_backends * 3
+
+
+def test_rotated_rounds_order_and_median():
+    from flash_attn_ext.bench import rotated_rounds
+    calls = []
+    fake_ms = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, None, 4.0]), "c": iter([None] * 3)}
+
+    def time_one(name, first_round):
+        calls.append((name, first_round))
+        return {"fwd": {"ms": next(fake_ms[name]), "note": name}}
+
+    res = rotated_rounds(["a", "b", "c"], time_one, 3)
+    # Round r starts at the r-th name: every name once in every position.
+    assert [n for n, _ in calls] == list("abc" "bca" "cab")
+    assert [f for _, f in calls] == [True] * 3 + [False] * 6
+    assert res["a"]["fwd"]["ms"] == 2.0  # median of 3, 1, 2
+    assert res["b"]["fwd"]["ms"] == 4.5  # a failed round (None) is left out
+    assert res["c"]["fwd"]["ms"] is None and res["c"]["fwd"]["note"] == "c"
+
+
+def test_bench_cpu_rounds(tmp_path, capsys):
+    bench_attention.main(["--device", "cpu", "--hdims", "16", "--seqlens", "32", "--batch", "1",
+                          "--heads", "2", "--causal", "0", "--pass", "fwd", "--backends",
+                          "ours,naive", "--rounds", "2", "--no-roofline"])
+    out = capsys.readouterr().out
+    assert "median of 2 round(s)" in out and "geomean ours/naive" in out
