@@ -332,8 +332,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t chunk_offset = (kk % 4) * 32;
+      const uint32_t q_offset = (kk / 4) * Traits::kQSliceRows * 128 + chunk_offset;
       WgmmaOps<T, kBlockN>::ss_kmajor(
-          &s[0][0][0], smem_desc_advance(desc_q, (kk / 4) * Traits::kQSliceRows * 128 + chunk_offset),
+          &s[0][0][0], smem_desc_advance(desc_q, q_offset),
           smem_desc_advance(desc_k, (kk / 4) * kBlockN * 128 + chunk_offset), kk > 0 ? 1 : 0);
     }
     wgmma_commit();

@@ -19,7 +19,9 @@ template <typename Traits, bool kIsCausal>
 void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   using T = typename Traits::T;
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-  const CUtensorMap tmap_q = query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kQSliceRows);
+  // Q goes in one 64-row slice per consumer warpgroup (see FwdSm90Traits).
+  const CUtensorMap tmap_q =
+      query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kQSliceRows);
   const CUtensorMap tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
   const CUtensorMap tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
 
