@@ -18,6 +18,8 @@ lse is [heads, total_q]. k/v may have fewer heads than q (GQA/MQA). This module 
 the fake (meta) kernels used by torch.compile / FakeTensor, and the torch.autograd.Functions
 that the public API (interface.py) goes through.
 """
+import inspect
+
 import torch
 
 try:
@@ -182,3 +184,12 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
             ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic, seqused_k)
         return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+# torch.autograd.Function.apply binds the call's arguments to forward's signature with
+# inspect.signature on every call when setup_context is defined; building the Signature object
+# was about half of the ~27 us that apply() added per call (CPU, torch 2.15). inspect.signature
+# returns a function's __signature__ as is, so it is built once here.
+for _fn in (FlashAttnFunction, FlashAttnVarlenFunction):
+    _fn.forward.__signature__ = inspect.signature(_fn.forward)
+del _fn
