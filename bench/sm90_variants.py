@@ -8,14 +8,13 @@ FLASH_ATTENTION backends. Prints a table last and writes a CSV.
 import argparse
 import csv
 import math
-import os
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ext as fa
+from flash_attn_ext.bench import env_set, rotated_rounds
 
 
 def bench_ms(fn):
@@ -30,7 +29,7 @@ def main():
     ap.add_argument("--seqlens", default="512,2048,8192")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--csv", default="sm90_variants.csv")
-    ap.add_argument("--rounds", type=int, default=2, help="timings per variant (median), order rotated per round")
+    ap.add_argument("--rounds", type=int, default=2, help="timings per variant (median), order rotated per round (rotated_rounds)")
     args = ap.parse_args()
     variants = []
     for v in args.variants:
@@ -44,33 +43,18 @@ def main():
                 B, H = 16384 // S, 2048 // D
                 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
-                def run_variant(name):
+                def time_one(name, first_round):
                     if name in ("cudnn", "flash"):
                         sdpb = SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION
                         with sdpa_kernel(sdpb):
-                            return bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                    pairs = dict(variants)[name]
-                    saved = {key: os.environ.get(key) for key, _ in pairs}
-                    os.environ.update(dict(pairs))
-                    try:
-                        return bench_ms(lambda: fa.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                    finally:
-                        for key, val in saved.items():
-                            if val is None:
-                                os.environ.pop(key, None)
-                            else:
-                                os.environ[key] = val
+                            return {"fwd": {"ms": bench_ms(
+                                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))}}
+                    with env_set(dict(dict(variants)[name])):
+                        return {"fwd": {"ms": bench_ms(
+                            lambda: fa.scaled_dot_product_attention(q, k, v, is_causal=causal))}}
 
-                # Round r starts at the r-th entry (A B C, B C A, ...): with as
-                # many rounds as entries each runs once in every position (the
-                # first one measured up to 5% apart from the same kernel later).
                 order = [n for n, _ in variants] + ["cudnn", "flash"]
-                times = {n: [] for n in order}
-                for rnd in range(args.rounds):
-                    shift = rnd % len(order)
-                    for name in order[shift:] + order[:shift]:
-                        times[name].append(run_variant(name))
-                res = {n: statistics.median(ts) for n, ts in times.items()}
+                res = {n: r["fwd"]["ms"] for n, r in rotated_rounds(order, time_one, args.rounds).items()}
                 row = {"D": D, "S": S, "causal": int(causal)}
                 row.update({f"{n} TF/s": flops / ms / 1e9 for n, ms in res.items()})
                 rows.append(row)

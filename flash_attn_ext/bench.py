@@ -297,13 +297,12 @@ def _short_error(e):
 
 
 @contextlib.contextmanager
-def _pinned_to_mma(active=True):
-    """FLASH_ATTN_EXT_FWD_IMPL / _BWD_IMPL = mma while active (both are read on every call,
-    so this covers the backward that autograd runs after the forward returned)."""
-    names = ("FLASH_ATTN_EXT_FWD_IMPL", "FLASH_ATTN_EXT_BWD_IMPL")
-    previous = {n: os.environ.get(n) for n in names}
-    if active:
-        os.environ.update({n: "mma" for n in names})
+def env_set(values):
+    """os.environ updated with `values` (name -> str) while active, then restored. Our env
+    switches are read on every call, so this also covers a backward that autograd runs after
+    the forward returned."""
+    previous = {n: os.environ.get(n) for n in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -312,6 +311,12 @@ def _pinned_to_mma(active=True):
                 os.environ.pop(n, None)
             else:
                 os.environ[n] = value
+
+
+def _pinned_to_mma(active=True):
+    """FLASH_ATTN_EXT_FWD_IMPL / _BWD_IMPL = mma while active."""
+    names = ("FLASH_ATTN_EXT_FWD_IMPL", "FLASH_ATTN_EXT_BWD_IMPL")
+    return env_set({n: "mma" for n in names} if active else {})
 
 
 def _time_pass(fn, p, sets, douts, device):
