@@ -2,13 +2,16 @@
 forward (full, causal, split-KV + combine), fp32 forward/backward, backward
 (atomic and deterministic dQ), odd lengths and a padded head dim; then the
 variable-sequence instantiations: GQA, varlen (with an empty sequence),
-seqused_k and the KV-cache decode path. On sm_90 the unsplit 16-bit forward cases run
+seqused_k and the KV-cache decode path; last the split-KV merge both ways (on sm_90 the
+16-bit decode-tile splits merge inside a thread-block cluster, FLASH_ATTN_EXT_SPLIT_MERGE=kernel
+forces the combine kernel). On sm_90 the unsplit 16-bit forward cases run
 the Hopper kernel (two more cases give its persistent loop several tiles per CTA), and the
 non-deterministic 16-bit backward cases with head dim 40, 64, 128 or 256 the Hopper backward.
 
   compute-sanitizer --tool memcheck python bench/sanitize_case.py
 """
 import argparse
+import os
 
 import torch
 
@@ -66,5 +69,11 @@ k_new, v_new = (torch.randn(2, 1, 2, 128, device="cuda", dtype=torch.bfloat16) f
 fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
                            cache_seqlens=torch.tensor([10, 250], dtype=torch.int32, device="cuda"),
                            num_splits=3)
+q = torch.randn(1, 1, 2, 128, device="cuda", dtype=torch.float16)
+k, v = (torch.randn(1, 700, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+for merge, splits in (("auto", 8), ("kernel", 4), ("kernel", 40)):
+    os.environ["FLASH_ATTN_EXT_SPLIT_MERGE"] = merge
+    fa.flash_attn_func(q, k, v, causal=True, num_splits=splits)
+del os.environ["FLASH_ATTN_EXT_SPLIT_MERGE"]
 torch.cuda.synchronize()
 print("sanitize cases done")

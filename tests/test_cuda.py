@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attn_ext as fa
-from helpers import assert_fa_rule, make_qkv, max_err, reference_and_baseline
+from helpers import assert_fa_rule, kernel_names, make_qkv, max_err, reference_and_baseline
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -23,7 +23,7 @@ def test_split_kv_matches_no_split(dtype, head_dim, causal, seqlen_q, seqlen_k):
     out1, lse1 = fa.flash_attn_func(q, k, v, causal=causal, return_lse=True, num_splits=1)
     (ref, *_), (base, *_) = reference_and_baseline(q, k, v, torch.zeros_like(out1), causal, True)
     assert_fa_rule(out1, ref, base, 2)
-    for splits in (2, 3, 7, 0):
+    for splits in (2, 3, 7, 40, 0):
         out, lse = fa.flash_attn_func(q, k, v, causal=causal, return_lse=True, num_splits=splits)
         assert_fa_rule(out, ref, base, 2, what=f"out(num_splits={splits})")
         finite = torch.isfinite(lse1)
@@ -43,6 +43,57 @@ def test_decode_tile(dtype, head_dim, causal, seqlen_q, seqlen_k):
     for splits in (1, 4, 0):
         out = fa.flash_attn_func(q, k, v, causal=causal, num_splits=splits)
         assert_fa_rule(out, ref, base, 2, what=f"out(num_splits={splits})")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [40, 128, 256])
+@pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)],
+                         ids=["full", "causal_br", "causal_tl"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads,heads_k",
+                         [(1, 5000, 4, 4), (1, 3000, 8, 2), (16, 999, 2, 2), (5, 100, 2, 1)])
+def test_split_merge_in_cluster(monkeypatch, dtype, head_dim, causal, bottom_right, seqlen_q,
+                                seqlen_k, heads, heads_k):
+    """On sm_90 a split decode tile merges its splits inside a thread-block cluster
+    (no combine kernel); FLASH_ATTN_EXT_SPLIT_MERGE=kernel forces the combine kernel.
+    Both against the reference, with GQA regrouping, padded head dims, and top-left
+    causal rows whose later splits see no key at all."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("thread-block cluster merge: compute capability 9.0 only")
+    q, _, _ = make_qkv(2, seqlen_q, 1, heads, head_dim, dtype, DEVICE, requires_grad=False)
+    _, k, v = make_qkv(2, 1, seqlen_k, heads_k, head_dim, dtype, DEVICE, requires_grad=False,
+                       seed=1)
+    group = heads // heads_k
+    k_ref, v_ref = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    (ref, *_), (base, *_) = reference_and_baseline(q, k_ref, v_ref, torch.zeros_like(q), causal,
+                                                   bottom_right)
+    ref_lse = None
+
+    def run(splits):
+        return torch.ops.flash_attn_ext.fwd(q, k, v, head_dim ** -0.5, causal, bottom_right, splits)
+
+    for splits in (2, 5, 8):
+        results = {}
+        for merge in ("auto", "kernel"):
+            monkeypatch.setenv("FLASH_ATTN_EXT_SPLIT_MERGE", merge)
+            combined = any("combine" in n for n in kernel_names(lambda: run(splits)))
+            if merge == "auto" and combined:
+                pytest.skip("this build has no sm_90a target (FLASH_ATTN_EXT_CUDA_ARCHS)")
+            assert combined == (merge == "kernel")
+            results[merge] = run(splits)
+            assert_fa_rule(results[merge][0], ref, base, 2, what=f"out({merge}, splits={splits})")
+        (out_c, lse_c), (out_k, lse_k) = results["auto"], results["kernel"]
+        # The same fp32 merge up to summation order: outputs within an ulp or so.
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(out_c.float(), out_k.float(), rtol=2 * eps, atol=1e-5)
+        finite = torch.isfinite(lse_k)
+        assert torch.equal(finite, torch.isfinite(lse_c))
+        assert (lse_c - lse_k)[finite].abs().max().item() < 1e-5
+        if ref_lse is None:
+            ref_lse = lse_k
+        assert (lse_c - ref_lse)[finite].abs().max().item() < 1e-3
+    monkeypatch.setenv("FLASH_ATTN_EXT_SPLIT_MERGE", "bogus")
+    with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_SPLIT_MERGE"):
+        run(2)
 
 
 @pytest.mark.parametrize("seqlen", [16384, 65536])

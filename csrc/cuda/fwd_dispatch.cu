@@ -186,6 +186,32 @@ int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
   return num_splits_heuristic(ctas, std::max(1, num_sms) * shape.ctas_per_sm, n_blocks, 128);
 }
 
+// Cluster merge vs combine kernel, measured on an H200 (B=8, H=32, D=128, bf16
+// decode, same process): the cluster saves the combine's ~3-4 us per call but
+// its CTA placement costs the main kernel ~0.15% with 2-CTA clusters and ~1.1%
+// with 8-CTA clusters (H_kv=8, 64k cache: 497 vs 492 us). As a cost model:
+// ~0.16% x (splits - 1) of a main kernel that streams K/V at ~4.4 TB/s, which
+// passes the ~3.5 us saved at (K/V bytes) x (splits - 1) ~ 8 GB. Measured gains
+// below that: H_kv=8 cache 4k +7%, 16k +2%; H_kv=32 cache 8k +1%, 16k +0.7%.
+constexpr double kClusterMergeMaxBytesTimesSplits = 8e9;
+
+bool fwd_merges_splits_in_cluster(const AttentionFwdParams& params, int num_splits) {
+#ifdef FAE_HAS_SM90A
+  if (num_splits <= 1 || num_splits > kMaxClusterSplits || params.dtype == DType::kFloat32 ||
+      params.cu_seqlens_q != nullptr || !fwd_uses_decode_tile(params)) {
+    return false;
+  }
+  const double kv_bytes = 2.0 * params.batch * params.heads_k * params.seqlen_k *
+                          params.head_dim * 2;  // K and V, 16-bit
+  return kv_bytes * (num_splits - 1) <= kClusterMergeMaxBytesTimesSplits &&
+         split_merge_requested() != SplitMerge::kKernel && device_is_sm90();
+#else
+  (void)params;
+  (void)num_splits;
+  return false;
+#endif
+}
+
 // One 4-byte slot for the Hopper forward's tile counter (fwd_sm90_launch.cuh)
 // when the call may take that kernel; split-KV calls never do.
 static bool fwd_needs_tile_counter(const AttentionFwdParams& params, int num_splits) {
@@ -196,6 +222,7 @@ static bool fwd_needs_tile_counter(const AttentionFwdParams& params, int num_spl
 int64_t fwd_workspace_floats(const AttentionFwdParams& params, int num_splits) {
   if (params.dtype == DType::kFloat32) return 0;
   if (num_splits <= 1) return fwd_needs_tile_counter(params, num_splits) ? 1 : 0;
+  if (fwd_merges_splits_in_cluster(params, num_splits)) return 0;
   const int64_t rows = params.q_rows_total;
   return num_splits * rows * (fwd_rounded_head_dim(params.head_dim) + 1);
 }

@@ -242,6 +242,11 @@ struct FwdTileConfigDecode {
 static_assert(FwdTileConfigDecode<128>::kBlockM >= kFwdDecodeMaxSeqlenQ,
               "one decode tile must hold every query row");
 
+// Split-KV calls on this tile merge their splits inside a thread-block cluster
+// on sm_90 (fwd_launch.h) when there are at most this many: the portable
+// cluster size.
+inline constexpr int kMaxClusterSplits = 8;
+
 // Host and kernel-launch side agree on the tile through this one predicate.
 // The decode tile is a plain 16-row tile, correct for any seqlen_q; forcing it
 // (params.fwd_tile) lets the autotuner try it on other small-grid shapes.

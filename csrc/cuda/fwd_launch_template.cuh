@@ -23,8 +23,9 @@ inline void fwd_check_cuda(cudaError_t err, const char* what) {
 }
 
 // Launches one traits configuration: the main kernel, then the combine kernel
-// when split-KV is on.
-template <typename Traits, bool kIsCausal>
+// when split-KV is on, unless the splits merge inside a thread-block cluster
+// (kMayClusterMerge: the configurations that instantiate that variant).
+template <typename Traits, bool kIsCausal, bool kMayClusterMerge = false>
 void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
   const int num_splits = params.num_splits > 1 ? params.num_splits : 1;
   const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
@@ -34,20 +35,46 @@ void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
                              std::to_string(Traits::kBlockM) + ") = " + std::to_string(grid_x) +
                              " exceeds the CUDA grid limit");
   }
+  AttentionFwdParams launch_params = params;
+  launch_params.num_splits = num_splits;
+  const dim3 grid(static_cast<unsigned>(grid_x), num_splits);
+  constexpr int kSmemBytes = Traits::kSmemBytes;
+  auto allow_smem = [](auto kernel) {
+    if (kSmemBytes > 48 * 1024) {
+      fwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          kSmemBytes),
+                     "cudaFuncSetAttribute(forward kernel shared memory)");
+    }
+  };
+
+  if constexpr (kMayClusterMerge) {
+    if (num_splits > 1 && fwd_merges_splits_in_cluster(params, num_splits)) {
+      auto kernel = has_var_seqs(params) ? flash_fwd_kernel<Traits, kIsCausal, true, true>
+                                         : flash_fwd_kernel<Traits, kIsCausal, false, true>;
+      allow_smem(kernel);
+      cudaLaunchAttribute cluster;
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 1;
+      cluster.val.clusterDim.y = static_cast<unsigned>(num_splits);  // one query tile's splits
+      cluster.val.clusterDim.z = 1;
+      cudaLaunchConfig_t config = {};
+      config.gridDim = grid;
+      config.blockDim = dim3(Traits::kNThreads);
+      config.dynamicSmemBytes = kSmemBytes;
+      config.stream = stream;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      fwd_check_cuda(cudaLaunchKernelEx(&config, kernel, launch_params),
+                     "forward kernel launch (split-KV cluster merge)");
+      return;
+    }
+  }
 
   // Varlen / seqused_k calls get their own instantiation (see seq_bounds).
   auto kernel = has_var_seqs(params) ? flash_fwd_kernel<Traits, kIsCausal, true>
                                      : flash_fwd_kernel<Traits, kIsCausal, false>;
-  constexpr int kSmemBytes = Traits::kSmemBytes;
-  if (kSmemBytes > 48 * 1024) {
-    fwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kSmemBytes),
-                   "cudaFuncSetAttribute(forward kernel shared memory)");
-  }
-  AttentionFwdParams launch_params = params;
-  launch_params.num_splits = num_splits;
-  kernel<<<dim3(static_cast<unsigned>(grid_x), num_splits), Traits::kNThreads, kSmemBytes,
-           stream>>>(launch_params);
+  allow_smem(kernel);
+  kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(launch_params);
   fwd_check_cuda(cudaGetLastError(), "forward kernel launch");
 
   if (num_splits > 1) {
@@ -66,7 +93,8 @@ void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream) {
                              std::to_string(params.head_dim) + " dispatched to kernel head dim " +
                              std::to_string(kHeadDim));
   }
-  if (params.num_splits > 1 && (params.out_accum == nullptr || params.lse_accum == nullptr)) {
+  if (params.num_splits > 1 && !fwd_merges_splits_in_cluster(params, params.num_splits) &&
+      (params.out_accum == nullptr || params.lse_accum == nullptr)) {
     throw std::runtime_error(
         "flash_attn_ext: internal error: split-KV forward without a workspace "
         "(call fwd_set_workspace)");
@@ -80,8 +108,8 @@ void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream) {
   }
   // The split count was chosen (fwd_num_splits) for the same tile as here.
   if (fwd_uses_decode_tile(params)) {
-    launch_fwd<typename FwdTileConfigDecode<kHeadDim>::template Traits<T>, kIsCausal>(params,
-                                                                                      stream);
+    launch_fwd<typename FwdTileConfigDecode<kHeadDim>::template Traits<T>, kIsCausal,
+               /*kMayClusterMerge=*/true>(params, stream);
   } else {
     launch_fwd<typename FwdTileConfig<kHeadDim, kIsCausal>::template Traits<T>, kIsCausal>(
         params, stream);

@@ -174,6 +174,61 @@ FAE_DEVICE void store_accumulator_row(T* row, const float (&acc)[kCols / 8][4], 
   }
 }
 
+// ---- thread-block clusters (sm_90+) ----------------------------------------
+// Used by the split-KV forward to merge its splits through distributed shared
+// memory instead of a second kernel. The bodies exist only in sm_90 code; the
+// host launches cluster kernels only on sm_90 devices running that code.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FAE_CLUSTER_PTX 1
+#endif
+
+// Every thread of every CTA in the cluster arrives and waits. release/acquire:
+// shared-memory writes before the barrier are visible to the cluster's remote
+// reads after it.
+FAE_DEVICE void cluster_sync() {
+#ifdef FAE_CLUSTER_PTX
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+FAE_DEVICE int cluster_cta_rank() {
+  uint32_t rank = 0;
+#ifdef FAE_CLUSTER_PTX
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+#endif
+  return static_cast<int>(rank);
+}
+
+// The shared::cluster address of `smem_ptr`'s twin in CTA `rank` of the cluster.
+FAE_DEVICE uint32_t cluster_map_shared(const void* smem_ptr, int rank) {
+  uint32_t remote = 0;
+#ifdef FAE_CLUSTER_PTX
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(remote) : "r"(smem_u32(smem_ptr)), "r"(rank));
+#endif
+  return remote;
+}
+
+FAE_DEVICE float ld_cluster_f32(uint32_t addr) {
+  float v = 0.f;
+#ifdef FAE_CLUSTER_PTX
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
+FAE_DEVICE float4 ld_cluster_f32x4(uint32_t addr) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#ifdef FAE_CLUSTER_PTX
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
 // ---- shared-memory swizzle ------------------------------------------------
 // Tiles are stored as rows of kRowChunks 16-byte chunks (8 halves each).
 // ldmatrix reads 8 rows at the same column chunk; without a swizzle those 8

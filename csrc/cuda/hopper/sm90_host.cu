@@ -42,6 +42,11 @@ KernelImpl kernel_impl_requested(const char* env_name) {
   }
 }
 
+SplitMerge split_merge_requested() {
+  return env_choice("FLASH_ATTN_EXT_SPLIT_MERGE", {"auto", "kernel"}) == 1 ? SplitMerge::kKernel
+                                                                            : SplitMerge::kAuto;
+}
+
 bool fwd_sm90_pingpong() {
   const char* raw = std::getenv("FLASH_ATTN_EXT_SM90_PINGPONG");
   return raw == nullptr || raw[0] == '\0' || std::strcmp(raw, "0") != 0;
