@@ -503,18 +503,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 }
 
 // ---------------------------------------------------------------------------
-// Split-KV combine: one warp per query row.
+// Split-KV combine kernel (wherever the cluster merge above does not apply).
 //   lse   = log(sum_s exp(lse_s))            (-inf when every split is empty)
 //   O     = sum_s exp(lse_s - lse) * O_s     (O_s already normalised per split)
-// Lane l owns head-dim columns [8l, 8l+8): 256 columns = 32 lanes x 8, one
-// 16-byte store per lane. Latency-bound (a few hundred rows, tens of splits):
-// the lse pass is one online (max, sum) per lane plus a butterfly, and the O
-// pass takes the weights of 32 splits at a time from the lanes (shuffles), so
-// the unrolled loads of O_s are independent instead of one dependent chain
-// per split (B=1, H=32, H_kv=8, 16k-key decode, ~60 splits: 16.0 -> 7.2 us).
+// Latency-bound (a few hundred rows, up to ~100 splits), so the splits of a
+// row are spread over warps_per_row warps of the CTA (1 for <= 8 splits, up to
+// all 8 for > 32), each warp reads its splits' O_s in batches of independent
+// loads, and the warps' sums meet in shared memory. Lane l owns head-dim
+// columns [8l, 8l+8): 256 columns = 32 lanes x 8, one 16-byte store per lane.
+// (B=1, H=32, H_kv=8, 16k-key decode, ~60 splits: one warp per row with one
+// dependent load chain per split 16.0 us; batched loads 7.2 us; spread over
+// 8 warps 4.1 us.)
 // ---------------------------------------------------------------------------
 constexpr int kCombineWarps = 8;
 constexpr int kCombineBatch = 8;  // splits whose O_s loads are in flight together
+
+// Warps per row for this many splits: a power of two, so rows pack the CTA.
+inline int combine_warps_per_row(int num_splits) {
+  int warps = 1;
+  while (warps < kCombineWarps && warps * kCombineBatch < num_splits) warps *= 2;
+  return warps;
+}
 
 // (max, sum of exp(x - max)) pairs: merging two partial log-sum-exps.
 FAE_DEVICE void merge_lse_pair(float& max_a, float& sum_a, float max_b, float sum_b) {
@@ -525,20 +534,28 @@ FAE_DEVICE void merge_lse_pair(float& max_a, float& sum_a, float max_b, float su
 }
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kCombineWarps * 32)
-    flash_fwd_combine_kernel(const __grid_constant__ AttentionFwdParams params) {
+__global__ void __launch_bounds__(kCombineWarps * 32, 1)
+    flash_fwd_combine_kernel(const __grid_constant__ AttentionFwdParams params,
+                             int warps_per_row) {
   static_assert(kHeadDim <= 32 * 8, "one 8-column chunk per lane");
+  __shared__ float2 warp_lse[kCombineWarps];               // (max, sum) per warp
+  __shared__ float4 warp_acc[kCombineWarps][32][2];        // 8 columns per lane
   const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int part = warp % warps_per_row;  // this warp's share of the row's splits
+  const int warp0 = warp - part;          // first warp of the row
   // Padded layouts only (the op layer never splits varlen calls): row r of the
   // lse-shaped arrays is (batch, head, row) = (r / (heads*seqlen_q), ...).
   const int64_t rows_total = params.q_rows_total;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
-  if (r >= rows_total) return;  // warp-uniform; no block barriers below
-  const int num_splits = params.num_splits;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * (kCombineWarps / warps_per_row) +
+                    warp / warps_per_row;
+  const bool row_ok = r < rows_total;  // no early return: block barriers below
+  const int num_splits = row_ok ? params.num_splits : 0;
+  const int stride = warps_per_row;  // this warp takes splits part, part + stride, ...
   const float* lse_split = params.lse_accum + r;  // split s at lse_split[s * rows_total]
 
   float max_lse = -INFINITY, sum = 0.f;
-  for (int s = lane; s < num_splits; s += 32) {
+  for (int s = part + stride * lane; s < num_splits; s += stride * 32) {
     merge_lse_pair(max_lse, sum, lse_split[s * rows_total], 1.f);
   }
 #pragma unroll
@@ -546,6 +563,13 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
     const float other_max = __shfl_xor_sync(0xffffffff, max_lse, off);
     const float other_sum = __shfl_xor_sync(0xffffffff, sum, off);
     merge_lse_pair(max_lse, sum, other_max, other_sum);
+  }
+  if (lane == 0) warp_lse[warp] = make_float2(max_lse, sum);
+  __syncthreads();
+  max_lse = -INFINITY;
+  sum = 0.f;
+  for (int w = warp0; w < warp0 + warps_per_row; ++w) {
+    merge_lse_pair(max_lse, sum, warp_lse[w].x, warp_lse[w].y);
   }
   const float lse = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
 
@@ -560,35 +584,42 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
     acc[0] += w * lo.x; acc[1] += w * lo.y; acc[2] += w * lo.z; acc[3] += w * lo.w;
     acc[4] += w * hi.x; acc[5] += w * hi.y; acc[6] += w * hi.z; acc[7] += w * hi.w;
   };
+  // exp(-inf) = 0: empty splits weigh nothing; their O_s is finite (zeros), so
+  // it is read like any other.
+  auto weight = [&](int s) { return expf(lse_split[s * rows_total] - lse); };
   if (lse != -INFINITY) {  // warp-uniform
-    for (int s0 = 0; s0 < num_splits; s0 += 32) {
-      const int mine = s0 + lane;
-      // exp(-inf) = 0: empty splits (and lanes past the last split) weigh nothing;
-      // their O_s is finite (zeros), so it is read like any other.
-      const float w_mine = expf((mine < num_splits ? lse_split[mine * rows_total] : -INFINITY) - lse);
-      const int n = min(32, num_splits - s0);
-      int j = 0;
-      for (; j + kCombineBatch <= n; j += kCombineBatch) {
-        float w[kCombineBatch];
-        float4 lo[kCombineBatch], hi[kCombineBatch];
+    int s = part;
+    for (; s + stride * (kCombineBatch - 1) < num_splits; s += stride * kCombineBatch) {
+      float w[kCombineBatch];
+      float4 lo[kCombineBatch], hi[kCombineBatch];
 #pragma unroll
-        for (int i = 0; i < kCombineBatch; ++i) {
-          w[i] = __shfl_sync(0xffffffff, w_mine, j + i);
-          const float* o_s = o_row + (s0 + j + i) * split_stride;
-          lo[i] = *reinterpret_cast<const float4*>(o_s);
-          hi[i] = *reinterpret_cast<const float4*>(o_s + 4);
-        }
-#pragma unroll
-        for (int i = 0; i < kCombineBatch; ++i) accumulate(w[i], lo[i], hi[i]);
+      for (int i = 0; i < kCombineBatch; ++i) {
+        const float* o_s = o_row + (s + stride * i) * split_stride;
+        w[i] = weight(s + stride * i);
+        lo[i] = *reinterpret_cast<const float4*>(o_s);
+        hi[i] = *reinterpret_cast<const float4*>(o_s + 4);
       }
-      for (; j < n; ++j) {
-        const float w = __shfl_sync(0xffffffff, w_mine, j);
-        const float* o_s = o_row + (s0 + j) * split_stride;
-        accumulate(w, *reinterpret_cast<const float4*>(o_s),
-                   *reinterpret_cast<const float4*>(o_s + 4));
+#pragma unroll
+      for (int i = 0; i < kCombineBatch; ++i) accumulate(w[i], lo[i], hi[i]);
+    }
+    for (; s < num_splits; s += stride) {
+      const float* o_s = o_row + s * split_stride;
+      accumulate(weight(s), *reinterpret_cast<const float4*>(o_s),
+                 *reinterpret_cast<const float4*>(o_s + 4));
+    }
+  }
+  if (warps_per_row > 1) {  // CTA-uniform
+    warp_acc[warp][lane][0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    warp_acc[warp][lane][1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    __syncthreads();
+    if (part == 0) {
+      for (int w = warp0 + 1; w < warp0 + warps_per_row; ++w) {
+        const float4 lo = warp_acc[w][lane][0], hi = warp_acc[w][lane][1];
+        accumulate(1.f, lo, hi);
       }
     }
   }
+  if (part != 0 || !row_ok) return;
   if (col_ok) {
     const int64_t bh = r / params.seqlen_q;
     const int row = static_cast<int>(r % params.seqlen_q);

@@ -78,10 +78,15 @@ void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
   fwd_check_cuda(cudaGetLastError(), "forward kernel launch");
 
   if (num_splits > 1) {
-    const int64_t rows = params.q_rows_total;
-    const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
+    const int warps_per_row = combine_warps_per_row(num_splits);
+    const int64_t rows_per_block = kCombineWarps / warps_per_row;
+    const int64_t blocks = (params.q_rows_total + rows_per_block - 1) / rows_per_block;
+    if (blocks > 0x7fffffff) {
+      throw std::runtime_error("flash_attn_ext: split-KV combine grid exceeds the CUDA limit");
+    }
     flash_fwd_combine_kernel<typename Traits::T, Traits::kHeadDim>
-        <<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(launch_params);
+        <<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(launch_params,
+                                                                           warps_per_row);
     fwd_check_cuda(cudaGetLastError(), "split-KV combine kernel launch");
   }
 }

@@ -74,7 +74,8 @@ namespace cuda {
 // O stored 16 bytes per lane (store_accumulator_row) instead of 4: 0.976x
 // against 0.922x (D = 256, S = 512: 0.96-0.98x from 0.81-0.83x); 176-key
 // tiles at D = 64: +1% at S >= 8k, -4 to -14% at S <= 2k. Full grid after
-// all of it: 1.01x (bf16), 0.997x (fp16).
+// all of it: 1.01x (bf16), 0.997x (fp16; 1.008x re-measured in session 9 with
+// three rotated rounds, as bf16).
 // Shared memory bounds the choice: Q + 2 x stages x kBlockN x D x 2 bytes
 // must fit 227 KB (D = 256, kBlockN = 80: 64 + 160 KB). FAE_SM90_BLOCK_N /
 // FAE_SM90_STAGES override every head dim at once (bench/tune_sm90.sh).
