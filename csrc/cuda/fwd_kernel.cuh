@@ -175,6 +175,20 @@ FAE_DEVICE void gemm_pv(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
 // launch gap and run time were ~4 us of a ~250-us decode step, the whole
 // difference to cuDNN's single kernel).
 // ---------------------------------------------------------------------------
+// Both split merges (in a cluster, and the combine kernel) give each lane 8
+// consecutive head-dim columns of a row: acc += w * O_s[8 columns], then one
+// 16-byte store of the result.
+FAE_DEVICE void add_weighted_8(float (&acc)[8], float w, float4 lo, float4 hi) {
+  acc[0] += w * lo.x; acc[1] += w * lo.y; acc[2] += w * lo.z; acc[3] += w * lo.w;
+  acc[4] += w * hi.x; acc[5] += w * hi.y; acc[6] += w * hi.z; acc[7] += w * hi.w;
+}
+
+template <typename T>
+FAE_DEVICE void store_8(T* dst, const float (&acc)[8]) {
+  *reinterpret_cast<uint4*>(dst) = make_uint4(pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]),
+                                              pack2<T>(acc[4], acc[5]), pack2<T>(acc[6], acc[7]));
+}
+
 template <typename Traits>
 struct ClusterMergeSmem {
   // +8 floats per row: the float2 stores of one accumulator column tile (8
@@ -242,15 +256,10 @@ FAE_DEVICE void merge_splits_in_cluster(
         if (lse_s[s] == -INFINITY) continue;  // empty or absent split
         const float w = expf(lse_s[s] - lse_row);
         const uint32_t addr = cluster_map_shared(part_o + row * Smem::kRowStride + col, s);
-        const float4 lo = ld_cluster_f32x4(addr);
-        const float4 hi = ld_cluster_f32x4(addr + 16);
-        acc[0] += w * lo.x; acc[1] += w * lo.y; acc[2] += w * lo.z; acc[3] += w * lo.w;
-        acc[4] += w * hi.x; acc[5] += w * hi.y; acc[6] += w * hi.z; acc[7] += w * hi.w;
+        add_weighted_8(acc, w, ld_cluster_f32x4(addr), ld_cluster_f32x4(addr + 16));
       }
     }
-    *reinterpret_cast<uint4*>(out_tile + row * out_row_stride + col) =
-        make_uint4(pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), pack2<T>(acc[4], acc[5]),
-                   pack2<T>(acc[6], acc[7]));
+    store_8(out_tile + row * out_row_stride + col, acc);
     if (col == 0) lse_tile[row] = lse_row;
   }
   cluster_sync();  // no CTA exits (freeing its shared memory) while others still read it
@@ -580,10 +589,6 @@ __global__ void __launch_bounds__(kCombineWarps * 32, 1)
   const float* o_row = params.out_accum + r * kHeadDim + (col_ok ? col : 0);
   const int64_t split_stride = rows_total * kHeadDim;
   float acc[8] = {};
-  auto accumulate = [&](float w, float4 lo, float4 hi) {
-    acc[0] += w * lo.x; acc[1] += w * lo.y; acc[2] += w * lo.z; acc[3] += w * lo.w;
-    acc[4] += w * hi.x; acc[5] += w * hi.y; acc[6] += w * hi.z; acc[7] += w * hi.w;
-  };
   // exp(-inf) = 0: empty splits weigh nothing; their O_s is finite (zeros), so
   // it is read like any other.
   auto weight = [&](int s) { return expf(lse_split[s * rows_total] - lse); };
@@ -600,12 +605,12 @@ __global__ void __launch_bounds__(kCombineWarps * 32, 1)
         hi[i] = *reinterpret_cast<const float4*>(o_s + 4);
       }
 #pragma unroll
-      for (int i = 0; i < kCombineBatch; ++i) accumulate(w[i], lo[i], hi[i]);
+      for (int i = 0; i < kCombineBatch; ++i) add_weighted_8(acc, w[i], lo[i], hi[i]);
     }
     for (; s < num_splits; s += stride) {
       const float* o_s = o_row + s * split_stride;
-      accumulate(weight(s), *reinterpret_cast<const float4*>(o_s),
-                 *reinterpret_cast<const float4*>(o_s + 4));
+      add_weighted_8(acc, weight(s), *reinterpret_cast<const float4*>(o_s),
+                     *reinterpret_cast<const float4*>(o_s + 4));
     }
   }
   if (warps_per_row > 1) {  // CTA-uniform
@@ -614,8 +619,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32, 1)
     __syncthreads();
     if (part == 0) {
       for (int w = warp0 + 1; w < warp0 + warps_per_row; ++w) {
-        const float4 lo = warp_acc[w][lane][0], hi = warp_acc[w][lane][1];
-        accumulate(1.f, lo, hi);
+        add_weighted_8(acc, 1.f, warp_acc[w][lane][0], warp_acc[w][lane][1]);
       }
     }
   }
@@ -627,8 +631,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32, 1)
     const int head = static_cast<int>(bh % params.heads);
     T* dst = static_cast<T*>(params.out) + batch * params.out_strides.batch +
              row * params.out_strides.row + head * params.out_strides.head + col;
-    *reinterpret_cast<uint4*>(dst) = make_uint4(pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]),
-                                                pack2<T>(acc[4], acc[5]), pack2<T>(acc[6], acc[7]));
+    store_8(dst, acc);
   }
   if (lane == 0) params.lse[r] = lse;
 }
