@@ -100,6 +100,10 @@ struct AttentionFwdParams {
   //   lse_accum [num_splits, batch, heads, seqlen_q]
   float* out_accum = nullptr;
   float* lse_accum = nullptr;
+  // The decode tile copies K/V with an L2 evict_first policy: they are read
+  // once and then replace each other instead of lines other kernels left in L2
+  // (fwd_set_kv_l2_policy in fwd_dispatch.cu says when).
+  bool kv_evict_first = false;
   // Scratch int of the Hopper forward's dynamic tile scheduler (zeroed by its
   // launcher on the stream before each launch); nullptr where not needed.
   int* tile_counter = nullptr;

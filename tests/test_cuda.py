@@ -96,6 +96,40 @@ def test_split_merge_in_cluster(monkeypatch, dtype, head_dim, causal, bottom_rig
         run(2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads,heads_k,splits",
+                         [(1, 4099, 8, 8, 0), (1, 2053, 8, 2, 3), (3, 1027, 4, 4, 1),
+                          (7, 517, 4, 2, 2), (20, 300, 2, 2, 1)])
+def test_kv_l2_policy(monkeypatch, dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k, splits):
+    """FLASH_ATTN_EXT_KV_L2_POLICY changes only the L2 cache hint of the decode tile's K/V
+    copies (evict_first where every K/V byte has one reading CTA), never a value: all three
+    settings give bit-identical results, partial last key tiles (zero-filled without the
+    hint) included; any other value raises."""
+    q, _, _ = make_qkv(2, seqlen_q, 1, heads, head_dim, dtype, DEVICE, requires_grad=False)
+    _, k, v = make_qkv(2, 1, seqlen_k, heads_k, head_dim, dtype, DEVICE, requires_grad=False,
+                       seed=1)
+    group = heads // heads_k
+    k_ref, v_ref = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    (ref, *_), (base, *_) = reference_and_baseline(q, k_ref, v_ref, torch.zeros_like(q), False,
+                                                   True)
+
+    def run():
+        return torch.ops.flash_attn_ext.fwd(q, k, v, head_dim ** -0.5, False, True, splits)
+
+    results = {}
+    for policy in ("auto", "evict_first", "normal"):
+        monkeypatch.setenv("FLASH_ATTN_EXT_KV_L2_POLICY", policy)
+        results[policy] = run()
+        assert_fa_rule(results[policy][0], ref, base, 2, what=f"out({policy})")
+    for policy in ("auto", "evict_first"):
+        assert torch.equal(results[policy][0], results["normal"][0])
+        assert torch.equal(results[policy][1], results["normal"][1])
+    monkeypatch.setenv("FLASH_ATTN_EXT_KV_L2_POLICY", "evict_last")
+    with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_KV_L2_POLICY"):
+        run()
+
+
 @pytest.mark.parametrize("seqlen", [16384, 65536])
 @pytest.mark.parametrize("causal", [False, True])
 def test_long_sequence(seqlen, causal):

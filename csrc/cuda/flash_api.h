@@ -26,6 +26,10 @@ int fwd_num_splits(const AttentionFwdParams& params, int num_sms);
 int64_t fwd_workspace_floats(const AttentionFwdParams& params, int num_splits);
 void fwd_set_workspace(AttentionFwdParams& params, float* workspace, int num_splits);
 
+// Sets params.kv_evict_first for this call (after GQA regrouping) on a device
+// with `l2_cache_bytes` of L2; FLASH_ATTN_EXT_KV_L2_POLICY overrides the rule.
+void fwd_set_kv_l2_policy(AttentionFwdParams& params, int64_t l2_cache_bytes);
+
 // Launches the forward (and the split-KV combine when num_splits > 1).
 // Throws std::runtime_error with a clear message for unsupported configs
 // (e.g. a head dim that was not compiled in).

@@ -33,10 +33,23 @@ namespace cuda {
 // makes partial tiles and padded head dims safe: zero Q/K columns leave Q K^T
 // unchanged, zero V rows keep 0 * garbage out of P V.
 // `gmem` points at row 0 of the tile, which is always in bounds.
+// kFullL2Hint: the caller knows the whole tile is in range (valid_rows >=
+// kRows, head_dim == kHeadDim); every copy then carries `l2_policy` (ptx.cuh)
+// and none is predicated (zero-fills cannot carry a policy: cp_async_16_l2).
 // ---------------------------------------------------------------------------
-template <typename Traits, typename Layout, int kRows>
+template <bool kFullL2Hint>
+FAE_DEVICE void copy_16(void* smem, const void* gmem, bool valid, uint64_t l2_policy) {
+  if constexpr (kFullL2Hint) {
+    cp_async_16_l2(smem, gmem, l2_policy);
+  } else {
+    cp_async_16(smem, gmem, valid);
+  }
+}
+
+template <typename Traits, typename Layout, int kRows, bool kFullL2Hint = false>
 FAE_DEVICE void load_tile_async(typename Traits::T* smem, const typename Traits::T* gmem,
-                                int64_t row_stride, int valid_rows, int head_dim, int tid) {
+                                int64_t row_stride, int valid_rows, int head_dim, int tid,
+                                uint64_t l2_policy = 0) {
   constexpr int kChunks = Traits::kHeadDim / 8;
   constexpr int kThreads = Traits::kNThreads;
   if constexpr (kThreads % kChunks == 0) {
@@ -46,7 +59,7 @@ FAE_DEVICE void load_tile_async(typename Traits::T* smem, const typename Traits:
     static_assert(kRows % kRowsPerIter == 0, "tile rows must split evenly over the threads");
     const int chunk = tid % kChunks;
     const int row0 = tid / kChunks;
-    const bool col_valid = chunk * 8 < head_dim;
+    const bool col_valid = kFullL2Hint || chunk * 8 < head_dim;
     // Stepping the pointer (rather than base + i * stride) keeps the compiler
     // from hoisting one 64-bit offset per row out of the main loop.
     const auto* src = gmem + row0 * row_stride + chunk * 8;
@@ -54,8 +67,8 @@ FAE_DEVICE void load_tile_async(typename Traits::T* smem, const typename Traits:
 #pragma unroll
     for (int i = 0; i < kRows / kRowsPerIter; ++i) {
       const int row = row0 + i * kRowsPerIter;
-      const bool valid = col_valid && row < valid_rows;
-      cp_async_16(smem + Layout::offset(row, chunk), valid ? src : gmem, valid);
+      const bool valid = kFullL2Hint || (col_valid && row < valid_rows);
+      copy_16<kFullL2Hint>(smem + Layout::offset(row, chunk), valid ? src : gmem, valid, l2_policy);
       src += step;
     }
   } else {
@@ -70,9 +83,9 @@ FAE_DEVICE void load_tile_async(typename Traits::T* smem, const typename Traits:
       if (kTotal % kThreads != 0 && idx >= kTotal) break;
       const int row = idx / kChunks;
       const int chunk = idx % kChunks;
-      const bool valid = row < valid_rows && chunk * 8 < head_dim;
-      cp_async_16(smem + Layout::offset(row, chunk),
-                  valid ? gmem + row * row_stride + chunk * 8 : gmem, valid);
+      const bool valid = kFullL2Hint || (row < valid_rows && chunk * 8 < head_dim);
+      copy_16<kFullL2Hint>(smem + Layout::offset(row, chunk),
+                         valid ? gmem + row * row_stride + chunk * 8 : gmem, valid, l2_policy);
     }
   }
 }
@@ -322,17 +335,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const T* v_head = static_cast<const T*>(params.v) + batch * params.v_strides.batch +
                     head_k * params.v_strides.head + seq.row0_k * row_stride_v;
 
+  // Decode tile: K/V that only this CTA reads stream through L2 as evict_first
+  // (params.kv_evict_first) in every tile that is wholly in range; the
+  // partial last tile and padded head dims take the plain zero-filling copies.
+  auto load_kv = [&](T* smem, const T* gmem, int64_t row_stride, int valid_rows) {
+    if constexpr (Traits::kKVL2Policy) {
+      if (params.kv_evict_first && valid_rows >= kBlockN && params.head_dim == Traits::kHeadDim) {
+        load_tile_async<Traits, KVLayout, kBlockN, /*kFullL2Hint=*/true>(
+            smem, gmem, row_stride, valid_rows, params.head_dim, tid, l2_policy_evict_first());
+        return;
+      }
+    }
+    load_tile_async<Traits, KVLayout, kBlockN>(smem, gmem, row_stride, valid_rows,
+                                               params.head_dim, tid);
+  };
   auto load_kv_tile = [&](int tile, int slot) {
     const int n_block = range.begin + tile;
     const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
     const int valid_rows = seq.seqlen_k - n_block * kBlockN;
-    load_tile_async<Traits, KVLayout, kBlockN>(smem_k + slot * Traits::kSmemKVElems,
-                                               k_head + key0 * row_stride_k, row_stride_k,
-                                               valid_rows, params.head_dim, tid);
+    load_kv(smem_k + slot * Traits::kSmemKVElems, k_head + key0 * row_stride_k, row_stride_k,
+            valid_rows);
     cp_async_commit();
-    load_tile_async<Traits, KVLayout, kBlockN>(smem_v + slot * Traits::kSmemKVElems,
-                                               v_head + key0 * row_stride_v, row_stride_v,
-                                               valid_rows, params.head_dim, tid);
+    load_kv(smem_v + slot * Traits::kSmemKVElems, v_head + key0 * row_stride_v, row_stride_v,
+            valid_rows);
     cp_async_commit();
   };
   // Keeps the commit-group count uniform past the last tile, so the

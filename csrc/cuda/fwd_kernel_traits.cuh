@@ -79,8 +79,11 @@ struct SmemTileLayout {
 //   row g    c0  c1      row g+8   c2  c3
 // so each lane holds 2 rows per m-tile and the 4 lanes of a quad share a row.
 // ---------------------------------------------------------------------------
+// kKVL2Policy_: K/V copies may carry an L2 evict_first policy
+// (params.kv_evict_first); only the decode tile, where each K/V byte can have
+// a single reading CTA, instantiates it.
 template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_,
-          bool kQInRegs_>
+          bool kQInRegs_, bool kKVL2Policy_ = false>
 struct FwdKernelTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -89,6 +92,7 @@ struct FwdKernelTraits {
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kStages = kStages_;
   static constexpr bool kQInRegs = kQInRegs_;
+  static constexpr bool kKVL2Policy = kKVL2Policy_;
 
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kRowsPerWarp = kBlockM / kNWarps;
@@ -236,8 +240,12 @@ inline constexpr int kFwdDecodeMaxSeqlenQ = 16;
 #endif
 template <int kHeadDim>
 struct FwdTileConfigDecode {
-  FAE_FWD_CONFIG_BODY(kHeadDim, 16, FAE_FWD_DECODE_TUNE_BN, 1, FAE_FWD_DECODE_TUNE_STAGES,
-                      (kHeadDim <= 128))
+  static constexpr int kBlockM = 16, kBlockN = FAE_FWD_DECODE_TUNE_BN, kNWarps = 1;
+  static constexpr int kStages = FAE_FWD_DECODE_TUNE_STAGES;
+  static constexpr bool kQInRegs = kHeadDim <= 128;
+  template <typename T>
+  using Traits = FwdKernelTraits<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kQInRegs,
+                                 /*kKVL2Policy=*/true>;
 };
 static_assert(FwdTileConfigDecode<128>::kBlockM >= kFwdDecodeMaxSeqlenQ,
               "one decode tile must hold every query row");

@@ -27,10 +27,30 @@ FAE_DEVICE void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem_dst)),
                "l"(gmem_src), "r"(src_bytes));
 }
+// A full 16-byte copy carrying an L2 cache policy (l2_policy_* below). No
+// zero-fill (src-size) form: with src-size and a cache policy together,
+// ptxas 13.0 emitted an illegal instruction for sm_90a.
+FAE_DEVICE void cp_async_16_l2(void* smem_dst, const void* gmem_src, uint64_t l2_policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(
+                   smem_u32(smem_dst)),
+               "l"(gmem_src), "l"(l2_policy));
+}
 FAE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPendingGroups>
 FAE_DEVICE void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPendingGroups));
+}
+
+// ---- L2 cache policies (createpolicy, sm_80+) -----------------------------
+// evict_first: lines this policy brings into L2 are the first to be replaced,
+// for data read once (a decode call's K/V) that should not push anything else
+// out of L2, dirty lines of earlier kernels included. Never 0 (0x12f0...0 on
+// an H200). Volatile, so that it stays where it is called instead of being
+// hoisted into a register that lives across a loop.
+FAE_DEVICE uint64_t l2_policy_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
 }
 
 // ---- ldmatrix: four 8x8 b16 matrices from shared memory into a warp -------
