@@ -71,7 +71,12 @@ def test_split_merge_in_cluster(monkeypatch, dtype, head_dim, causal, bottom_rig
     def run(splits):
         return torch.ops.flash_attn_ext.fwd(q, k, v, head_dim ** -0.5, causal, bottom_right, splits)
 
-    for splits in (2, 5, 8):
+    # Past kMaxClusterSplits (6) the combine kernel takes over (when there are 7 key
+    # tiles of 32 to split at all: forced splits stop at one tile each).
+    if seqlen_k >= 7 * 32:
+        monkeypatch.setenv("FLASH_ATTN_EXT_SPLIT_MERGE", "auto")
+        assert any("combine" in n for n in kernel_names(lambda: run(7)))
+    for splits in (2, 5, 6):
         results = {}
         for merge in ("auto", "kernel"):
             monkeypatch.setenv("FLASH_ATTN_EXT_SPLIT_MERGE", merge)

@@ -184,7 +184,16 @@ int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
   }
   const int64_t ctas = static_cast<int64_t>(params.batch) * params.heads *
                        ceil_div(params.seqlen_q, shape.block_m);
-  return num_splits_heuristic(ctas, std::max(1, num_sms) * shape.ctas_per_sm, n_blocks, 128);
+  const int slots = std::max(1, num_sms) * shape.ctas_per_sm;
+  const int splits = num_splits_heuristic(ctas, slots, n_blocks, 128);
+  // A few splits past the cluster limit: fewer splits that merge in a cluster
+  // beat them while they still fill ~70% of the wave (kMaxClusterSplits has the
+  // numbers: B=8 H_kv=8 decode, the heuristic's 7 -> 6 splits).
+  if (splits > kMaxClusterSplits && ctas * kMaxClusterSplits >= 0.7 * slots &&
+      fwd_merges_splits_in_cluster(params, kMaxClusterSplits)) {
+    return kMaxClusterSplits;
+  }
+  return splits;
 }
 
 // Cluster merge vs combine kernel, measured on an H200 (B=8, H=32, D=128, bf16

@@ -251,9 +251,13 @@ static_assert(FwdTileConfigDecode<128>::kBlockM >= kFwdDecodeMaxSeqlenQ,
               "one decode tile must hold every query row");
 
 // Split-KV calls on this tile merge their splits inside a thread-block cluster
-// on sm_90 (fwd_launch.h) when there are at most this many: the portable
-// cluster size.
-inline constexpr int kMaxClusterSplits = 8;
+// on sm_90 (fwd_launch.h) when there are at most this many. The portable
+// cluster size is 8, but 8-CTA clusters place worse: H200, B=8 H=32 H_kv=8
+// decode, cache 8k/16k/32k, ours / cuDNN (same process): 6 splits in 6-CTA
+// clusters 1.021 / 1.015 / 0.998, 8 splits in 8-CTA clusters 1.005 / 0.984 /
+// 0.955, 7 in 7-CTA clusters 1.011 / 1.002 / 0.984. fwd_num_splits rounds the
+// heuristic's 7-8 splits down to this where the cluster can take them.
+inline constexpr int kMaxClusterSplits = 6;
 
 // Host and kernel-launch side agree on the tile through this one predicate.
 // The decode tile is a plain 16-row tile, correct for any seqlen_q; forcing it

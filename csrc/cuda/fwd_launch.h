@@ -18,8 +18,8 @@ void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream);
 // Whether a split-KV call (num_splits > 1) merges its splits inside a
 // thread-block cluster (fwd_kernel.cuh, merge_splits_in_cluster) instead of
 // through a global workspace and the combine kernel: sm_90 code on an sm_90
-// device, the small-M decode tile, num_splits <= kMaxClusterSplits (8, the
-// portable cluster size), a padded batch. FLASH_ATTN_EXT_SPLIT_MERGE=kernel
+// device, the small-M decode tile, num_splits <= kMaxClusterSplits (6, see
+// fwd_kernel_traits.cuh), a padded batch, the cost model in fwd_dispatch.cu. FLASH_ATTN_EXT_SPLIT_MERGE=kernel
 // forces the combine kernel (tests and benchmarks compare the two).
 bool fwd_merges_splits_in_cluster(const AttentionFwdParams& params, int num_splits);
 
