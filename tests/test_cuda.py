@@ -45,6 +45,19 @@ def test_decode_tile(dtype, head_dim, causal, seqlen_q, seqlen_k):
         assert_fa_rule(out, ref, base, 2, what=f"out(num_splits={splits})")
 
 
+def gqa_decode_case(dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k, causal, bottom_right):
+    """q [2, seqlen_q, heads, D], k/v [2, seqlen_k, heads_k, D] and the float64 / same-precision
+    reference outputs (k/v expanded over each query-head group for the reference only)."""
+    q, _, _ = make_qkv(2, seqlen_q, 1, heads, head_dim, dtype, DEVICE, requires_grad=False)
+    _, k, v = make_qkv(2, 1, seqlen_k, heads_k, head_dim, dtype, DEVICE, requires_grad=False,
+                       seed=1)
+    group = heads // heads_k
+    k_ref, v_ref = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    (ref, *_), (base, *_) = reference_and_baseline(q, k_ref, v_ref, torch.zeros_like(q), causal,
+                                                   bottom_right)
+    return q, k, v, ref, base
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [40, 128, 256])
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)],
@@ -59,13 +72,8 @@ def test_split_merge_in_cluster(monkeypatch, dtype, head_dim, causal, bottom_rig
     causal rows whose later splits see no key at all."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("thread-block cluster merge: compute capability 9.0 only")
-    q, _, _ = make_qkv(2, seqlen_q, 1, heads, head_dim, dtype, DEVICE, requires_grad=False)
-    _, k, v = make_qkv(2, 1, seqlen_k, heads_k, head_dim, dtype, DEVICE, requires_grad=False,
-                       seed=1)
-    group = heads // heads_k
-    k_ref, v_ref = (t.repeat_interleave(group, dim=2) for t in (k, v))
-    (ref, *_), (base, *_) = reference_and_baseline(q, k_ref, v_ref, torch.zeros_like(q), causal,
-                                                   bottom_right)
+    q, k, v, ref, base = gqa_decode_case(dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k,
+                                         causal, bottom_right)
     ref_lse = None
 
     def run(splits):
@@ -111,13 +119,8 @@ def test_kv_l2_policy(monkeypatch, dtype, head_dim, seqlen_q, seqlen_k, heads, h
     copies (evict_first where every K/V byte has one reading CTA), never a value: all three
     settings give bit-identical results, partial last key tiles (zero-filled without the
     hint) included; any other value raises."""
-    q, _, _ = make_qkv(2, seqlen_q, 1, heads, head_dim, dtype, DEVICE, requires_grad=False)
-    _, k, v = make_qkv(2, 1, seqlen_k, heads_k, head_dim, dtype, DEVICE, requires_grad=False,
-                       seed=1)
-    group = heads // heads_k
-    k_ref, v_ref = (t.repeat_interleave(group, dim=2) for t in (k, v))
-    (ref, *_), (base, *_) = reference_and_baseline(q, k_ref, v_ref, torch.zeros_like(q), False,
-                                                   True)
+    q, k, v, ref, base = gqa_decode_case(dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k,
+                                         False, True)
 
     def run():
         return torch.ops.flash_attn_ext.fwd(q, k, v, head_dim ** -0.5, False, True, splits)

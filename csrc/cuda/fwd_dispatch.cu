@@ -92,6 +92,12 @@ TileShape tile_shape(int kernel_dim, bool causal, bool decode) {
   }
 }
 
+// Bytes of K and V a call reads at most (16-bit elements, the full seqlen_k):
+// the size both the cluster-merge cost model and the L2 policy go by.
+double kv_bytes(const AttentionFwdParams& params) {
+  return 2.0 * params.batch * params.heads_k * params.seqlen_k * params.head_dim * 2;
+}
+
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
 // FA2's num_splits_heuristic: split only when the CTAs of the unsplit grid
@@ -211,9 +217,7 @@ bool fwd_merges_splits_in_cluster(const AttentionFwdParams& params, int num_spli
       params.cu_seqlens_q != nullptr || !fwd_uses_decode_tile(params)) {
     return false;
   }
-  const double kv_bytes = 2.0 * params.batch * params.heads_k * params.seqlen_k *
-                          params.head_dim * 2;  // K and V, 16-bit
-  return kv_bytes * (num_splits - 1) <= kClusterMergeMaxBytesTimesSplits &&
+  return kv_bytes(params) * (num_splits - 1) <= kClusterMergeMaxBytesTimesSplits &&
          split_merge_requested() != SplitMerge::kKernel && device_is_sm90();
 #else
   (void)params;
@@ -287,9 +291,8 @@ constexpr int64_t kEvictFirstMaxL2Multiple = 4;
 void fwd_set_kv_l2_policy(AttentionFwdParams& params, int64_t l2_cache_bytes) {
   const int choice =
       env_choice("FLASH_ATTN_EXT_KV_L2_POLICY", {"auto", "evict_first", "normal"});
-  const double kv_bytes = 2.0 * params.batch * params.heads_k * params.seqlen_k *
-                          params.head_dim * 2;  // K and V, 16-bit
-  const bool small = kv_bytes <= static_cast<double>(kEvictFirstMaxL2Multiple * l2_cache_bytes);
+  const bool small =
+      kv_bytes(params) <= static_cast<double>(kEvictFirstMaxL2Multiple * l2_cache_bytes);
   params.kv_evict_first = fwd_reads_kv_once(params) && choice != 2 && (choice == 1 || small);
 }
 
