@@ -216,8 +216,9 @@ inline AttentionFwdParams make_varlen_fwd_params(const at::Tensor& q, const at::
 // The forward's tuning knobs (both only steer the CUDA 16-bit kernels).
 inline void check_fwd_tuning_args(int64_t num_splits, int64_t tile) {
   TORCH_CHECK(num_splits >= 0, "flash_attn_ext: num_splits must be >= 0, got ", num_splits);
-  TORCH_CHECK(tile >= kFwdTileAuto && tile <= kFwdTileSmallM,
-              "flash_attn_ext: tile must be 0 (auto), 1 (large) or 2 (small-M), got ", tile);
+  TORCH_CHECK(tile >= kFwdTileAuto && tile <= kFwdTileSmallMKeyWarps,
+              "flash_attn_ext: tile must be 0 (auto), 1 (large), 2 (small-M) or 3 (small-M, "
+              "key warps), got ", tile);
 }
 
 // lse: [batch, heads, seqlen_q] for 4-D q, [heads, total_q] for packed 3-D q.

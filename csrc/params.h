@@ -35,7 +35,15 @@ FAE_HOST_DEVICE int64_t row_offset(const TensorStrides& st, int b, int h, int64_
   return b * st.batch + h * st.head + row * st.row;
 }
 
-enum FwdTile : int { kFwdTileAuto = 0, kFwdTileLarge = 1, kFwdTileSmallM = 2 };
+// Forward tile families of the CUDA mma.sync kernel (fwd_kernel_traits.cuh):
+// the large per-head-dim tiles, the 16-row decode tile of one warp, and the
+// 16-row decode tile whose 4 warps split each key tile ("key warps").
+enum FwdTile : int {
+  kFwdTileAuto = 0,
+  kFwdTileLarge = 1,
+  kFwdTileSmallM = 2,
+  kFwdTileSmallMKeyWarps = 3,
+};
 
 struct AttentionFwdParams {
   const void* q = nullptr;
@@ -92,8 +100,9 @@ struct AttentionFwdParams {
   // Split-KV (CUDA): 0 = heuristic, 1 = off, n > 1 = force n splits.
   int num_splits = 0;
   // Forward tile family (CUDA 16-bit kernels): kFwdTileAuto picks by shape
-  // (the small-M "decode" tile when seqlen_q <= 16), the others force one;
-  // the autotuner (flash_attn_ext/autotune.py) times both.
+  // (a small-M "decode" tile when seqlen_q <= 16; fwd_choose_tile resolves
+  // which), the others force one; the autotuner (flash_attn_ext/autotune.py)
+  // times them.
   int fwd_tile = 0;
   // Scratch for split-KV partial results, owned by the caller (fp32):
   //   out_accum [num_splits, batch, heads, seqlen_q, head_dim_rounded]

@@ -207,4 +207,4 @@ def test_autotune_is_a_noop_on_cpu():
 def test_fwd_op_rejects_bad_tile():
     q, k, v = make_qkv(1, 4, 4, 1, 8, torch.float32, "cpu", requires_grad=False)
     with pytest.raises(RuntimeError, match="tile must be"):
-        torch.ops.flash_attn_ext.fwd(q, k, v, 1.0, False, False, 0, 3)
+        torch.ops.flash_attn_ext.fwd(q, k, v, 1.0, False, False, 0, 4)

@@ -35,14 +35,47 @@ def test_split_kv_matches_no_split(dtype, head_dim, causal, seqlen_q, seqlen_k):
 @pytest.mark.parametrize("head_dim", [32, 96, 160, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(2, 1), (5, 33), (16, 1000), (17, 500)])
-def test_decode_tile(dtype, head_dim, causal, seqlen_q, seqlen_k):
-    # seqlen_q <= 16 runs the one-warp decode tile (17: the regular tile), with and
-    # without split-KV, including bottom-right causal rows that see no key.
+@pytest.mark.parametrize("tile", [0, 3], ids=["auto", "key_warps"])
+def test_decode_tile(dtype, head_dim, causal, seqlen_q, seqlen_k, tile):
+    # seqlen_q <= 16 runs a decode tile (auto: the one-warp tile on this small grid;
+    # 17: the regular tile), or the forced 4-key-warp decode tile, with and without
+    # split-KV, including bottom-right causal rows that see no key.
     q, k, v = make_qkv(3, seqlen_q, seqlen_k, 2, head_dim, dtype, DEVICE, requires_grad=False)
     (ref, *_), (base, *_) = reference_and_baseline(q, k, v, torch.zeros_like(q), causal, True)
     for splits in (1, 4, 0):
-        out = fa.flash_attn_func(q, k, v, causal=causal, num_splits=splits)
+        out, _ = torch.ops.flash_attn_ext.fwd(q, k, v, head_dim ** -0.5, causal, True, splits,
+                                              tile)
         assert_fa_rule(out, ref, base, 2, what=f"out(num_splits={splits})")
+
+
+def decode_kernel_warps(names):
+    """Warps per CTA of the decode kernel among `names` (1: one-warp tile, 4: key warps)."""
+    for warps, block_n in ((1, 32), (4, 64)):
+        if any("FwdKernelTraits<" in n and f", 16, {block_n}, {warps}, 2," in n for n in names):
+            return warps
+    return None
+
+
+@pytest.mark.parametrize("batch,heads,heads_k,head_dim,warps",
+                         [(4, 64, 64, 128, 4), (4, 64, 16, 64, 1), (1, 8, 8, 128, 1),
+                          (1, 400, 400, 96, 4)])
+def test_decode_tile_choice(batch, heads, heads_k, head_dim, warps):
+    # Auto: decode grids that fill the GPU unsplit (batch * kv heads, after GQA
+    # regrouping, vs 2 CTAs per SM) take the key-warp tile, smaller ones the one-warp
+    # tile with split-KV; both correct.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fills = batch * heads_k >= 0.8 * 2 * sms
+    if fills != (warps == 4):
+        pytest.skip(f"the grid fills this GPU ({sms} SMs) differently")
+    q, _, _ = make_qkv(batch, 1, 1, heads, head_dim, torch.bfloat16, DEVICE, requires_grad=False)
+    _, k, v = make_qkv(batch, 1, 700, heads_k, head_dim, torch.bfloat16, DEVICE,
+                       requires_grad=False, seed=1)
+    group = heads // heads_k
+    k_ref, v_ref = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    (ref, *_), (base, *_) = reference_and_baseline(q, k_ref, v_ref, torch.zeros_like(q), False,
+                                                   True)
+    assert decode_kernel_warps(kernel_names(lambda: fa.flash_attn_func(q, k, v))) == warps
+    assert_fa_rule(fa.flash_attn_func(q, k, v), ref, base, 2)
 
 
 def gqa_decode_case(dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k, causal, bottom_right):
@@ -64,12 +97,14 @@ def gqa_decode_case(dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k, causal,
                          ids=["full", "causal_br", "causal_tl"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads,heads_k",
                          [(1, 5000, 4, 4), (1, 3000, 8, 2), (16, 999, 2, 2), (5, 100, 2, 1)])
+@pytest.mark.parametrize("tile", [2, 3], ids=["one_warp", "key_warps"])
 def test_split_merge_in_cluster(monkeypatch, dtype, head_dim, causal, bottom_right, seqlen_q,
-                                seqlen_k, heads, heads_k):
+                                seqlen_k, heads, heads_k, tile):
     """On sm_90 a split decode tile merges its splits inside a thread-block cluster
     (no combine kernel); FLASH_ATTN_EXT_SPLIT_MERGE=kernel forces the combine kernel.
     Both against the reference, with GQA regrouping, padded head dims, and top-left
-    causal rows whose later splits see no key at all."""
+    causal rows whose later splits see no key at all; for both decode tiles (the
+    key-warp tile merges its warps first)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("thread-block cluster merge: compute capability 9.0 only")
     q, k, v, ref, base = gqa_decode_case(dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k,
@@ -77,11 +112,13 @@ def test_split_merge_in_cluster(monkeypatch, dtype, head_dim, causal, bottom_rig
     ref_lse = None
 
     def run(splits):
-        return torch.ops.flash_attn_ext.fwd(q, k, v, head_dim ** -0.5, causal, bottom_right, splits)
+        return torch.ops.flash_attn_ext.fwd(q, k, v, head_dim ** -0.5, causal, bottom_right, splits,
+                                            tile)
 
     # Past kMaxClusterSplits (6) the combine kernel takes over (when there are 7 key
-    # tiles of 32 to split at all: forced splits stop at one tile each).
-    if seqlen_k >= 7 * 32:
+    # tiles (32 keys one warp, 64 key warps) to split at all: forced splits stop at one
+    # tile each).
+    if seqlen_k >= 7 * (32 if tile == 2 else 64):
         monkeypatch.setenv("FLASH_ATTN_EXT_SPLIT_MERGE", "auto")
         assert any("combine" in n for n in kernel_names(lambda: run(7)))
     for splits in (2, 5, 6):
@@ -114,7 +151,9 @@ def test_split_merge_in_cluster(monkeypatch, dtype, head_dim, causal, bottom_rig
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads,heads_k,splits",
                          [(1, 4099, 8, 8, 0), (1, 2053, 8, 2, 3), (3, 1027, 4, 4, 1),
                           (7, 517, 4, 2, 2), (20, 300, 2, 2, 1)])
-def test_kv_l2_policy(monkeypatch, dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k, splits):
+@pytest.mark.parametrize("tile", [0, 3], ids=["auto", "key_warps"])
+def test_kv_l2_policy(monkeypatch, dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k, splits,
+                      tile):
     """FLASH_ATTN_EXT_KV_L2_POLICY changes only the L2 cache hint of the decode tile's K/V
     copies (evict_first where every K/V byte has one reading CTA), never a value: all three
     settings give bit-identical results, partial last key tiles (zero-filled without the
@@ -123,7 +162,7 @@ def test_kv_l2_policy(monkeypatch, dtype, head_dim, seqlen_q, seqlen_k, heads, h
                                          False, True)
 
     def run():
-        return torch.ops.flash_attn_ext.fwd(q, k, v, head_dim ** -0.5, False, True, splits)
+        return torch.ops.flash_attn_ext.fwd(q, k, v, head_dim ** -0.5, False, True, splits, tile)
 
     results = {}
     for policy in ("auto", "evict_first", "normal"):
@@ -219,7 +258,7 @@ def test_training_step_matches_sdpa():
     assert max_err(ours, theirs) < 2e-2
 
 
-@pytest.mark.parametrize("tile", [1, 2])
+@pytest.mark.parametrize("tile", [1, 2, 3])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 300), (40, 77), (300, 1000)])
 def test_forced_tile_family(tile, seqlen_q, seqlen_k):
     # Either tile family is correct for any shape (the autotuner may pick either).

@@ -19,6 +19,9 @@ namespace cuda {
 // Number of KV splits the forward will use for these params (>= 1): honours
 // params.num_splits when > 0, else a heuristic from the SM count.
 int fwd_num_splits(const AttentionFwdParams& params, int num_sms);
+// Resolves params.fwd_tile == kFwdTileAuto on decode shapes to the decode
+// variant (one warp or key warps) before fwd_num_splits sizes the splits.
+void fwd_choose_tile(AttentionFwdParams& params, int num_sms);
 
 // fp32 scratch (in floats) the forward needs with `num_splits` splits
 // (0 when num_splits == 1). The op layer allocates it and sets

@@ -57,7 +57,7 @@ struct TileShape {
 };
 
 template <int D>
-TileShape tile_shape_of(bool causal, bool decode) {
+TileShape tile_shape_of(bool causal, FwdTile family) {
   auto shape = [](auto config) {
     using C = decltype(config);
     using Traits = typename C::template Traits<__half>;
@@ -66,7 +66,10 @@ TileShape tile_shape_of(bool causal, bool decode) {
     const int by_smem = std::max(1, (227 * 1024) / Traits::kSmemBytes);
     return TileShape{C::kBlockM, C::kBlockN, std::min(by_regs, by_smem)};
   };
-  if (decode) {
+  if (family == kFwdTileSmallMKeyWarps) {
+    return shape(FwdTileConfigDecode<D, kFwdDecodeKeyWarps>{});
+  }
+  if (family == kFwdTileSmallM) {
     // Bandwidth-bound: what matters is bytes in flight per SM, not filling
     // every CTA slot. Measured (H200, B=8 H=32 Sq=1 D=128, Sk 8k-64k, GB/s of
     // K/V): 2 splits (~3.9 CTAs/SM) 4299-4623 > 3 splits (5.8/SM, one full
@@ -79,17 +82,29 @@ TileShape tile_shape_of(bool causal, bool decode) {
   return causal ? shape(FwdTileConfig<D, true>{}) : shape(FwdTileConfig<D, false>{});
 }
 
-TileShape tile_shape(int kernel_dim, bool causal, bool decode) {
+TileShape tile_shape(int kernel_dim, bool causal, FwdTile family) {
   switch (kernel_dim) {
-    case 32: return tile_shape_of<32>(causal, decode);
-    case 64: return tile_shape_of<64>(causal, decode);
-    case 96: return tile_shape_of<96>(causal, decode);
-    case 128: return tile_shape_of<128>(causal, decode);
-    case 160: return tile_shape_of<160>(causal, decode);
-    case 192: return tile_shape_of<192>(causal, decode);
-    case 224: return tile_shape_of<224>(causal, decode);
-    default: return tile_shape_of<256>(causal, decode);
+    case 32: return tile_shape_of<32>(causal, family);
+    case 64: return tile_shape_of<64>(causal, family);
+    case 96: return tile_shape_of<96>(causal, family);
+    case 128: return tile_shape_of<128>(causal, family);
+    case 160: return tile_shape_of<160>(causal, family);
+    case 192: return tile_shape_of<192>(causal, family);
+    case 224: return tile_shape_of<224>(causal, family);
+    default: return tile_shape_of<256>(causal, family);
   }
+}
+
+// The tile family a call runs on (params.fwd_tile resolved: never kFwdTileAuto).
+FwdTile tile_family(const AttentionFwdParams& params) {
+  if (fwd_uses_key_warp_tile(params)) return kFwdTileSmallMKeyWarps;
+  return fwd_uses_decode_tile(params) ? kFwdTileSmallM : kFwdTileLarge;
+}
+
+// CTAs of the unsplit grid and the CTA slots of one wave on this tile.
+int64_t unsplit_ctas(const AttentionFwdParams& params, const TileShape& shape) {
+  return static_cast<int64_t>(params.batch) * params.heads *
+         ((params.seqlen_q + shape.block_m - 1) / shape.block_m);
 }
 
 // Bytes of K and V a call reads at most (16-bit elements, the full seqlen_k):
@@ -181,15 +196,14 @@ int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
   // The fp32 SIMT path has no split-KV.
   if (params.dtype == DType::kFloat32) return 1;
   if (params.head_dim <= 0 || params.head_dim > 256) return 1;
-  const TileShape shape = tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal,
-                                     fwd_uses_decode_tile(params));
+  const TileShape shape =
+      tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal, tile_family(params));
   const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
   if (params.num_splits > 0) {
     // Forced: at most one key tile per split, and within the grid's y limit.
     return std::max(1, std::min({params.num_splits, n_blocks, 65535}));
   }
-  const int64_t ctas = static_cast<int64_t>(params.batch) * params.heads *
-                       ceil_div(params.seqlen_q, shape.block_m);
+  const int64_t ctas = unsplit_ctas(params, shape);
   const int slots = std::max(1, num_sms) * shape.ctas_per_sm;
   const int splits = num_splits_heuristic(ctas, slots, n_blocks, 128);
   // A few splits past the cluster limit: fewer splits that merge in a cluster
@@ -200,6 +214,26 @@ int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
     return kMaxClusterSplits;
   }
   return splits;
+}
+
+// kFwdTileAuto on a decode shape: the key-warp tile where its unsplit grid
+// fills a wave the way the split heuristic wants one unsplit (>= 80% of the
+// slots) with at least 2 of its CTAs per SM (D <= 192: a CTA's end-of-tile
+// barrier and merge then overlap another CTA's loads); the one-warp tile with
+// split-KV elsewhere (fwd_kernel_traits.cuh has the measurements). A forced
+// split count > 1 keeps the one-warp tile.
+void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {
+  if (params.fwd_tile != kFwdTileAuto || params.dtype == DType::kFloat32 ||
+      params.head_dim <= 0 || params.head_dim > 256 || params.num_splits > 1 ||
+      !fwd_uses_decode_tile(params)) {
+    return;
+  }
+  const TileShape shape = tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal,
+                                     kFwdTileSmallMKeyWarps);
+  const int slots = std::max(1, num_sms) * shape.ctas_per_sm;
+  if (shape.ctas_per_sm >= 2 && unsplit_ctas(params, shape) >= 0.8 * slots) {
+    params.fwd_tile = kFwdTileSmallMKeyWarps;
+  }
 }
 
 // Cluster merge vs combine kernel, measured on an H200 (B=8, H=32, D=128, bf16

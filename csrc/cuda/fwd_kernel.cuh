@@ -52,11 +52,10 @@ FAE_DEVICE void load_tile_async(typename Traits::T* smem, const typename Traits:
                                 uint64_t l2_policy = 0) {
   constexpr int kChunks = Traits::kHeadDim / 8;
   constexpr int kThreads = Traits::kNThreads;
-  if constexpr (kThreads % kChunks == 0) {
+  if constexpr (kThreads % kChunks == 0 && kRows % (kThreads / kChunks) == 0) {
     // Each thread keeps one column chunk and walks rows kRowsPerIter apart:
     // one base address per thread plus compile-time row increments.
     constexpr int kRowsPerIter = kThreads / kChunks;
-    static_assert(kRows % kRowsPerIter == 0, "tile rows must split evenly over the threads");
     const int chunk = tid % kChunks;
     const int row0 = tid / kChunks;
     const bool col_valid = kFullL2Hint || chunk * 8 < head_dim;
@@ -100,7 +99,8 @@ FAE_DEVICE void load_q_frag(uint32_t (&a)[4], const typename Traits::T* smem_q, 
   ldmatrix_x4(a, smem_q + Traits::QLayout::offset(row, 2 * kk + (lane >> 4)));
 }
 
-// S[m] += Q[m] K^T over the whole head dim, for all kBlockN keys of the tile.
+// S[m] += Q[m] K^T over the whole head dim, for the warp's kWarpKeys keys of
+// the tile (smem_k points at the warp's first key row).
 template <typename Traits, typename QFrags>
 FAE_DEVICE void gemm_qk(float (&s)[Traits::kMmaM][Traits::kTilesN][4], const QFrags& q_frags,
                         const typename Traits::T* smem_q, const typename Traits::T* smem_k,
@@ -119,7 +119,7 @@ FAE_DEVICE void gemm_qk(float (&s)[Traits::kMmaM][Traits::kTilesN][4], const QFr
       }
     }
 #pragma unroll
-    for (int jn = 0; jn < Traits::kBlockN / 16; ++jn) {
+    for (int jn = 0; jn < Traits::kWarpKeys / 16; ++jn) {
       // K is [key][dim] = the "col" B operand as stored: no transpose.
       // Matrices: (keys 0-7, dims lo) (keys 0-7, dims hi) (keys 8-15, lo) (keys 8-15, hi)
       // = b0/b1 of n-tile 2jn, then b0/b1 of n-tile 2jn+1.
@@ -175,6 +175,95 @@ FAE_DEVICE void gemm_pv(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
 }
 
 // ---------------------------------------------------------------------------
+// Key-warp merge (Traits::kKeyWarps > 1, the decode tile): the warps of a CTA
+// saw disjoint key slices of every tile, so each holds a partial result (O
+// normalised by its own row sums, lse per row). Warps 1.. park theirs in
+// shared memory in fragment order, value-major and lane-minor (a warp's 32
+// stores of one value hit 32 banks); warp 0 reads them back at its own
+// fragment positions, so no lane needs another lane's data, and merges
+//   lse = log(sum_w exp(lse_w)),  O = sum_w exp(lse_w - lse) * O_w
+// into its registers. Returns whether this warp now holds the CTA's result.
+// ---------------------------------------------------------------------------
+template <typename Traits>
+struct KeyWarpMergeSmem {
+  static constexpr int kOValues = Traits::kMmaM * Traits::kTilesD * 4;  // per lane
+  static constexpr int kValues = kOValues + Traits::kMmaM * 2;          // + lse per row
+  static constexpr int kBytes = Traits::kNWarps * kValues * 32 * 4;
+  static_assert(kBytes <= Traits::kSmemBytes, "the partials reuse the Q/K/V shared memory");
+  // Warp 0 writes its O tile into the Q region right after reading the others'
+  // partials; with one row group no other warp reads them any more.
+  static_assert(Traits::kKeyWarps == 1 || Traits::kRowWarps == 1,
+                "key warps merge through a buffer that only one row group may use");
+};
+
+template <typename Traits>
+FAE_DEVICE bool merge_key_warps(float (&acc_o)[Traits::kMmaM][Traits::kTilesD][4],
+                                float (&lse)[Traits::kMmaM][2], void* smem, int warp, int lane) {
+  if constexpr (Traits::kKeyWarps == 1) {
+    return true;
+  } else {
+    using Smem = KeyWarpMergeSmem<Traits>;
+    constexpr int kMmaM = Traits::kMmaM;
+    constexpr int kTilesD = Traits::kTilesD;
+    float* part = static_cast<float*>(smem) + lane;  // value v of warp w: part[(w*kValues+v)*32]
+    auto o_index = [](int m, int d, int r) { return (m * kTilesD + d) * 4 + r; };
+    auto lse_index = [](int m, int h) { return Smem::kOValues + m * 2 + h; };
+
+    __syncthreads();  // every warp is done reading Q/K/V: the partials may overwrite them
+    if (warp != 0) {
+      float* mine = part + warp * Smem::kValues * 32;
+#pragma unroll
+      for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+        for (int d = 0; d < kTilesD; ++d)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) mine[o_index(m, d, r) * 32] = acc_o[m][d][r];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mine[lse_index(m, h) * 32] = lse[m][h];
+      }
+    }
+    __syncthreads();
+    if (warp != 0) return false;
+
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float lse_w[Traits::kKeyWarps];
+        lse_w[0] = lse[m][h];
+        float max_lse = lse_w[0];
+#pragma unroll
+        for (int w = 1; w < Traits::kKeyWarps; ++w) {
+          lse_w[w] = part[(w * Smem::kValues + lse_index(m, h)) * 32];
+          max_lse = fmaxf(max_lse, lse_w[w]);
+        }
+        if (max_lse == -INFINITY) continue;  // no warp saw a key of this row: O = 0, lse = -inf
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < Traits::kKeyWarps; ++w) sum += expf(lse_w[w] - max_lse);
+        const float lse_row = max_lse + logf(sum);
+        float weight[Traits::kKeyWarps];
+#pragma unroll
+        for (int w = 0; w < Traits::kKeyWarps; ++w) weight[w] = expf(lse_w[w] - lse_row);
+#pragma unroll
+        for (int d = 0; d < kTilesD; ++d)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int r = 2 * h + e;
+            float o = weight[0] * acc_o[m][d][r];
+#pragma unroll
+            for (int w = 1; w < Traits::kKeyWarps; ++w) {
+              o += weight[w] * part[(w * Smem::kValues + o_index(m, d, r)) * 32];
+            }
+            acc_o[m][d][r] = o;
+          }
+        lse[m][h] = lse_row;
+      }
+    return true;
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Split-KV merge inside a thread-block cluster (sm_90; launch_fwd decides).
 // The num_splits CTAs of one query tile form one cluster (1 x num_splits);
 // each parks its partial in its own shared memory, fp32:
@@ -212,11 +301,12 @@ struct ClusterMergeSmem {
   static_assert(kBytes <= Traits::kSmemBytes, "the partials reuse the Q/K/V shared memory");
 };
 
+// holds_output: this warp holds its rows' result (after merge_key_warps).
 template <typename Traits>
 FAE_DEVICE void merge_splits_in_cluster(
     const float (&acc_o)[Traits::kMmaM][Traits::kTilesD][4], const float (&lse)[Traits::kMmaM][2],
-    void* smem, int warp_row0, int rows_valid, int head_dim, typename Traits::T* out_tile,
-    int64_t out_row_stride, float* lse_tile) {
+    bool holds_output, void* smem, int warp_row0, int rows_valid, int head_dim,
+    typename Traits::T* out_tile, int64_t out_row_stride, float* lse_tile) {
   using T = typename Traits::T;
   using Smem = ClusterMergeSmem<Traits>;
   const int tid = threadIdx.x;
@@ -227,18 +317,20 @@ FAE_DEVICE void merge_splits_in_cluster(
   float* part_lse = part_o + Traits::kBlockM * Smem::kRowStride;
 
   __syncthreads();  // every warp is done reading K/V: the partials may overwrite them
+  if (holds_output) {
 #pragma unroll
-  for (int m = 0; m < Traits::kMmaM; ++m)
+    for (int m = 0; m < Traits::kMmaM; ++m)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = warp_row0 + m * 16 + h * 8 + g;
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp_row0 + m * 16 + h * 8 + g;
 #pragma unroll
-      for (int d = 0; d < Traits::kTilesD; ++d) {
-        *reinterpret_cast<float2*>(part_o + row * Smem::kRowStride + d * 8 + 2 * q) =
-            make_float2(acc_o[m][d][2 * h], acc_o[m][d][2 * h + 1]);
+        for (int d = 0; d < Traits::kTilesD; ++d) {
+          *reinterpret_cast<float2*>(part_o + row * Smem::kRowStride + d * 8 + 2 * q) =
+              make_float2(acc_o[m][d][2 * h], acc_o[m][d][2 * h + 1]);
+        }
+        if (q == 0) part_lse[row] = lse[m][h];
       }
-      if (q == 0) part_lse[row] = lse[m][h];
-    }
+  }
   cluster_sync();  // all partials written and visible cluster-wide
 
   const int num_splits = gridDim.y;  // == the cluster size
@@ -302,7 +394,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int lane = tid % 32;
   const int g = lane / 4;  // mma row group
   const int q = lane % 4;  // lane within the quad
-  const int warp_row0 = warp * Traits::kRowsPerWarp;  // first tile row owned by this warp
+  const int key_warp = warp % Traits::kKeyWarps;       // which key slice of every tile
+  const int warp_row0 = warp / Traits::kKeyWarps * Traits::kRowsPerWarp;  // first tile row
+  const int warp_key0 = key_warp * Traits::kWarpKeys;  // first key of the slice in a tile
 
   // ---- which tile ----------------------------------------------------------
   const int num_m_blocks = ceil_div_dev(params.seqlen_q, kBlockM);
@@ -409,8 +503,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int tile = 0; tile < n_tiles; ++tile) {
       const int n_block = range.begin + tile;
       const int slot = tile % kStages;
-      const T* smem_k_tile = smem_k + slot * Traits::kSmemKVElems;
-      const T* smem_v_tile = smem_v + slot * Traits::kSmemKVElems;
+      // The warp's key slice: whole rows, so the swizzle (row % 8) is unchanged.
+      const int slice = slot * Traits::kSmemKVElems + warp_key0 * KVLayout::kRowStride;
+      const T* smem_k_tile = smem_k + slice;
+      const T* smem_v_tile = smem_v + slice;
 
       // Groups newer than K_tile: V_tile and 2 per tile tile+1 .. tile+kStages-2.
       cp_async_wait<2 * kStages - 3>();
@@ -433,7 +529,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           for (int r = 0; r < 4; ++r) acc_s[m][j][r] = 0.f;
       gemm_qk<Traits>(acc_s, q_frags, smem_q, smem_k_tile, warp_row0, lane);
 
-      const int col_base = n_block * kBlockN + 2 * q;
+      const int col_base = n_block * kBlockN + warp_key0 + 2 * q;
       if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block)) {
         scale_and_mask<true, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
                                         seq.seqlen_k, seq.causal_offset);
@@ -454,6 +550,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // ---- epilogue --------------------------------------------------------------
   float lse[kMmaM][2];
   softmax.finalize(acc_o, lse);
+  const bool holds_output = merge_key_warps<Traits>(acc_o, lse, smem_raw, warp, lane);
 
   const int row_in_head0 = m_block * kBlockM + warp_row0;  // sequence row of warp row 0
 
@@ -462,11 +559,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                   head * params.out_strides.head +
                   (seq.row0_q + static_cast<int64_t>(m_block) * kBlockM) * params.out_strides.row;
     float* lse_tile = params.lse + seq.lse_index(params, batch, head, m_block * kBlockM);
-    merge_splits_in_cluster<Traits>(acc_o, lse, smem_raw, warp_row0,
+    merge_splits_in_cluster<Traits>(acc_o, lse, holds_output, smem_raw, warp_row0,
                                     min(kBlockM, seq.seqlen_q - m_block * kBlockM),
                                     params.head_dim, out_tile, params.out_strides.row, lse_tile);
     return;
   }
+  if (!holds_output) return;  // the key warps' results are merged into warp 0's
   if (num_splits == 1) {
     // O -> shared memory (the warp's own Q rows: no other warp touches them,
     // so a warp barrier suffices) -> 16-byte coalesced global stores.

@@ -82,8 +82,15 @@ struct SmemTileLayout {
 // kKVL2Policy_: K/V copies may carry an L2 evict_first policy
 // (params.kv_evict_first); only the decode tile, where each K/V byte can have
 // a single reading CTA, instantiates it.
+// kKeyWarps_: warps that share the same query rows and split every K/V tile's
+// keys between them (the decode tile; 1 elsewhere). Each keeps its own online
+// softmax over its key slices; merge_key_warps combines them at the end.
+// Decode map (kBlockM=16, kBlockN=64, kNWarps=kKeyWarps=4):
+//
+//            K/V tile keys  0..15 | 16..31 | 32..47 | 48..63   (one tile, loaded by all)
+//   rows 0..15             warp 0 | warp 1 | warp 2 | warp 3
 template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_,
-          bool kQInRegs_, bool kKVL2Policy_ = false>
+          bool kQInRegs_, bool kKVL2Policy_ = false, int kKeyWarps_ = 1>
 struct FwdKernelTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -93,14 +100,17 @@ struct FwdKernelTraits {
   static constexpr int kStages = kStages_;
   static constexpr bool kQInRegs = kQInRegs_;
   static constexpr bool kKVL2Policy = kKVL2Policy_;
+  static constexpr int kKeyWarps = kKeyWarps_;
 
   static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kRowsPerWarp = kBlockM / kNWarps;
+  static constexpr int kRowWarps = kNWarps / kKeyWarps;   // warps along the query rows
+  static constexpr int kRowsPerWarp = kBlockM / kRowWarps;
+  static constexpr int kWarpKeys = kBlockN / kKeyWarps;   // keys of a tile one warp computes
   static constexpr int kMmaM = kRowsPerWarp / 16;  // 16-row m-tiles per warp
-  static constexpr int kTilesN = kBlockN / 8;      // 8-col n-tiles of S per m-tile
+  static constexpr int kTilesN = kWarpKeys / 8;    // 8-col n-tiles of the warp's S per m-tile
   static constexpr int kTilesD = kHeadDim / 8;     // 8-col n-tiles of O per m-tile
   static constexpr int kStepsD = kHeadDim / 16;    // k-steps of Q K^T
-  static constexpr int kStepsN = kBlockN / 16;     // k-steps of P V
+  static constexpr int kStepsN = kWarpKeys / 16;   // k-steps of P V
 
   using QLayout = SmemTileLayout<kBlockM, kHeadDim>;   // also stages the O tile
   using KVLayout = SmemTileLayout<kBlockN, kHeadDim>;  // one K or V tile
@@ -113,7 +123,11 @@ struct FwdKernelTraits {
   static_assert(sizeof(T) == 2, "the tensor-core kernel handles 16-bit types only");
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256,
                 "kHeadDim must be a multiple of 16 (mma k-step) and <= 256");
-  static_assert(kBlockM % kNWarps == 0, "kBlockM must split evenly over the warps");
+  static_assert(kKeyWarps >= 1 && kNWarps % kKeyWarps == 0,
+                "the warps must form whole groups of kKeyWarps");
+  static_assert(kBlockM % kRowWarps == 0, "kBlockM must split evenly over the row warps");
+  static_assert(kWarpKeys % 16 == 0 && kWarpKeys * kKeyWarps == kBlockN,
+                "each key warp takes whole 16-key P V k-steps of every tile");
   static_assert(kRowsPerWarp % 16 == 0, "each warp must own whole 16-row mma tiles");
   static_assert(kMmaM >= 1 && kMmaM <= 4, "1..4 m-tiles per warp");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (P V k-step)");
@@ -223,14 +237,33 @@ struct FwdTileConfig : FwdTileConfigDefault<kHeadDim, kIsCausal> {};
 // key ranges (split-KV fills the GPU) and each SM keeps several K/V tiles in
 // flight, which is what a bandwidth-bound kernel needs.
 //
-//  kHeadDim | BlockM | BlockN | warps | stages | Q in regs | smem (KB)
-//  ---------+--------+--------+-------+--------+-----------+----------
-//   <= 128  |   16   |   32   |   1   |   2    |    yes    |  18 (D=64), 36 (D=128)
-//   >= 160  |   16   |   32   |   1   |   2    |    no     |  72 (D=256)
+// Two variants (params.h FwdTile; fwd_choose_tile in fwd_dispatch.cu picks):
+//  * one warp per CTA (kFwdTileSmallM): many small CTAs; grids too small to
+//    fill the GPU (few heads, GQA regrouped) split the keys over CTAs and
+//    merge the splits (in a cluster on sm_90, else the combine kernel);
+//  * 4 key warps per CTA (kFwdTileSmallMKeyWarps): the warps share each
+//    64-key tile, 16 keys each, and merge in shared memory at the end
+//    (merge_key_warps), for grids that fill the GPU without splitting.
+//
+//  variant   | kHeadDim | BlockM | BlockN | warps | stages | Q in regs | smem (KB)
+//  ----------+----------+--------+--------+-------+--------+-----------+----------
+//  one warp  |  <= 128  |   16   |   32   |   1   |   2    |    yes    |  18 (D=64), 36 (D=128)
+//  one warp  |  >= 160  |   16   |   32   |   1   |   2    |    no     |  72 (D=256)
+//  key warps |  <= 128  |   16   |   64   |   4   |   2    |    yes    |  34 (D=64), 68 (D=128)
+//  key warps |  >= 160  |   16   |   64   |   4   |   2    |    no     |  136 (D=256)
 // Q leaves registers from D=160 on for the same reason as in the table above
 // (O alone is D/2 floats per lane).
+//
+// Measured (H200, bf16, D=128, B=8 H=32 Sq=1, Sk 8k/16k/32k/64k, ours / cuDNN,
+// same process, triton do_bench): one warp with 2 splits in 2-CTA clusters
+// 0.994 / 0.994 / 0.997 / 0.994; 4 key warps x 16 keys, unsplit 1.007 /
+// 1.005 / 1.006 / 1.003 (cuDNN's own kernel is also 4 warps x 256 CTAs); 2
+// key warps x 32 keys 0.89 / 0.89 / 0.99 / 0.99. With GQA (H_kv=8, 64 CTAs)
+// the key-warp tile needs 4 splits, and 4-CTA clusters of it ran at 0.79-0.91,
+// so grids that need splits keep the one-warp tile.
 // ---------------------------------------------------------------------------
 inline constexpr int kFwdDecodeMaxSeqlenQ = 16;
+inline constexpr int kFwdDecodeKeyWarps = 4;
 
 #ifndef FAE_FWD_DECODE_TUNE_BN
 #define FAE_FWD_DECODE_TUNE_BN 32
@@ -238,14 +271,15 @@ inline constexpr int kFwdDecodeMaxSeqlenQ = 16;
 #ifndef FAE_FWD_DECODE_TUNE_STAGES
 #define FAE_FWD_DECODE_TUNE_STAGES 2
 #endif
-template <int kHeadDim>
+template <int kHeadDim, int kKeyWarps = 1>
 struct FwdTileConfigDecode {
-  static constexpr int kBlockM = 16, kBlockN = FAE_FWD_DECODE_TUNE_BN, kNWarps = 1;
+  static constexpr int kBlockM = 16, kNWarps = kKeyWarps;
+  static constexpr int kBlockN = kKeyWarps == 1 ? FAE_FWD_DECODE_TUNE_BN : 16 * kKeyWarps;
   static constexpr int kStages = FAE_FWD_DECODE_TUNE_STAGES;
   static constexpr bool kQInRegs = kHeadDim <= 128;
   template <typename T>
   using Traits = FwdKernelTraits<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kQInRegs,
-                                 /*kKVL2Policy=*/true>;
+                                 /*kKVL2Policy=*/true, kKeyWarps>;
 };
 static_assert(FwdTileConfigDecode<128>::kBlockM >= kFwdDecodeMaxSeqlenQ,
               "one decode tile must hold every query row");
@@ -263,9 +297,15 @@ inline constexpr int kMaxClusterSplits = 6;
 // The decode tile is a plain 16-row tile, correct for any seqlen_q; forcing it
 // (params.fwd_tile) lets the autotuner try it on other small-grid shapes.
 inline bool fwd_uses_decode_tile(const AttentionFwdParams& params) {
-  if (params.fwd_tile == kFwdTileSmallM) return true;
+  if (params.fwd_tile == kFwdTileSmallM || params.fwd_tile == kFwdTileSmallMKeyWarps) return true;
   if (params.fwd_tile == kFwdTileLarge) return false;
   return params.seqlen_q <= kFwdDecodeMaxSeqlenQ;
+}
+
+// Which decode variant: the key-warp one only where fwd_choose_tile (or the
+// caller) set it; kFwdTileAuto stays on the one-warp tile.
+inline bool fwd_uses_key_warp_tile(const AttentionFwdParams& params) {
+  return params.fwd_tile == kFwdTileSmallMKeyWarps;
 }
 
 // Smallest instantiated head dim >= head_dim (head dims are multiples of 32).

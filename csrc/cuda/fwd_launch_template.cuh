@@ -112,7 +112,10 @@ void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream) {
                              " exceeds the grid limit 65535");
   }
   // The split count was chosen (fwd_num_splits) for the same tile as here.
-  if (fwd_uses_decode_tile(params)) {
+  if (fwd_uses_key_warp_tile(params)) {
+    launch_fwd<typename FwdTileConfigDecode<kHeadDim, kFwdDecodeKeyWarps>::template Traits<T>,
+               kIsCausal, /*kMayClusterMerge=*/true>(params, stream);
+  } else if (fwd_uses_decode_tile(params)) {
     launch_fwd<typename FwdTileConfigDecode<kHeadDim>::template Traits<T>, kIsCausal,
                /*kMayClusterMerge=*/true>(params, stream);
   } else {
