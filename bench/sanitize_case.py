@@ -4,7 +4,7 @@ forward (full, causal, split-KV + combine), fp32 forward/backward, backward
 variable-sequence instantiations: GQA, varlen (with an empty sequence),
 seqused_k and the KV-cache decode path; last the split-KV merge both ways (on sm_90 the
 16-bit decode-tile splits merge inside a thread-block cluster, FLASH_ATTN_EXT_SPLIT_MERGE=kernel
-forces the combine kernel). On sm_90 the unsplit 16-bit forward cases run
+forces the combine kernel), also on the 4-key-warp decode tile. On sm_90 the unsplit 16-bit forward cases run
 the Hopper kernel (two more cases give its persistent loop several tiles per CTA), and the
 non-deterministic 16-bit backward cases with head dim 40, 64, 128 or 256 the Hopper backward.
 
@@ -74,6 +74,13 @@ k, v = (torch.randn(1, 700, 2, 128, device="cuda", dtype=torch.float16) for _ in
 for merge, splits in (("auto", 6), ("kernel", 4), ("kernel", 40)):
     os.environ["FLASH_ATTN_EXT_SPLIT_MERGE"] = merge
     fa.flash_attn_func(q, k, v, causal=True, num_splits=splits)
+    # The same on the 4-key-warp decode tile (tile=3): its warps merge in shared memory
+    # first (64-key tiles: 700 keys give at most 11 splits).
+    torch.ops.flash_attn_ext.fwd(q, k, v, 128 ** -0.5, True, True, min(splits, 11), 3)
 del os.environ["FLASH_ATTN_EXT_SPLIT_MERGE"]
+# Auto on a decode grid that fills the GPU unsplit: the key-warp tile, D = 64 (128-key tiles).
+q = torch.randn(4, 1, 64, 64, device="cuda", dtype=torch.bfloat16)
+k, v = (torch.randn(4, 333, 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+fa.flash_attn_func(q, k, v)
 torch.cuda.synchronize()
 print("sanitize cases done")

@@ -5,8 +5,9 @@
 # fwd variant: fwd D BLOCK_M BLOCK_N WARPS STAGES Q_IN_REGS
 # bwd variant: bwd D BLOCK_M BLOCK_N WARPS_M_DQ [GEMM_UNROLL [LAYOUT]]  (LAYOUT: kRegisters,
 #   kTiled or kSplit; default: the head dim's current layout)
-# decode variant: dec D BLOCK_N STAGES   (the seqlen_q <= 16 tile; timed on the decode shape
-#   B=8, H=32, Sq=1, Sk=8k..64k against every SDPA backend)
+# decode variant: dec D BLOCK_N STAGES [KEY_WARP_BLOCK_N]   (the seqlen_q <= 16 tiles: one
+#   warp, and 4 key warps; timed on the decode shape B=8, H=32, Sq=1, Sk=8k..64k against
+#   every SDPA backend)
 # Results (one line per variant, geomean ours/flash) go to stdout and $OUT/tune.csv.
 set -uo pipefail
 OUT=${OUT:-/tmp/fae_out}; mkdir -p "$OUT"
@@ -20,7 +21,7 @@ for variant in "$@"; do
   bench_args=(--hdims "$D" --seqlens ${TUNE_SEQLENS:-2048,8192} --causal 0,1 --pass "$pass" --backends ours,flash)
   want="geomean ours/flash"
   if [[ $pass == dec ]]; then
-    defs="-DFAE_FWD_DECODE_TUNE_BN=$a -DFAE_FWD_DECODE_TUNE_STAGES=$b"
+    defs="-DFAE_FWD_DECODE_TUNE_D=$D -DFAE_FWD_DECODE_TUNE_BN=$a -DFAE_FWD_DECODE_TUNE_STAGES=$b${c:+ -DFAE_FWD_DECODE_KW_TUNE_BN=$c}"
     bench_args=(--hdims "$D" --seqlen-q 1 --seqlens 8192,16384,32768,65536 --batch 8 --heads 32
                 --causal 0 --pass fwd --backends ours,flash,efficient,cudnn)
     want="geomean ours/"

@@ -192,6 +192,39 @@ void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
 
 }  // namespace
 
+// kFwdTileAuto on a decode shape: the key-warp tile where its split heuristic
+// wants at most 2 splits, the one-warp tile elsewhere. Measured on an H200
+// (bf16, Sq=1, H=32, ours / cuDNN, same process; key-warp tile's splits in
+// brackets; D=64 with the 64 / 128-key tiles of fwd_kernel_traits.cuh):
+//
+//   D    B  H_kv  cache   one-warp  key warps
+//   64   8   32    16k     0.985    0.998 (1)
+//   64   4   32     8k     1.050    1.080 (2)
+//   64   8    8    16k     1.028    1.037 (4)   (4k: 1.151 vs 1.162)
+//   64   1    8    16k     1.062    1.046 (many)
+//   128  8   32    16k     0.992    0.999 (1)   (8k-64k: 0.994-0.997 vs 1.003-1.007)
+//   128  4   32     8k     0.936    1.003 (2)
+//   128  8    8    16k     1.010    0.810 (4)   (4k-64k: 0.78-0.91: 4-CTA clusters)
+//   128  1    8    16k     1.088    1.070 (many)
+//   256  8    8    16k     0.878    1.278 (2)   (one CTA per SM; 4k and 64k alike)
+//   256  4   32     8k     0.833    1.222 (2)
+//   256  1    8    16k     1.251    1.232 (many)
+// A forced split count > 1 keeps the one-warp tile.
+void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {
+  if (params.fwd_tile != kFwdTileAuto || params.dtype == DType::kFloat32 ||
+      params.head_dim <= 0 || params.head_dim > 256 || params.num_splits > 1 ||
+      !fwd_uses_decode_tile(params)) {
+    return;
+  }
+  const TileShape shape = tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal,
+                                     kFwdTileSmallMKeyWarps);
+  const int slots = std::max(1, num_sms) * shape.ctas_per_sm;
+  const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
+  if (num_splits_heuristic(unsplit_ctas(params, shape), slots, n_blocks, 128) <= 2) {
+    params.fwd_tile = kFwdTileSmallMKeyWarps;
+  }
+}
+
 int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
   // The fp32 SIMT path has no split-KV.
   if (params.dtype == DType::kFloat32) return 1;
@@ -214,26 +247,6 @@ int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
     return kMaxClusterSplits;
   }
   return splits;
-}
-
-// kFwdTileAuto on a decode shape: the key-warp tile where its unsplit grid
-// fills a wave the way the split heuristic wants one unsplit (>= 80% of the
-// slots) with at least 2 of its CTAs per SM (D <= 192: a CTA's end-of-tile
-// barrier and merge then overlap another CTA's loads); the one-warp tile with
-// split-KV elsewhere (fwd_kernel_traits.cuh has the measurements). A forced
-// split count > 1 keeps the one-warp tile.
-void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {
-  if (params.fwd_tile != kFwdTileAuto || params.dtype == DType::kFloat32 ||
-      params.head_dim <= 0 || params.head_dim > 256 || params.num_splits > 1 ||
-      !fwd_uses_decode_tile(params)) {
-    return;
-  }
-  const TileShape shape = tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal,
-                                     kFwdTileSmallMKeyWarps);
-  const int slots = std::max(1, num_sms) * shape.ctas_per_sm;
-  if (shape.ctas_per_sm >= 2 && unsplit_ctas(params, shape) >= 0.8 * slots) {
-    params.fwd_tile = kFwdTileSmallMKeyWarps;
-  }
 }
 
 // Cluster merge vs combine kernel, measured on an H200 (B=8, H=32, D=128, bf16

@@ -243,13 +243,15 @@ struct FwdTileConfig : FwdTileConfigDefault<kHeadDim, kIsCausal> {};
 //    merge the splits (in a cluster on sm_90, else the combine kernel);
 //  * 4 key warps per CTA (kFwdTileSmallMKeyWarps): the warps share each
 //    64-key tile, 16 keys each, and merge in shared memory at the end
-//    (merge_key_warps), for grids that fill the GPU without splitting.
+//    (merge_key_warps), for grids that need at most 2 splits of it.
 //
 //  variant   | kHeadDim | BlockM | BlockN | warps | stages | Q in regs | smem (KB)
 //  ----------+----------+--------+--------+-------+--------+-----------+----------
-//  one warp  |  <= 128  |   16   |   32   |   1   |   2    |    yes    |  18 (D=64), 36 (D=128)
+//  one warp  |  <= 64   |   16   |   64   |   1   |   2    |    yes    |  34 (D=64)
+//  one warp  |  96, 128 |   16   |   32   |   1   |   2    |    yes    |  36 (D=128)
 //  one warp  |  >= 160  |   16   |   32   |   1   |   2    |    no     |  72 (D=256)
-//  key warps |  <= 128  |   16   |   64   |   4   |   2    |    yes    |  34 (D=64), 68 (D=128)
+//  key warps |  <= 64   |   16   |  128   |   4   |   2    |    yes    |  66 (D=64)
+//  key warps |  96, 128 |   16   |   64   |   4   |   2    |    yes    |  68 (D=128)
 //  key warps |  >= 160  |   16   |   64   |   4   |   2    |    no     |  136 (D=256)
 // Q leaves registers from D=160 on for the same reason as in the table above
 // (O alone is D/2 floats per lane).
@@ -258,24 +260,46 @@ struct FwdTileConfig : FwdTileConfigDefault<kHeadDim, kIsCausal> {};
 // same process, triton do_bench): one warp with 2 splits in 2-CTA clusters
 // 0.994 / 0.994 / 0.997 / 0.994; 4 key warps x 16 keys, unsplit 1.007 /
 // 1.005 / 1.006 / 1.003 (cuDNN's own kernel is also 4 warps x 256 CTAs); 2
-// key warps x 32 keys 0.89 / 0.89 / 0.99 / 0.99. With GQA (H_kv=8, 64 CTAs)
-// the key-warp tile needs 4 splits, and 4-CTA clusters of it ran at 0.79-0.91,
-// so grids that need splits keep the one-warp tile.
+// key warps x 32 keys 0.89 / 0.89 / 0.99 / 0.99. The table at fwd_choose_tile
+// (fwd_dispatch.cu) has the other shapes: 4-CTA clusters of the key-warp tile
+// ran at 0.78-0.91, so it takes grids that need at most 2 splits.
+// D <= 64 takes twice the keys per tile: with 32 / 64 keys a tile carried half
+// the bytes of D=128's, too few in flight (B=8 H=32 Sk=16k: 2.1 TB/s, 0.96x
+// cuDNN). Same process, ours (auto) / cuDNN, D=64, rows as in fwd_choose_tile's
+// table (B=8 H_kv=32 16k, B=8 H_kv=8 4k/16k/64k, B=1 H_kv=8 16k, B=2 H_kv=32
+// 16k, B=4 H_kv=32 8k): 32 / 64 keys 0.959 1.135 0.915 0.898 1.040 0.921
+// 1.033; 64 / 128 keys 0.998 1.152 1.023 1.013 1.064 1.024 1.073; 32 / 64 keys
+// with 4 stages 0.990 1.223 1.015 1.006 1.049 1.019 1.060; 64 / 128 keys with
+// 3 stages 0.997-1.067, 4 stages 0.996-1.159 (the one-warp tile alone 0.79-1.03).
 // ---------------------------------------------------------------------------
 inline constexpr int kFwdDecodeMaxSeqlenQ = 16;
 inline constexpr int kFwdDecodeKeyWarps = 4;
 
+// Tuning builds (bench/tune_tiles.sh "dec") replace one head dim's decode
+// tiles: -DFAE_FWD_DECODE_TUNE_D=64 -DFAE_FWD_DECODE_TUNE_BN=64 (one warp)
+// -DFAE_FWD_DECODE_KW_TUNE_BN=128 (key warps) -DFAE_FWD_DECODE_TUNE_STAGES=3.
+#ifndef FAE_FWD_DECODE_TUNE_D
+#define FAE_FWD_DECODE_TUNE_D 0
+#endif
 #ifndef FAE_FWD_DECODE_TUNE_BN
 #define FAE_FWD_DECODE_TUNE_BN 32
+#endif
+#ifndef FAE_FWD_DECODE_KW_TUNE_BN
+#define FAE_FWD_DECODE_KW_TUNE_BN 64
 #endif
 #ifndef FAE_FWD_DECODE_TUNE_STAGES
 #define FAE_FWD_DECODE_TUNE_STAGES 2
 #endif
 template <int kHeadDim, int kKeyWarps = 1>
 struct FwdTileConfigDecode {
+  static constexpr bool kTuned = kHeadDim == FAE_FWD_DECODE_TUNE_D;
   static constexpr int kBlockM = 16, kNWarps = kKeyWarps;
-  static constexpr int kBlockN = kKeyWarps == 1 ? FAE_FWD_DECODE_TUNE_BN : 16 * kKeyWarps;
-  static constexpr int kStages = FAE_FWD_DECODE_TUNE_STAGES;
+  // D <= 64: twice the keys, so a tile still carries 8 KB of K (see above).
+  static constexpr int kDefaultBlockN = (kHeadDim <= 64 ? 2 : 1) * (kKeyWarps == 1 ? 32 : 64);
+  static constexpr int kBlockN =
+      kTuned ? (kKeyWarps == 1 ? FAE_FWD_DECODE_TUNE_BN : FAE_FWD_DECODE_KW_TUNE_BN)
+             : kDefaultBlockN;
+  static constexpr int kStages = kTuned ? FAE_FWD_DECODE_TUNE_STAGES : 2;
   static constexpr bool kQInRegs = kHeadDim <= 128;
   template <typename T>
   using Traits = FwdKernelTraits<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kQInRegs,
