@@ -13,9 +13,10 @@ once); later calls look the winner up. Set FLASH_ATTN_EXT_AUTOTUNE_CACHE=/path.j
 keep winners across processes.
 
 Candidates: the built-in choice (tile=0, which on sm_90 is the Hopper wgmma kernel wherever
-it applies, with the heuristic split count and forced unsplit) and the two tile families of
-the mma.sync kernel (tile=1: the large per-head-dim tiles of csrc/cuda/fwd_kernel_traits.cuh,
-tile=2: the 16-row small-M tile used for decoding) times a few split-KV counts (0 =
+it applies, with the heuristic split count and forced unsplit) and the three tile families
+of the mma.sync kernel (tile=1: the large per-head-dim tiles of
+csrc/cuda/fwd_kernel_traits.cuh, tile=2: the 16-row one-warp tile used for decoding, tile=3:
+the 16-row tile whose 4 warps split each key tile) times a few split-KV counts (0 =
 heuristic, 1 = off, forced 2..16). fp32, CPU and
 torch.compile tracing keep the defaults (one kernel, or nothing can be timed).
 The cache key includes a shape bucket (powers of two of seqlen_q, seqlen_k and
@@ -35,10 +36,11 @@ _cache = {}            # key -> (num_splits, tile)
 _cache_loaded = False
 _stats = {"hits": 0, "tuned": 0}
 
-TILE_AUTO, TILE_LARGE, TILE_SMALL_M = 0, 1, 2
+TILE_AUTO, TILE_LARGE, TILE_SMALL_M, TILE_SMALL_M_KEY_WARPS = 0, 1, 2, 3
 CANDIDATES = [(0, TILE_AUTO), (1, TILE_AUTO), (1, TILE_LARGE), (2, TILE_LARGE), (4, TILE_LARGE),
               (0, TILE_SMALL_M), (1, TILE_SMALL_M), (4, TILE_SMALL_M), (8, TILE_SMALL_M),
-              (16, TILE_SMALL_M)]
+              (16, TILE_SMALL_M), (0, TILE_SMALL_M_KEY_WARPS), (1, TILE_SMALL_M_KEY_WARPS),
+              (2, TILE_SMALL_M_KEY_WARPS)]
 
 
 def enable(flag: bool = True) -> None:

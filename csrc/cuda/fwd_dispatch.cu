@@ -192,19 +192,43 @@ void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
 
 }  // namespace
 
-// kFwdTileAuto on a decode shape: the key-warp tile where its split heuristic
-// wants at most 2 splits, the one-warp tile elsewhere. Measured on an H200
+// Split clusters of the key-warp tile: 4-CTA clusters of it ran at 0.81-0.83x
+// cuDNN where the combine kernel with the same 4 splits ran at 1.01x and 3-CTA
+// clusters at 1.03-1.05x (H200, D=128, B=8 H_kv=8 16k/64k and B=2 H_kv=32 16k).
+constexpr int kMaxKeyWarpClusterSplits = 3;
+
+// The split heuristic for `shape`, then: a few splits past the tile's cluster
+// limit round down to the limit where a thread-block cluster merges them and
+// they still fill 70-100% of one wave (B=8 H_kv=8 decode: the one-warp tile's
+// 7 -> 6 splits, kMaxClusterSplits; the key-warp tile's 4 -> 3).
+static int heuristic_splits(const AttentionFwdParams& params, const TileShape& shape, int n_blocks,
+                            int num_sms) {
+  const int64_t ctas = unsplit_ctas(params, shape);
+  const int slots = std::max(1, num_sms) * shape.ctas_per_sm;
+  const int splits = num_splits_heuristic(ctas, slots, n_blocks, 128);
+  const int cluster_limit =
+      fwd_uses_key_warp_tile(params) ? kMaxKeyWarpClusterSplits : kMaxClusterSplits;
+  if (splits > cluster_limit && ctas * cluster_limit >= 0.7 * slots &&
+      ctas * cluster_limit <= slots && fwd_merges_splits_in_cluster(params, cluster_limit)) {
+    return cluster_limit;
+  }
+  return splits;
+}
+
+// kFwdTileAuto on a decode shape: the key-warp tile where it runs with at most
+// 3 splits (heuristic_splits), the one-warp tile elsewhere. Measured on an H200
 // (bf16, Sq=1, H=32, ours / cuDNN, same process; key-warp tile's splits in
 // brackets; D=64 with the 64 / 128-key tiles of fwd_kernel_traits.cuh):
 //
 //   D    B  H_kv  cache   one-warp  key warps
-//   64   8   32    16k     0.985    0.998 (1)
-//   64   4   32     8k     1.050    1.080 (2)
-//   64   8    8    16k     1.028    1.037 (4)   (4k: 1.151 vs 1.162)
-//   64   1    8    16k     1.062    1.046 (many)
-//   128  8   32    16k     0.992    0.999 (1)   (8k-64k: 0.994-0.997 vs 1.003-1.007)
-//   128  4   32     8k     0.936    1.003 (2)
-//   128  8    8    16k     1.010    0.810 (4)   (4k-64k: 0.78-0.91: 4-CTA clusters)
+//   64   8   32    16k     0.984    0.999 (1)
+//   64   4   32     8k     1.050    1.074 (2)
+//   64   8    8     4k     1.152    1.163 (3)   (16k 1.021 / 1.026, 64k 1.012 / 1.022)
+//   64   1    8    16k     1.060    1.041 (many)
+//   128  8   32    16k     0.992    1.001 (1)   (8k-64k: 0.994-0.997 vs 1.003-1.007)
+//   128  4   32     8k     0.966    0.985 (2)
+//   128  8    8     4k     1.116    1.124 (3)   (16k 1.047 / 1.043, 64k 0.988 / 1.029)
+//   128  2   32    16k     1.049    1.039 (3)
 //   128  1    8    16k     1.088    1.070 (many)
 //   256  8    8    16k     0.878    1.278 (2)   (one CTA per SM; 4k and 64k alike)
 //   256  4   32     8k     0.833    1.222 (2)
@@ -216,11 +240,12 @@ void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {
       !fwd_uses_decode_tile(params)) {
     return;
   }
-  const TileShape shape = tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal,
-                                     kFwdTileSmallMKeyWarps);
-  const int slots = std::max(1, num_sms) * shape.ctas_per_sm;
+  AttentionFwdParams key_warps = params;
+  key_warps.fwd_tile = kFwdTileSmallMKeyWarps;
+  const TileShape shape =
+      tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal, kFwdTileSmallMKeyWarps);
   const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
-  if (num_splits_heuristic(unsplit_ctas(params, shape), slots, n_blocks, 128) <= 2) {
+  if (heuristic_splits(key_warps, shape, n_blocks, num_sms) <= kMaxKeyWarpClusterSplits) {
     params.fwd_tile = kFwdTileSmallMKeyWarps;
   }
 }
@@ -236,17 +261,7 @@ int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
     // Forced: at most one key tile per split, and within the grid's y limit.
     return std::max(1, std::min({params.num_splits, n_blocks, 65535}));
   }
-  const int64_t ctas = unsplit_ctas(params, shape);
-  const int slots = std::max(1, num_sms) * shape.ctas_per_sm;
-  const int splits = num_splits_heuristic(ctas, slots, n_blocks, 128);
-  // A few splits past the cluster limit: fewer splits that merge in a cluster
-  // beat them while they still fill ~70% of the wave (kMaxClusterSplits has the
-  // numbers: B=8 H_kv=8 decode, the heuristic's 7 -> 6 splits).
-  if (splits > kMaxClusterSplits && ctas * kMaxClusterSplits >= 0.7 * slots &&
-      fwd_merges_splits_in_cluster(params, kMaxClusterSplits)) {
-    return kMaxClusterSplits;
-  }
-  return splits;
+  return heuristic_splits(params, shape, n_blocks, num_sms);
 }
 
 // Cluster merge vs combine kernel, measured on an H200 (B=8, H=32, D=128, bf16

@@ -243,7 +243,7 @@ struct FwdTileConfig : FwdTileConfigDefault<kHeadDim, kIsCausal> {};
 //    merge the splits (in a cluster on sm_90, else the combine kernel);
 //  * 4 key warps per CTA (kFwdTileSmallMKeyWarps): the warps share each
 //    64-key tile, 16 keys each, and merge in shared memory at the end
-//    (merge_key_warps), for grids that need at most 2 splits of it.
+//    (merge_key_warps), for grids that need at most 3 splits of it.
 //
 //  variant   | kHeadDim | BlockM | BlockN | warps | stages | Q in regs | smem (KB)
 //  ----------+----------+--------+--------+-------+--------+-----------+----------
@@ -262,7 +262,8 @@ struct FwdTileConfig : FwdTileConfigDefault<kHeadDim, kIsCausal> {};
 // 1.005 / 1.006 / 1.003 (cuDNN's own kernel is also 4 warps x 256 CTAs); 2
 // key warps x 32 keys 0.89 / 0.89 / 0.99 / 0.99. The table at fwd_choose_tile
 // (fwd_dispatch.cu) has the other shapes: 4-CTA clusters of the key-warp tile
-// ran at 0.78-0.91, so it takes grids that need at most 2 splits.
+// ran at 0.78-0.91 (3-CTA ones at 1.03-1.05), so it takes grids that need at
+// most 3 splits.
 // D <= 64 takes twice the keys per tile: with 32 / 64 keys a tile carried half
 // the bytes of D=128's, too few in flight (B=8 H=32 Sk=16k: 2.1 TB/s, 0.96x
 // cuDNN). Same process, ours (auto) / cuDNN, D=64, rows as in fwd_choose_tile's
