@@ -101,7 +101,7 @@ FwdTile tile_family(const AttentionFwdParams& params) {
   return fwd_uses_decode_tile(params) ? kFwdTileSmallM : kFwdTileLarge;
 }
 
-// CTAs of the unsplit grid and the CTA slots of one wave on this tile.
+// CTAs of the unsplit grid on this tile.
 int64_t unsplit_ctas(const AttentionFwdParams& params, const TileShape& shape) {
   return static_cast<int64_t>(params.batch) * params.heads *
          ((params.seqlen_q + shape.block_m - 1) / shape.block_m);

@@ -175,14 +175,39 @@ FAE_DEVICE void gemm_pv(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
 }
 
 // ---------------------------------------------------------------------------
+// Merging kN partial results of one row (a split's, or a key warp's): each is
+// O_s normalised by its own row sum plus lse_s (natural log; -inf when it saw
+// no key). Returns lse = log(sum_s exp(lse_s)) and sets weight[s] =
+// exp(lse_s - lse), so O = sum_s weight[s] * O_s; when every part is empty,
+// lse = -inf and every weight is 0 (O = 0).
+// ---------------------------------------------------------------------------
+template <int kN>
+FAE_DEVICE float merge_lse(const float (&lse_s)[kN], float (&weight)[kN]) {
+  float max_lse = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < kN; ++s) max_lse = fmaxf(max_lse, lse_s[s]);
+  if (max_lse == -INFINITY) {
+#pragma unroll
+    for (int s = 0; s < kN; ++s) weight[s] = 0.f;
+    return -INFINITY;
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int s = 0; s < kN; ++s) sum += expf(lse_s[s] - max_lse);  // exp(-inf) = 0
+  const float lse = max_lse + logf(sum);
+#pragma unroll
+  for (int s = 0; s < kN; ++s) weight[s] = expf(lse_s[s] - lse);
+  return lse;
+}
+
+// ---------------------------------------------------------------------------
 // Key-warp merge (Traits::kKeyWarps > 1, the decode tile): the warps of a CTA
 // saw disjoint key slices of every tile, so each holds a partial result (O
 // normalised by its own row sums, lse per row). Warps 1.. park theirs in
 // shared memory in fragment order, value-major and lane-minor (a warp's 32
 // stores of one value hit 32 banks); warp 0 reads them back at its own
-// fragment positions, so no lane needs another lane's data, and merges
-//   lse = log(sum_w exp(lse_w)),  O = sum_w exp(lse_w - lse) * O_w
-// into its registers. Returns whether this warp now holds the CTA's result.
+// fragment positions, so no lane needs another lane's data, and merges them
+// (merge_lse) into its registers. Returns whether this warp now holds the CTA's result.
 // ---------------------------------------------------------------------------
 template <typename Traits>
 struct KeyWarpMergeSmem {
@@ -231,20 +256,12 @@ FAE_DEVICE bool merge_key_warps(float (&acc_o)[Traits::kMmaM][Traits::kTilesD][4
       for (int h = 0; h < 2; ++h) {
         float lse_w[Traits::kKeyWarps];
         lse_w[0] = lse[m][h];
-        float max_lse = lse_w[0];
 #pragma unroll
         for (int w = 1; w < Traits::kKeyWarps; ++w) {
           lse_w[w] = part[(w * Smem::kValues + lse_index(m, h)) * 32];
-          max_lse = fmaxf(max_lse, lse_w[w]);
         }
-        if (max_lse == -INFINITY) continue;  // no warp saw a key of this row: O = 0, lse = -inf
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < Traits::kKeyWarps; ++w) sum += expf(lse_w[w] - max_lse);
-        const float lse_row = max_lse + logf(sum);
         float weight[Traits::kKeyWarps];
-#pragma unroll
-        for (int w = 0; w < Traits::kKeyWarps; ++w) weight[w] = expf(lse_w[w] - lse_row);
+        const float lse_row = merge_lse(lse_w, weight);
 #pragma unroll
         for (int d = 0; d < kTilesD; ++d)
 #pragma unroll
@@ -343,26 +360,18 @@ FAE_DEVICE void merge_splits_in_cluster(
     const int row = item / chunks;
     const int col = (item % chunks) * 8;
     float lse_s[kMaxClusterSplits];
-    float max_lse = -INFINITY;
 #pragma unroll
     for (int s = 0; s < kMaxClusterSplits; ++s) {
       lse_s[s] = s < num_splits ? ld_cluster_f32(cluster_map_shared(part_lse + row, s)) : -INFINITY;
-      max_lse = fmaxf(max_lse, lse_s[s]);
     }
+    float weight[kMaxClusterSplits];
+    const float lse_row = merge_lse(lse_s, weight);
     float acc[8] = {};
-    float lse_row = -INFINITY;
-    if (max_lse != -INFINITY) {  // else every split is empty: O = 0, lse = -inf
-      float sum = 0.f;
 #pragma unroll
-      for (int s = 0; s < kMaxClusterSplits; ++s) sum += expf(lse_s[s] - max_lse);  // exp(-inf) = 0
-      lse_row = max_lse + logf(sum);
-#pragma unroll
-      for (int s = 0; s < kMaxClusterSplits; ++s) {
-        if (lse_s[s] == -INFINITY) continue;  // empty or absent split
-        const float w = expf(lse_s[s] - lse_row);
-        const uint32_t addr = cluster_map_shared(part_o + row * Smem::kRowStride + col, s);
-        add_weighted_8(acc, w, ld_cluster_f32x4(addr), ld_cluster_f32x4(addr + 16));
-      }
+    for (int s = 0; s < kMaxClusterSplits; ++s) {
+      if (lse_s[s] == -INFINITY) continue;  // empty or absent split (weight 0)
+      const uint32_t addr = cluster_map_shared(part_o + row * Smem::kRowStride + col, s);
+      add_weighted_8(acc, weight[s], ld_cluster_f32x4(addr), ld_cluster_f32x4(addr + 16));
     }
     store_8(out_tile + row * out_row_stride + col, acc);
     if (col == 0) lse_tile[row] = lse_row;
