@@ -197,12 +197,18 @@ void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
 // clusters at 1.03-1.05x (H200, D=128, B=8 H_kv=8 16k/64k and B=2 H_kv=32 16k).
 constexpr int kMaxKeyWarpClusterSplits = 3;
 
-// The split heuristic for `shape`, then: a few splits past the tile's cluster
-// limit round down to the limit where a thread-block cluster merges them and
-// they still fill 70-100% of one wave (B=8 H_kv=8 decode: the one-warp tile's
-// 7 -> 6 splits, kMaxClusterSplits; the key-warp tile's 4 -> 3).
-static int heuristic_splits(const AttentionFwdParams& params, const TileShape& shape, int n_blocks,
-                            int num_sms) {
+// The shape of the tile the call runs on (tile_family).
+static TileShape call_tile_shape(const AttentionFwdParams& params) {
+  return tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal, tile_family(params));
+}
+
+// The split heuristic on the call's tile, then: a few splits past the tile's
+// cluster limit round down to the limit where a thread-block cluster merges
+// them and they still fill 70-100% of one wave (B=8 H_kv=8 decode: the
+// one-warp tile's 7 -> 6 splits, kMaxClusterSplits; the key-warp tile's 4 -> 3).
+static int heuristic_splits(const AttentionFwdParams& params, int num_sms) {
+  const TileShape shape = call_tile_shape(params);
+  const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
   const int64_t ctas = unsplit_ctas(params, shape);
   const int slots = std::max(1, num_sms) * shape.ctas_per_sm;
   const int splits = num_splits_heuristic(ctas, slots, n_blocks, 128);
@@ -242,10 +248,7 @@ void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {
   }
   AttentionFwdParams key_warps = params;
   key_warps.fwd_tile = kFwdTileSmallMKeyWarps;
-  const TileShape shape =
-      tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal, kFwdTileSmallMKeyWarps);
-  const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
-  if (heuristic_splits(key_warps, shape, n_blocks, num_sms) <= kMaxKeyWarpClusterSplits) {
+  if (heuristic_splits(key_warps, num_sms) <= kMaxKeyWarpClusterSplits) {
     params.fwd_tile = kFwdTileSmallMKeyWarps;
   }
 }
@@ -254,14 +257,12 @@ int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
   // The fp32 SIMT path has no split-KV.
   if (params.dtype == DType::kFloat32) return 1;
   if (params.head_dim <= 0 || params.head_dim > 256) return 1;
-  const TileShape shape =
-      tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal, tile_family(params));
-  const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
   if (params.num_splits > 0) {
     // Forced: at most one key tile per split, and within the grid's y limit.
+    const int n_blocks = ceil_div(params.seqlen_k, call_tile_shape(params).block_n);
     return std::max(1, std::min({params.num_splits, n_blocks, 65535}));
   }
-  return heuristic_splits(params, shape, n_blocks, num_sms);
+  return heuristic_splits(params, num_sms);
 }
 
 // Cluster merge vs combine kernel, measured on an H200 (B=8, H=32, D=128, bf16

@@ -140,11 +140,12 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
   if (can_regroup_decode(p)) regroup_decode(p, q, out_kernel);
 
   if (p.seqlen_q > 0) {  // varlen with max_seqlen_q == 0: nothing to compute
+    const int sms = num_sms();
     call_kernels([&] {
-      cuda::fwd_choose_tile(p, num_sms());
+      cuda::fwd_choose_tile(p, sms);
       cuda::fwd_set_kv_l2_policy(p, at::cuda::getCurrentDeviceProperties()->l2CacheSize);
     });
-    const int splits = varlen ? 1 : cuda::fwd_num_splits(p, num_sms());
+    const int splits = varlen ? 1 : cuda::fwd_num_splits(p, sms);
     p.num_splits = splits;
     const int64_t ws_floats = cuda::fwd_workspace_floats(p, splits);
     at::Tensor workspace;
