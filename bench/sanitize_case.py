@@ -29,6 +29,7 @@ cases = [  # (dtype, seqlen_q, seqlen_k, head_dim, causal, num_splits, determini
     (torch.float32, 70, 90, 64, True, 1, False),
     (torch.float16, 150, 300, 128, True, 1, False),  # Hopper backward, 3 query tiles, D = 128
     (torch.bfloat16, 200, 150, 256, False, 1, False),  # Hopper backward, head-dim split, 4 q tiles
+    (torch.bfloat16, 333, 200, 64, True, 1, False),  # Hopper backward, 6 q tiles: both dQ buffers reused
 ]
 for dtype, sq, sk, d, causal, splits, det in cases:
     q = torch.randn(1, sq, 2, d, device="cuda", dtype=dtype, requires_grad=True)

@@ -15,9 +15,12 @@
 //       dK  += dS^T Q_i                  wgmma RS (Q MN-major)
 //       dS^T -> shared memory, then
 //       dQ_i += dS K                     wgmma SS, both MN-major (dS^T and K
-//                                        read transposed), fp32 atomics into
-//                                        the dQ accumulator (bwd_preprocess.cuh
-//                                        converts it at the end)
+//                                        read transposed), added into the fp32
+//                                        dQ accumulator (bwd_preprocess.cuh
+//                                        converts it at the end): staged in
+//                                        shared memory and sent with one TMA
+//                                        reduce-add per 32 columns (key split),
+//                                        or fp32 atomics (head-dim split)
 //   epilogue: dK * softmax_scale and dV from registers to global memory.
 //
 // The transposed formulation (S^T rather than S) puts the keys on wgmma's M
@@ -32,7 +35,10 @@
 //     over keys: with two 64-column chunks (D = 128) each consumer takes one
 //     chunk over all 128 keys (dS^T of both is shared through shared memory,
 //     one 256-thread barrier per step, dS double-buffered); with one chunk
-//     (D = 64) each takes 32 of its columns, again over all 128 keys.
+//     (D = 64) each takes 32 of its columns, again over all 128 keys. Each
+//     consumer's dQ_i partial goes to its own shared-memory buffer (two, used
+//     in turn), and one thread hands it to the TMA unit, which adds it into
+//     the accumulator in L2: the math warps issue no atomics.
 //
 //   D = 256 ("head-dim split", 64 keys per CTA): 256 accumulator registers
 //     would not fit, so both consumers work on the same 64 keys and consumer w
@@ -47,7 +53,8 @@
 // Shared memory (tiles in 64-column chunks of [rows x 128 B], TMA's 128-byte
 // swizzle; every tile 1024-byte aligned):
 //   | K [kChunks][kBlockN][64] | V | Q [kStages][kChunks][64][64] | dO [...] |
-//   | dS^T [kDsBuffers][kBlockN keys][64 queries] | P^T (head-dim split) | mbarriers |
+//   | dS^T [kDsBuffers][kBlockN keys][64 queries] | dQ [consumers][kDqBuffers][boxes][64][32] fp32
+//     (key split) | P^T (head-dim split) | mbarriers |
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -90,10 +97,21 @@ struct BwdSm90Traits {
   // Head-dim split: consumer 0 hands P^T to consumer 1 in fp32 (dS = P o (dP - D)
   // keeps full precision), 8 float4 per thread, thread-major: conflict-free.
   static constexpr int kPBytes = kSplitHeadDim ? 64 * kBlockM * 4 : 0;
+  // dQ through shared memory and TMA reduce-add (key split): each consumer's
+  // 64 x kDqCols fp32 partial in boxes of 32 columns (128 bytes, one swizzle
+  // row), two buffers per consumer so that a step's writes never wait for the
+  // TMA to finish reading the previous step's. The head-dim split has no
+  // shared memory left for it (64 KB) and keeps fp32 atomics.
+  static constexpr bool kDqViaTma = !kSplitHeadDim;
+  static constexpr int kDqBoxCols = 32;
+  static constexpr int kDqBuffers = 2;
+  static constexpr int kDqBufferBytes = kBlockM * kDqCols * 4;
+  static constexpr int kDqSmemBytes =
+      kDqViaTma ? kConsumerWarpgroups * kDqBuffers * kDqBufferBytes : 0;
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
-                                    kPBytes + kBarrierBytes + 1024;
+                                    kDqSmemBytes + kPBytes + kBarrierBytes + 1024;
 
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -106,6 +124,8 @@ struct BwdSm90Traits {
   static_assert(kBlockM * 2 == 128, "one 64-query step is one 128-byte swizzle row of dS^T");
   static_assert(kDqChunks * kDqCols * kConsumerWarpgroups == kHeadDim,
                 "dQ columns split evenly between the consumers");
+  static_assert(!kDqViaTma || (kDqChunks == 1 && kDqCols % kDqBoxCols == 0),
+                "TMA dQ: one wgmma chunk per consumer and step, whole 32-column boxes");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one CTA per SM");
   static_assert(128 * kProducerRegs + 128 * kConsumerWarpgroups * kConsumerRegs <= 65536,
                 "register file split between producer and consumers");
@@ -117,6 +137,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                           const __grid_constant__ CUtensorMap tmap_k,
                           const __grid_constant__ CUtensorMap tmap_v,
                           const __grid_constant__ CUtensorMap tmap_do,
+                          const __grid_constant__ CUtensorMap tmap_dq_accum,
                           const __grid_constant__ AttentionBwdParams params) {
 #if defined(FAE_SM90_ENABLED)
   using T = typename Traits::T;
@@ -135,7 +156,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const uint32_t q_smem0 = v_smem + Traits::kKVBytes;
   const uint32_t do_smem0 = q_smem0 + kStages * Traits::kQBytes;
   const uint32_t ds_smem0 = do_smem0 + kStages * Traits::kQBytes;
-  const uint32_t p_smem = ds_smem0 + Traits::kDsBuffers * Traits::kDsBytes;
+  const uint32_t dq_smem0 = ds_smem0 + Traits::kDsBuffers * Traits::kDsBytes;
+  const uint32_t p_smem = dq_smem0 + Traits::kDqSmemBytes;
   const uint32_t bar0 = p_smem + Traits::kPBytes;
   auto q_smem = [&](int stage) { return q_smem0 + stage * Traits::kQBytes; };
   auto do_smem = [&](int stage) { return do_smem0 + stage * Traits::kQBytes; };
@@ -174,6 +196,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tmap_k);
       prefetch_tensor_map(&tmap_v);
       prefetch_tensor_map(&tmap_do);
+      if constexpr (Traits::kDqViaTma) prefetch_tensor_map(&tmap_dq_accum);
       mbar_arrive_expect_tx(kv_full, 2 * Traits::kKVBytes);
       tma_load_tile<kChunks>(&tmap_k, k_smem, kBlockN, kv_full, n0, h_k, b);
       tma_load_tile<kChunks>(&tmap_v, v_smem, kBlockN, kv_full, n0, h_k, b);
@@ -360,9 +383,48 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dk));
     fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dv));
   };
+  // TMA path: this consumer's dQ_i partial into its shared-memory buffer, as
+  // kDqCols / 32 boxes of [64 rows x 128 B] in the 128-byte swizzle of the
+  // dQ tensor map: 16-byte unit u of row r sits at unit u ^ (r % 8). The
+  // float2 of (row r, columns 8j + 2q) is unit 2 (j % 4) + q / 2, byte 8 (q % 2):
+  // for one j a warp's 8 rows x 4 quads cover all 32 banks twice, no conflict.
+  constexpr int kDqBoxes = kDqCols / Traits::kDqBoxCols;
+  auto dq_buffer = [&](int step) {
+    return dq_smem0 + (wg * Traits::kDqBuffers + step % Traits::kDqBuffers) * Traits::kDqBufferBytes;
+  };
+  auto stage_dq = [&](uint32_t buf, const float (&dq)[kDqCols / 8][4]) {
+#pragma unroll
+    for (int j = 0; j < kDqCols / 8; ++j) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = warp * 16 + lane / 4 + 8 * hh;
+        const int unit = 2 * (j % 4) + (lane % 4) / 2;
+        const uint32_t addr = buf + (j / 4) * kBlockM * 128 + r * 128 + ((unit ^ (r % 8)) * 16) +
+                              (lane % 2) * 8;
+        st_shared_v2_f32(addr, dq[j][2 * hh], dq[j][2 * hh + 1]);
+      }
+    }
+  };
+  // Once every thread's stores are visible to the async proxy, one thread
+  // sends the boxes (rows past seqlen_q are clipped by the map) and commits
+  // them as one bulk group.
+  constexpr int kDqStagedBarrier = 2;  // + wg: one per consumer, 128 threads
+  auto send_dq_tma = [&](uint32_t buf, int m_block) {
+    fence_proxy_async_smem();
+    named_barrier_sync(kDqStagedBarrier + wg, 128);
+    if (tid == 0) {
+#pragma unroll
+      for (int box = 0; box < kDqBoxes; ++box) {
+        tma_reduce_add_3d(&tmap_dq_accum, buf + box * kBlockM * 128,
+                          dq_col0(0) + box * Traits::kDqBoxCols, m_block * kBlockM,
+                          b * params.heads + h);
+      }
+      bulk_commit_group();
+    }
+  };
   // Every chunk in turn; the first wait also retires the step's dV / dK
   // products, so the Q/dO stage is released after it.
-  auto accumulate_dq = [&](uint32_t ds_buf, int m_block, uint32_t qdo_empty_bar) {
+  auto accumulate_dq = [&](uint32_t ds_buf, int m_block, uint32_t qdo_empty_bar, int step) {
 #pragma unroll
     for (int c = 0; c < Traits::kDqChunks; ++c) {
       float dq[kDqCols / 8][4];
@@ -371,22 +433,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
       fence_grads();
       if (c == 0 && lane == 0) mbar_arrive(qdo_empty_bar);
-      zero_dq_tail(dq, m_block, dq);
-      send_dq_chunk(dq, m_block, c);
+      if constexpr (Traits::kDqViaTma) {
+        stage_dq(dq_buffer(step), dq);
+        send_dq_tma(dq_buffer(step), m_block);
+      } else {
+        zero_dq_tail(dq, m_block, dq);
+        send_dq_chunk(dq, m_block, c);
+      }
     }
   };
 
   if (m_begin < m_end) mbar_wait(kv_full, 0);
   if constexpr (!Traits::kSplitHeadDim) {
     // ---- key split: each consumer runs the whole step for its 64 keys ----
-    // D = 64 (kDeferDq): the dQ atomics of step i go out at the start of step
-    // i + 1, under its S^T / dP^T GEMMs (D = 64's short GEMMs cannot hide
-    // them otherwise). Every wgmma is waited for in the iteration that issued
-    // it: one left in flight across the loop's back edge, or waited for under
-    // a branch, made ptxas serialise all of them.
-    constexpr bool kDeferDq = kHeadDim == 64;
+    // Every wgmma is waited for in the iteration that issued it: one left in
+    // flight across the loop's back edge, or waited for under a branch, made
+    // ptxas serialise all of them.
     constexpr int kDsBarrier = 1;  // both consumers' dS^T written
-    float dq_pending[kDqCols / 8][4];  // kDeferDq: the last step's dQ, atomics pending
     for (int i = 0; m_begin + i < m_end; ++i) {
       const int m_block = m_begin + i;
       const int stage = i % kStages;
@@ -396,7 +459,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_fence();
       issue_transposed_scores(s, k_smem, q_smem(stage));
       issue_transposed_scores(dp, v_smem, do_smem(stage));
-      if (kDeferDq && i > 0) send_dq_chunk(dq_pending, m_block - 1, 0);
       float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];  // while the GEMMs run
       load_lse_log2(m_block, lse_log2);
       load_dsum(m_block, dsum);
@@ -423,24 +485,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const uint32_t ds_buf = ds_smem(i % 2);
       store_ds(ds_buf, ds_frag);
       fence_proxy_async_smem();
+      // This step's dQ buffer was last read by the TMA reduce of step i - 2
+      // (groups i - 2 and i - 1 are the sender's outstanding ones): done
+      // before the barrier, which every write to the buffer follows.
+      if (tid == 0) bulk_wait_group_read<1>();
       named_barrier_sync(kDsBarrier, 256);
-      if constexpr (kDeferDq) {
-        float dq[kDqCols / 8][4];
-        issue_dq_chunk(dq, ds_buf, 0);
-        wgmma_wait<0>();
-        fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
-        // Into registers no wgmma writes: reading a wgmma accumulator while
-        // the next step's wgmmas are in flight would make ptxas inject a wait.
-        zero_dq_tail(dq, m_block, dq_pending);
-        fence_grads();
-        if (lane == 0) mbar_arrive(qdo_empty(stage));
-      } else {
-        accumulate_dq(ds_buf, m_block, qdo_empty(stage));
-      }
+      accumulate_dq(ds_buf, m_block, qdo_empty(stage), i);
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
     }
-    if (kDeferDq && m_begin < m_end) send_dq_chunk(dq_pending, m_end - 1, 0);
   } else {
     // ---- head-dim split: consumer 0 computes P^T, consumer 1 dP^T and dS^T ----
     // Every buffer reuse is separated by a bar.sync of both consumers: P^T of
@@ -511,7 +564,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_fence();
       issue_grad_update(dk, ds_frag, q_smem(stage));
       wgmma_commit();
-      accumulate_dq(ds_buf, m_block, qdo_empty(stage));
+      accumulate_dq(ds_buf, m_block, qdo_empty(stage), i);
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
     }
@@ -532,6 +585,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     store_accumulator_row<T, kGradCols>(dv_row, dv, hh, 1.f, wg_col0, params.head_dim, key_ok,
                                         lane);
   }
+  // The dQ buffers live until the TMA has read them (and the CTA's adds are
+  // done before it retires).
+  if (Traits::kDqViaTma && tid == 0) bulk_wait_group<0>();
 #endif
 }
 

@@ -2,7 +2,8 @@
 // generated instantiations/bwd_sm90_<dtype>_hdim<D>_<causal|full>.cu files:
 //   1. zero the fp32 dQ accumulator,
 //   2. D = rowsum(dO o O)                  (bwd_preprocess.cuh, shared with mma.sync),
-//   3. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh),
+//   3. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added by TMA
+//      reduce-adds or atomics into the accumulator),
 //   4. dq = softmax_scale * dQ accumulator (bwd_preprocess.cuh).
 #pragma once
 #include <cuda_runtime.h>
@@ -38,6 +39,11 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   const CUtensorMap tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
   const CUtensorMap tmap_do =
       query_tensor_map(params, params.dout, params.dout_strides, kBf16, Traits::kBlockM);
+  // The padded batch's accumulator rows are [batch * heads][seqlen_q] (params.h).
+  const CUtensorMap tmap_dq_accum =
+      Traits::kDqViaTma ? make_dq_accum_tensor_map(params.dq_accum, kHeadDim, params.seqlen_q,
+                                                   params.batch * params.heads, Traits::kBlockM)
+                        : CUtensorMap{};
 
   auto kernel = flash_bwd_sm90_kernel<Traits, kIsCausal>;
   bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -49,7 +55,7 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
                   params.batch);
   if (grid.x > 0) {
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, tmap_do,
-                                                                    params);
+                                                                    tmap_dq_accum, params);
     bwd_check_cuda(cudaGetLastError(), "Hopper kernel launch");
   }
   launch_bwd_convert_dq<T>(params, kHeadDim, 1, stream);

@@ -99,6 +99,13 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
+[[noreturn]] void tensor_map_failed(CUresult res, const std::string& what) {
+  throw std::runtime_error("flash_attn_ext: cuTensorMapEncodeTiled failed (error " +
+                           std::to_string(res) + ") for " + what +
+                           "; set FLASH_ATTN_EXT_FWD_IMPL=mma / FLASH_ATTN_EXT_BWD_IMPL=mma to use "
+                           "the mma.sync kernels");
+}
+
 }  // namespace
 
 CUtensorMap make_attention_tensor_map(const void* base, bool bf16, int head_dim, int seqlen,
@@ -125,13 +132,32 @@ CUtensorMap make_attention_tensor_map(const void* base, bool bf16, int head_dim,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) {
-    throw std::runtime_error(
-        "flash_attn_ext: cuTensorMapEncodeTiled failed (error " + std::to_string(res) +
-        ") for a tensor of [batch " + std::to_string(batch) + ", seqlen " +
-        std::to_string(seqlen) + ", heads " + std::to_string(heads) + ", head_dim " +
-        std::to_string(head_dim) + "] with element strides (" + std::to_string(strides.batch) +
-        ", " + std::to_string(strides.row) + ", " + std::to_string(strides.head) +
-        "); set FLASH_ATTN_EXT_FWD_IMPL=mma / FLASH_ATTN_EXT_BWD_IMPL=mma to use the mma.sync kernels");
+    tensor_map_failed(res, "a tensor of [batch " + std::to_string(batch) + ", seqlen " +
+                               std::to_string(seqlen) + ", heads " + std::to_string(heads) +
+                               ", head_dim " + std::to_string(head_dim) + "] with element strides (" +
+                               std::to_string(strides.batch) + ", " + std::to_string(strides.row) +
+                               ", " + std::to_string(strides.head) + ")");
+  }
+  return map;
+}
+
+CUtensorMap make_dq_accum_tensor_map(float* base, int accum_dim, int seqlen_q, int heads_total,
+                                     int box_rows) {
+  constexpr uint64_t kElem = 4;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(accum_dim), static_cast<cuuint64_t>(seqlen_q),
+                              static_cast<cuuint64_t>(heads_total)};
+  const cuuint64_t byte_strides[2] = {static_cast<cuuint64_t>(accum_dim) * kElem,
+                                      static_cast<cuuint64_t>(seqlen_q) * accum_dim * kElem};
+  const cuuint32_t box[3] = {32, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  CUtensorMap map;
+  const CUresult res = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, base, dims, byte_strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) {
+    tensor_map_failed(res, "the dQ accumulator [" + std::to_string(heads_total) + ", " +
+                               std::to_string(seqlen_q) + ", " + std::to_string(accum_dim) + "]");
   }
   return map;
 }

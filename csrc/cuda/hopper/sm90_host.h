@@ -41,6 +41,14 @@ CUtensorMap make_attention_tensor_map(const void* base, bool bf16, int head_dim,
                                       int heads, int batch, const TensorStrides& strides,
                                       int box_rows);
 
+// A 3-D TMA descriptor over the backward's fp32 dQ accumulator of a padded
+// batch, [batch * heads][seqlen_q][accum_dim] (params.h: rows indexed like lse),
+// boxes of [box_rows x 32 columns] (128 bytes) stored with the 128-byte swizzle.
+// The kernel adds tiles into it (tma_reduce_add_3d); rows past seqlen_q are
+// skipped.
+CUtensorMap make_dq_accum_tensor_map(float* base, int accum_dim, int seqlen_q, int heads_total,
+                                     int box_rows);
+
 // Whether TMA can describe a tensor with these strides: every dimension longer
 // than 1 needs a positive stride (a broadcast, stride-0 dimension, e.g. from
 // expand(), cannot be encoded; such calls stay on the mma.sync kernels, which

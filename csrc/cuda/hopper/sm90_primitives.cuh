@@ -1,4 +1,5 @@
-// Hopper (sm_90a) building blocks: mbarriers, TMA (cp.async.bulk.tensor),
+// Hopper (sm_90a) building blocks: mbarriers, TMA (cp.async.bulk.tensor loads and
+// reduce-adds),
 // wgmma shared-memory descriptors and fences, named barriers, setmaxnreg.
 // Each wrapper is one or two PTX instructions; the kernel (fwd_sm90_kernel.cuh)
 // reads as a pipeline on top of them.
@@ -84,6 +85,29 @@ FAE_DEVICE void tma_load_tile(const CUtensorMap* map, uint32_t smem_dst, int row
     tma_load_4d(smem_dst + c * rows * 128, map, full, c * 64, row, head, batch);
   }
 }
+// Shared -> global element-wise add through TMA (fp32 tiles of the backward's
+// dQ accumulator): the L2 adds whole lines, the issuing thread only hands over
+// the tile. Out-of-bounds elements (rows past seqlen_q) are skipped. Completion
+// is tracked per thread with bulk groups (commit / wait below).
+FAE_DEVICE void tma_reduce_add_3d(const CUtensorMap* map, uint32_t smem_src, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%2, %3, %4}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_src), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+FAE_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// The shared-memory sources of all but the newest kPending groups were read
+// (their buffers may be written again).
+template <int kPending>
+FAE_DEVICE void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+// All but the newest kPending groups completed, global writes included.
+template <int kPending>
+FAE_DEVICE void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 // Generic-proxy writes to shared memory (st.shared) become visible to the
 // async proxy (TMA store, wgmma) only after this fence in the writing thread.
 FAE_DEVICE void fence_proxy_async_smem() {
@@ -105,6 +129,9 @@ FAE_DEVICE uint32_t ld_shared_b32(uint32_t addr) {
   uint32_t value;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
   return value;
+}
+FAE_DEVICE void st_shared_v2_f32(uint32_t addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 FAE_DEVICE void st_shared_v4_f32(uint32_t addr, float x, float y, float z, float w) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(x), "f"(y), "f"(z),
