@@ -31,11 +31,11 @@ import torch
 from flash_attn_ext import bench
 
 # Our __global__ functions (csrc/cuda): flash_fwd_kernel, flash_fwd_combine_kernel (split-KV),
-# flash_fwd_fp32_kernel, bwd_main_kernel, bwd_dot_do_o_kernel (preprocess),
+# flash_fwd_fp32_kernel, bwd_main_kernel, bwd_preprocess_kernel (D, dQ zeroing),
 # bwd_convert_dq_kernel, bwd_fp32_kernel. Matched against the plain function name, which is
 # ncu's default --kernel-name-base. Torch's own FlashAttention kernels are also called
 # flash_fwd_kernel, but this script launches only ours.
-OUR_KERNELS = r"flash_fwd|flash_bwd|fwd_fp32|bwd_fp32|bwd_main|bwd_dot_do_o|bwd_convert_dq"
+OUR_KERNELS = r"flash_fwd|flash_bwd|fwd_fp32|bwd_fp32|bwd_main|bwd_preprocess|bwd_convert_dq"
 # Extra raw metrics: local-memory instructions are what register spills turn into.
 SPILL_METRICS = ("smsp__sass_inst_executed_op_local_ld.sum", "smsp__sass_inst_executed_op_local_st.sum")
 

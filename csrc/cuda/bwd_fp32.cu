@@ -257,10 +257,7 @@ template <int kD, bool kIsCausal>
 void run_fp32(const AttentionBwdParams& params, cudaStream_t stream) {
   const int splits = params.deterministic ? params.num_splits : 1;
   if (splits < 1) throw std::runtime_error("flash_attn_ext: backward needs num_splits >= 1");
-  const size_t accum_bytes =
-      static_cast<size_t>(splits) * params.q_rows_total * kD * sizeof(float);
-  check(cudaMemsetAsync(params.dq_accum, 0, accum_bytes, stream), "dQ zeroing");
-  launch_bwd_dot_do_o<float>(params, stream);
+  launch_bwd_preprocess<float>(params, kD, splits, stream);
   const int num_n_blocks = (params.seqlen_k + kBwdFp32BlockN - 1) / kBwdFp32BlockN;
   const dim3 grid(params.deterministic ? splits : num_n_blocks, params.heads, params.batch);
   auto kernel = params.deterministic ? &bwd_fp32_kernel<kD, kIsCausal, true>

@@ -1,9 +1,8 @@
 // run_bwd_impl<T, kHeadDim, kIsCausal>: the 16-bit backward for one compiled
 // configuration (explicitly instantiated in instantiations/bwd_*.cu):
-//   1. zero the fp32 dQ accumulator(s),
-//   2. D = rowsum(dO o O)                       (bwd_preprocess.cuh),
-//   3. main kernel: dK, dV, dQ partial sums      (bwd_kernel.cuh),
-//   4. dq = softmax_scale * sum of dQ splits     (bwd_preprocess.cuh).
+//   1. D = rowsum(dO o O), zeroed fp32 dQ accumulator(s)  (bwd_preprocess.cuh),
+//   2. main kernel: dK, dV, dQ partial sums                 (bwd_kernel.cuh),
+//   3. dq = softmax_scale * sum of dQ splits                (bwd_preprocess.cuh).
 // params.num_splits holds the number of dQ accumulators (1 unless
 // params.deterministic); bwd_dispatch.cu sets it and sizes the workspace.
 #pragma once
@@ -26,10 +25,7 @@ void run_bwd_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   const int splits = params.deterministic ? params.num_splits : 1;
   if (splits < 1) throw std::runtime_error("flash_attn_ext: backward needs num_splits >= 1");
 
-  const size_t accum_bytes = static_cast<size_t>(splits) * params.q_rows_total * kHeadDim *
-                             sizeof(float);
-  bwd_check_cuda(cudaMemsetAsync(params.dq_accum, 0, accum_bytes, stream), "dQ zeroing");
-  launch_bwd_dot_do_o<T>(params, stream);
+  launch_bwd_preprocess<T>(params, kHeadDim, splits, stream);
 
   const int num_n_blocks = (params.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN;
   // Deterministic: `splits` blocks per head, each walking n_blocks

@@ -1,7 +1,9 @@
 // The two small kernels around the main backward kernel, shared by the 16-bit
 // and the fp32 paths (T = __half, __nv_bfloat16 or float):
-//   * bwd_dot_do_o_kernel:  D_i = sum_d dO[i,d] * O[i,d]  (fp32), the row term
-//     of dS = P o (dP - D) (since sum_j P_ij dP_ij = dO_i . O_i).
+//   * bwd_preprocess_kernel: D_i = sum_d dO[i,d] * O[i,d]  (fp32), the row term
+//     of dS = P o (dP - D) (since sum_j P_ij dP_ij = dO_i . O_i), and the
+//     zeroed dQ accumulator row(s) of query i (one launch instead of a memset
+//     and a kernel; the writes overlap the reads).
 //   * bwd_convert_dq_kernel: dq = softmax_scale * sum_{split} dq_accum[split]
 //     in input dtype, with dq's own strides. Splits are summed in the fixed
 //     order 0, 1, ..., so the deterministic mode is bit-reproducible.
@@ -62,14 +64,16 @@ FAE_DEVICE void store8<float>(float* dst, const float (&v)[8]) {
   *reinterpret_cast<float4*>(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-// ---- D = rowsum(dO o O) -----------------------------------------------------
+// ---- D = rowsum(dO o O); dq_accum rows = 0 ---------------------------------
 // 8 threads per row (each a strided set of 8-element chunks), 32 rows per
-// 256-thread block. grid = (ceil(seqlen_q / 32), heads, batch).
+// 256-thread block. grid = (ceil(seqlen_q / 32), heads, batch). Every
+// accumulator row is some (batch, head, query)'s, so all of them are zeroed.
 constexpr int kDotThreadsPerRow = 8;
 constexpr int kDotRowsPerBlock = 256 / kDotThreadsPerRow;
 
 template <typename T>
-__global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const AttentionBwdParams params) {
+__global__ void __launch_bounds__(256)
+    bwd_preprocess_kernel(const AttentionBwdParams params, int accum_dim, int num_splits) {
   const int row = blockIdx.x * kDotRowsPerBlock + threadIdx.x / kDotThreadsPerRow;
   const int sub = threadIdx.x % kDotThreadsPerRow;
   const int h = blockIdx.y, b = blockIdx.z;
@@ -93,7 +97,17 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const AttentionBwdPar
   acc += __shfl_xor_sync(0xffffffff, acc, 1);
   acc += __shfl_xor_sync(0xffffffff, acc, 2);
   acc += __shfl_xor_sync(0xffffffff, acc, 4);
-  if (row < seq.seqlen_q && sub == 0) params.dsoftmax_sum[seq.lse_index(params, b, h, row)] = acc;
+  if (row >= seq.seqlen_q) return;
+  const int64_t index = seq.lse_index(params, b, h, row);
+  if (sub == 0) params.dsoftmax_sum[index] = acc;
+  // The row's 8 threads write consecutive float4s (accum_dim is a multiple of 32).
+  const int64_t split_stride = params.q_rows_total * accum_dim;
+  for (int s = 0; s < num_splits; ++s) {
+    float* accum_row = params.dq_accum + s * split_stride + index * accum_dim;
+    for (int c = sub * 4; c < accum_dim; c += kDotThreadsPerRow * 4) {
+      *reinterpret_cast<float4*>(accum_row + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
 }
 
 // ---- dq = scale * sum_split dq_accum[split] ---------------------------------
@@ -128,12 +142,14 @@ __global__ void __launch_bounds__(256)
   store8<T>(dst, sum);
 }
 
-// Host helpers: launch both with the shapes above.
+// Host helpers: launch both with the shapes above. accum_dim and num_splits
+// describe the dQ accumulator(s) (the main kernel's row pitch and count).
 template <typename T>
-inline void launch_bwd_dot_do_o(const AttentionBwdParams& params, cudaStream_t stream) {
+inline void launch_bwd_preprocess(const AttentionBwdParams& params, int accum_dim, int num_splits,
+                                  cudaStream_t stream) {
   const dim3 grid((params.seqlen_q + kDotRowsPerBlock - 1) / kDotRowsPerBlock, params.heads,
                   params.batch);
-  bwd_dot_do_o_kernel<T><<<grid, 256, 0, stream>>>(params);
+  bwd_preprocess_kernel<T><<<grid, 256, 0, stream>>>(params, accum_dim, num_splits);
 }
 
 template <typename T>

@@ -75,7 +75,10 @@ struct BwdSm90Traits {
   static constexpr bool kSplitHeadDim = kHeadDim > 128;  // see the file comment
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 64 * kConsumerWarpgroups;  // keys
   static constexpr int kBlockM = 64;  // queries per step: wgmma N of S^T
-  static constexpr int kStages = 2;
+#ifndef FAE_SM90_BWD_STAGES_D64
+#define FAE_SM90_BWD_STAGES_D64 2
+#endif
+  static constexpr int kStages = kHeadDim == 64 ? FAE_SM90_BWD_STAGES_D64 : 2;
   static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
 

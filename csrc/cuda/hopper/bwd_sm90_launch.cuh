@@ -1,10 +1,10 @@
 // Host-side launcher of one Hopper backward configuration, included by the
 // generated instantiations/bwd_sm90_<dtype>_hdim<D>_<causal|full>.cu files:
-//   1. zero the fp32 dQ accumulator,
-//   2. D = rowsum(dO o O)                  (bwd_preprocess.cuh, shared with mma.sync),
-//   3. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added by TMA
+//   1. D = rowsum(dO o O), zeroed fp32 dQ accumulator (bwd_preprocess.cuh, shared
+//      with mma.sync),
+//   2. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added by TMA
 //      reduce-adds or atomics into the accumulator),
-//   4. dq = softmax_scale * dQ accumulator (bwd_preprocess.cuh).
+//   3. dq = softmax_scale * dQ accumulator (bwd_preprocess.cuh).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -28,11 +28,7 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   }
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   // Workspace rows have the kernel head dim as pitch (bwd_dispatch.cu: accum_dim).
-  bwd_check_cuda(cudaMemsetAsync(params.dq_accum, 0,
-                                 static_cast<size_t>(params.q_rows_total) * kHeadDim * sizeof(float),
-                                 stream),
-                 "dQ zeroing");
-  launch_bwd_dot_do_o<T>(params, stream);
+  launch_bwd_preprocess<T>(params, kHeadDim, 1, stream);
 
   const CUtensorMap tmap_q = query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kBlockM);
   const CUtensorMap tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
