@@ -19,8 +19,8 @@
 //                                        dQ accumulator (bwd_preprocess.cuh
 //                                        converts it at the end): staged in
 //                                        shared memory and sent with one TMA
-//                                        reduce-add per 32 columns (key split),
-//                                        or fp32 atomics (head-dim split)
+//                                        reduce-add per 32 columns, so the
+//                                        math warps issue no atomics
 //   epilogue: dK * softmax_scale and dV from registers to global memory.
 //
 // The transposed formulation (S^T rather than S) puts the keys on wgmma's M
@@ -38,7 +38,7 @@
 //     (D = 64) each takes 32 of its columns, again over all 128 keys. Each
 //     consumer's dQ_i partial goes to its own shared-memory buffer (two, used
 //     in turn), and one thread hands it to the TMA unit, which adds it into
-//     the accumulator in L2: the math warps issue no atomics.
+//     the accumulator in L2.
 //
 //   D = 256 ("head-dim split", 64 keys per CTA): 256 accumulator registers
 //     would not fit, so both consumers work on the same 64 keys and consumer w
@@ -49,6 +49,9 @@
 //       consumer 1:  dP^T ------------------ wait P^T | dS^T -> smem, dV_1 | dK_1 dQ_1
 //
 //     (named barriers kPReady and kDsReady, both consumers sync on each.)
+//     A consumer's dQ_i chunks (2 x 64 columns) are staged in its own column
+//     half of the step's Q and dO tiles, which nothing else reads by then; the
+//     stage returns to the producer once the TMA has read them.
 //
 // Shared memory (tiles in 64-column chunks of [rows x 128 B], TMA's 128-byte
 // swizzle; every tile 1024-byte aligned):
@@ -87,7 +90,7 @@ struct BwdSm90Traits {
   static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / kConsumerWarpgroups : kHeadDim;
   // dQ columns per consumer, each summed over all kBlockN keys, in kDqChunks
   // wgmmas of kDqCols columns. D = 64 (one 64-column chunk): 32 columns each
-  // (one sum over 128 keys has half the fp32 atomics of one per consumer).
+  // (one sum over 128 keys has half the reduce-add traffic of one per consumer).
   static constexpr int kDqCols = kChunks == 1 ? 32 : 64;
   static constexpr int kDqChunks = kHeadDim / kConsumerWarpgroups / kDqCols;
 
@@ -99,17 +102,23 @@ struct BwdSm90Traits {
   // Head-dim split: consumer 0 hands P^T to consumer 1 in fp32 (dS = P o (dP - D)
   // keeps full precision), 8 float4 per thread, thread-major: conflict-free.
   static constexpr int kPBytes = kSplitHeadDim ? 64 * kBlockM * 4 : 0;
-  // dQ through shared memory and TMA reduce-add (key split): each consumer's
-  // 64 x kDqCols fp32 partial in boxes of 32 columns (128 bytes, one swizzle
-  // row), two buffers per consumer so that a step's writes never wait for the
-  // TMA to finish reading the previous step's. The head-dim split has no
-  // shared memory left for it (64 KB) and keeps fp32 atomics.
-  static constexpr bool kDqViaTma = !kSplitHeadDim;
+  // dQ leaves through shared memory and TMA reduce-adds: each consumer's
+  // 64 x kDqCols fp32 chunk in boxes of 32 columns (128 bytes, one swizzle
+  // row). Key split: two buffers per consumer, used in turn, so that a step's
+  // writes never wait for the TMA to finish reading the previous step's.
+  // Head-dim split (no shared memory left): a consumer's two chunks go into
+  // its own column half of the step's Q tile and dO tile (16 KB each), which
+  // only its own dK / dV products still read by then; the stage is released
+  // to the producer once the TMA has read them (kDqInQdoStage).
+  static constexpr bool kDqInQdoStage = kSplitHeadDim;
   static constexpr int kDqBoxCols = 32;
   static constexpr int kDqBuffers = 2;
   static constexpr int kDqBufferBytes = kBlockM * kDqCols * 4;
   static constexpr int kDqSmemBytes =
-      kDqViaTma ? kConsumerWarpgroups * kDqBuffers * kDqBufferBytes : 0;
+      kDqInQdoStage ? 0 : kConsumerWarpgroups * kDqBuffers * kDqBufferBytes;
+  // Arrivals that release a Q/dO stage: one per consumer warp after its last
+  // wgmma on it, or (kDqInQdoStage) one per consumer after the TMA read.
+  static constexpr int kQdoReleases = kDqInQdoStage ? kConsumerWarpgroups : kConsumerWarps;
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
@@ -126,8 +135,11 @@ struct BwdSm90Traits {
   static_assert(kBlockM * 2 == 128, "one 64-query step is one 128-byte swizzle row of dS^T");
   static_assert(kDqChunks * kDqCols * kConsumerWarpgroups == kHeadDim,
                 "dQ columns split evenly between the consumers");
-  static_assert(!kDqViaTma || (kDqChunks == 1 && kDqCols % kDqBoxCols == 0),
-                "TMA dQ: one wgmma chunk per consumer and step, whole 32-column boxes");
+  static_assert(kDqCols % kDqBoxCols == 0, "dQ chunks are whole 32-column boxes");
+  static_assert(kDqInQdoStage ? kDqChunks == 2 && kDqBufferBytes == kGradCols / 64 * kBlockM * 128
+                              : kDqChunks == 1,
+                "dQ staging: one chunk per key-split consumer and step; a head-dim-split "
+                "consumer's two chunks each fill its column half of the Q or dO tile");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one CTA per SM");
   static_assert(128 * kProducerRegs + 128 * kConsumerWarpgroups * kConsumerRegs <= 65536,
                 "register file split between producer and consumers");
@@ -159,7 +171,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const uint32_t do_smem0 = q_smem0 + kStages * Traits::kQBytes;
   const uint32_t ds_smem0 = do_smem0 + kStages * Traits::kQBytes;
   const uint32_t dq_smem0 = ds_smem0 + Traits::kDsBuffers * Traits::kDsBytes;
-  const uint32_t p_smem = dq_smem0 + Traits::kDqSmemBytes;
+  const uint32_t p_smem = dq_smem0 + Traits::kDqSmemBytes;  // head-dim split
   const uint32_t bar0 = p_smem + Traits::kPBytes;
   auto q_smem = [&](int stage) { return q_smem0 + stage * Traits::kQBytes; };
   auto do_smem = [&](int stage) { return do_smem0 + stage * Traits::kQBytes; };
@@ -184,7 +196,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbar_init(kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(qdo_full(s), 1);
-      mbar_init(qdo_empty(s), Traits::kConsumerWarps);
+      mbar_init(qdo_empty(s), Traits::kQdoReleases);
     }
     fence_barrier_init();
   }
@@ -198,7 +210,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tmap_k);
       prefetch_tensor_map(&tmap_v);
       prefetch_tensor_map(&tmap_do);
-      if constexpr (Traits::kDqViaTma) prefetch_tensor_map(&tmap_dq_accum);
+      prefetch_tensor_map(&tmap_dq_accum);
       mbar_arrive_expect_tx(kv_full, 2 * Traits::kKVBytes);
       tma_load_tile<kChunks>(&tmap_k, k_smem, kBlockN, kv_full, n0, h_k, b);
       tma_load_tile<kChunks>(&tmap_v, v_smem, kBlockN, kv_full, n0, h_k, b);
@@ -290,7 +302,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   // Per-query lse (as log2; rows past seqlen_q and fully masked rows, lse =
   // -inf, get +inf so that P = 0) or D for the thread's accumulator columns.
-  float* dq_accum_head = params.dq_accum + seq.lse_index(params, b, h, 0) * kHeadDim;
   const float* lse_head = params.lse + seq.lse_index(params, b, h, 0);
   const float* dsum_head = params.dsoftmax_sum + seq.lse_index(params, b, h, 0);
   constexpr float kLog2e = 1.4426950408889634f;
@@ -336,7 +347,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // B), B = K read transposed from column dq_col0(c) of its 64-column chunk
   // (32 columns: +64 B inside the 128-byte swizzle row, as the K-major k-steps
   // step by 32 B; the swizzle applies to the absolute address). Issued and
-  // committed here; send_dq_chunk after the wait.
+  // committed here; staged and sent after the wait.
   constexpr int kDqCols = Traits::kDqCols;
   auto dq_col0 = [&](int c) { return (wg * Traits::kDqChunks + c) * kDqCols; };
   auto issue_dq_chunk = [&](float (&dq)[kDqCols / 8][4], uint32_t ds_buf, int c) {
@@ -351,49 +362,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     wgmma_commit();
   };
-  // fp32 atomics into the accumulator. dQ rows are queries here: row g (+8)
-  // of the warp's 16, columns 8j + 2q. Rows past seqlen_q are zeroed first
-  // (zero_dq_tail) and add to the last row instead of branching: reading
-  // wgmma results under a divergent branch makes ptxas serialise every wgmma
-  // of the kernel.
-  auto dq_row = [&](int m_block, int hh) { return m_block * kBlockM + warp * 16 + lane / 4 + 8 * hh; };
-  auto zero_dq_tail = [&](const float (&dq)[kDqCols / 8][4], int m_block,
-                          float (&out)[kDqCols / 8][4]) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const float keep = dq_row(m_block, hh) < seq.seqlen_q ? 1.f : 0.f;
-#pragma unroll
-      for (int j = 0; j < kDqCols / 8; ++j) {
-        out[j][2 * hh] = dq[j][2 * hh] * keep;
-        out[j][2 * hh + 1] = dq[j][2 * hh + 1] * keep;
-      }
-    }
-  };
-  auto send_dq_chunk = [&](const float (&dq)[kDqCols / 8][4], int m_block, int c) {
-    const int col0 = dq_col0(c) + 2 * (lane % 4);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int m = min(dq_row(m_block, hh), seq.seqlen_q - 1);
-      float* row = dq_accum_head + static_cast<int64_t>(m) * kHeadDim + col0;
-#pragma unroll
-      for (int j = 0; j < kDqCols / 8; ++j) {
-        atomicAdd(reinterpret_cast<float2*>(row + 8 * j), make_float2(dq[j][2 * hh], dq[j][2 * hh + 1]));
-      }
-    }
-  };
   auto fence_grads = [&]() {
     fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dk));
     fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dv));
   };
-  // TMA path: this consumer's dQ_i partial into its shared-memory buffer, as
-  // kDqCols / 32 boxes of [64 rows x 128 B] in the 128-byte swizzle of the
-  // dQ tensor map: 16-byte unit u of row r sits at unit u ^ (r % 8). The
-  // float2 of (row r, columns 8j + 2q) is unit 2 (j % 4) + q / 2, byte 8 (q % 2):
-  // for one j a warp's 8 rows x 4 quads cover all 32 banks twice, no conflict.
+  // dQ chunk c of a step goes out through shared memory (see the traits):
+  // the key split's own buffers in turn, or this consumer's column half of
+  // the step's Q tile (chunk 0) / dO tile (chunk 1), which the 64-column
+  // chunks of those tiles hold contiguously (16 KB, 1024-byte aligned).
   constexpr int kDqBoxes = kDqCols / Traits::kDqBoxCols;
-  auto dq_buffer = [&](int step) {
-    return dq_smem0 + (wg * Traits::kDqBuffers + step % Traits::kDqBuffers) * Traits::kDqBufferBytes;
+  auto dq_buffer = [&](int step, int stage, int c) {
+    if constexpr (Traits::kDqInQdoStage) {
+      return (c == 0 ? q_smem(stage) : do_smem(stage)) + wg * (kGradCols / 64) * kBlockM * 128;
+    } else {
+      return dq_smem0 +
+             (wg * Traits::kDqBuffers + step % Traits::kDqBuffers) * Traits::kDqBufferBytes;
+    }
   };
+  // A chunk is kDqCols / 32 boxes of [64 rows x 128 B] in the 128-byte swizzle
+  // of the dQ tensor map: 16-byte unit u of row r sits at unit u ^ (r % 8).
+  // The float2 of (row r, columns 8j + 2q) is unit 2 (j % 4) + q / 2, byte
+  // 8 (q % 2): for one j a warp's 8 rows x 4 quads cover all 32 banks twice.
   auto stage_dq = [&](uint32_t buf, const float (&dq)[kDqCols / 8][4]) {
 #pragma unroll
     for (int j = 0; j < kDqCols / 8; ++j) {
@@ -408,25 +397,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
   // Once every thread's stores are visible to the async proxy, one thread
-  // sends the boxes (rows past seqlen_q are clipped by the map) and commits
-  // them as one bulk group.
-  constexpr int kDqStagedBarrier = 2;  // + wg: one per consumer, 128 threads
-  auto send_dq_tma = [&](uint32_t buf, int m_block) {
+  // sends the boxes; rows past seqlen_q are clipped by the map.
+  constexpr int kDqStagedBarrier = 3;  // + wg: one per consumer, 128 threads
+  auto send_dq_tma = [&](uint32_t buf, int m_block, int c) {
     fence_proxy_async_smem();
     named_barrier_sync(kDqStagedBarrier + wg, 128);
     if (tid == 0) {
 #pragma unroll
       for (int box = 0; box < kDqBoxes; ++box) {
         tma_reduce_add_3d(&tmap_dq_accum, buf + box * kBlockM * 128,
-                          dq_col0(0) + box * Traits::kDqBoxCols, m_block * kBlockM,
+                          dq_col0(c) + box * Traits::kDqBoxCols, m_block * kBlockM,
                           b * params.heads + h);
       }
-      bulk_commit_group();
     }
   };
-  // Every chunk in turn; the first wait also retires the step's dV / dK
-  // products, so the Q/dO stage is released after it.
-  auto accumulate_dq = [&](uint32_t ds_buf, int m_block, uint32_t qdo_empty_bar, int step) {
+  // Every chunk in turn, the step's chunks as one bulk group. The first wait
+  // also retires the step's dV / dK products: the key split releases the
+  // Q/dO stage there, the head-dim split after the TMA has read its chunks
+  // (release_qdo_stage, called in the next step).
+  auto accumulate_dq = [&](uint32_t ds_buf, int m_block, int stage, int step) {
 #pragma unroll
     for (int c = 0; c < Traits::kDqChunks; ++c) {
       float dq[kDqCols / 8][4];
@@ -434,14 +423,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
       fence_grads();
-      if (c == 0 && lane == 0) mbar_arrive(qdo_empty_bar);
-      if constexpr (Traits::kDqViaTma) {
-        stage_dq(dq_buffer(step), dq);
-        send_dq_tma(dq_buffer(step), m_block);
-      } else {
-        zero_dq_tail(dq, m_block, dq);
-        send_dq_chunk(dq, m_block, c);
-      }
+      if (!Traits::kDqInQdoStage && c == 0 && lane == 0) mbar_arrive(qdo_empty(stage));
+      stage_dq(dq_buffer(step, stage, c), dq);
+      send_dq_tma(dq_buffer(step, stage, c), m_block, c);
+    }
+    if (tid == 0) bulk_commit_group();
+  };
+  // kDqInQdoStage: the previous step's stage goes back to the producer once
+  // the TMA has read this consumer's dQ chunks out of it (one arrival per
+  // consumer); called with this step's wgmmas in flight.
+  auto release_qdo_stage = [&](int step) {
+    if (tid == 0 && step > 0) {
+      bulk_wait_group_read<0>();
+      mbar_arrive(qdo_empty((step - 1) % kStages));
     }
   };
 
@@ -492,7 +486,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // before the barrier, which every write to the buffer follows.
       if (tid == 0) bulk_wait_group_read<1>();
       named_barrier_sync(kDsBarrier, 256);
-      accumulate_dq(ds_buf, m_block, qdo_empty(stage), i);
+      accumulate_dq(ds_buf, m_block, stage, i);
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
     }
@@ -518,6 +512,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       float acc[kBlockM / 8][4];  // consumer 0: S^T -> P^T; consumer 1: dP^T -> dS^T
       wgmma_fence();
       issue_transposed_scores(acc, wg == 0 ? k_smem : v_smem, wg == 0 ? q_smem(stage) : do_smem(stage));
+      release_qdo_stage(i);
       float row_terms[kBlockM / 8][2];  // consumer 0: lse (log2); consumer 1: D
       if (wg == 0) {
         load_lse_log2(m_block, row_terms);
@@ -566,7 +561,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_fence();
       issue_grad_update(dk, ds_frag, q_smem(stage));
       wgmma_commit();
-      accumulate_dq(ds_buf, m_block, qdo_empty(stage), i);
+      accumulate_dq(ds_buf, m_block, stage, i);
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
     }
@@ -589,7 +584,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   // The dQ buffers live until the TMA has read them (and the CTA's adds are
   // done before it retires).
-  if (Traits::kDqViaTma && tid == 0) bulk_wait_group<0>();
+  if (tid == 0) bulk_wait_group<0>();
 #endif
 }
 

@@ -2,8 +2,8 @@
 // generated instantiations/bwd_sm90_<dtype>_hdim<D>_<causal|full>.cu files:
 //   1. D = rowsum(dO o O), zeroed fp32 dQ accumulator (bwd_preprocess.cuh, shared
 //      with mma.sync),
-//   2. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added by TMA
-//      reduce-adds or atomics into the accumulator),
+//   2. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added into the
+//      accumulator by TMA reduce-adds),
 //   3. dq = softmax_scale * dQ accumulator (bwd_preprocess.cuh).
 #pragma once
 #include <cuda_runtime.h>
@@ -36,10 +36,8 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   const CUtensorMap tmap_do =
       query_tensor_map(params, params.dout, params.dout_strides, kBf16, Traits::kBlockM);
   // The padded batch's accumulator rows are [batch * heads][seqlen_q] (params.h).
-  const CUtensorMap tmap_dq_accum =
-      Traits::kDqViaTma ? make_dq_accum_tensor_map(params.dq_accum, kHeadDim, params.seqlen_q,
-                                                   params.batch * params.heads, Traits::kBlockM)
-                        : CUtensorMap{};
+  const CUtensorMap tmap_dq_accum = make_dq_accum_tensor_map(
+      params.dq_accum, kHeadDim, params.seqlen_q, params.batch * params.heads, Traits::kBlockM);
 
   auto kernel = flash_bwd_sm90_kernel<Traits, kIsCausal>;
   bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
