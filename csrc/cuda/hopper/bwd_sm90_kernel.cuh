@@ -119,10 +119,13 @@ struct BwdSm90Traits {
   // Arrivals that release a Q/dO stage: one per consumer warp after its last
   // wgmma on it, or (kDqInQdoStage) one per consumer after the TMA read.
   static constexpr int kQdoReleases = kDqInQdoStage ? kConsumerWarpgroups : kConsumerWarps;
+  // Per stage: the step's lse (log2) and D rows, written by the producer's
+  // second warp (kBlockM floats each).
+  static constexpr int kRowStatBytes = kStages * 2 * kBlockM * 4;
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
-                                    kDqSmemBytes + kPBytes + kBarrierBytes + 1024;
+                                    kDqSmemBytes + kPBytes + kRowStatBytes + kBarrierBytes + 1024;
 
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -172,10 +175,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const uint32_t ds_smem0 = do_smem0 + kStages * Traits::kQBytes;
   const uint32_t dq_smem0 = ds_smem0 + Traits::kDsBuffers * Traits::kDsBytes;
   const uint32_t p_smem = dq_smem0 + Traits::kDqSmemBytes;  // head-dim split
-  const uint32_t bar0 = p_smem + Traits::kPBytes;
+  const uint32_t row_stats0 = p_smem + Traits::kPBytes;
+  const uint32_t bar0 = row_stats0 + Traits::kRowStatBytes;
   auto q_smem = [&](int stage) { return q_smem0 + stage * Traits::kQBytes; };
   auto do_smem = [&](int stage) { return do_smem0 + stage * Traits::kQBytes; };
   auto ds_smem = [&](int buf) { return ds_smem0 + buf * Traits::kDsBytes; };
+  auto lse_smem = [&](int stage) { return row_stats0 + stage * 2 * kBlockM * 4; };
+  auto dsum_smem = [&](int stage) { return lse_smem(stage) + kBlockM * 4; };
   const uint32_t kv_full = bar0;
   auto qdo_full = [&](int stage) { return bar0 + 8 * (1 + stage); };
   auto qdo_empty = [&](int stage) { return bar0 + 8 * (1 + kStages + stage); };
@@ -195,7 +201,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(qdo_full(s), 1);
+      mbar_init(qdo_full(s), 2);  // the TMA thread (with the bytes) and the row-stat warp
       mbar_init(qdo_empty(s), Traits::kQdoReleases);
     }
     fence_barrier_init();
@@ -221,6 +227,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int m0 = (m_begin + i) * kBlockM;
         tma_load_tile<kChunks>(&tmap_q, q_smem(stage), kBlockM, qdo_full(stage), m0, h, b);
         tma_load_tile<kChunks>(&tmap_do, do_smem(stage), kBlockM, qdo_full(stage), m0, h, b);
+      }
+    } else if (threadIdx.x / 32 == 1 && m_begin < m_end) {
+      // Row statistics of each stage, so that the consumers read them from
+      // shared memory: lse as log2 (rows past seqlen_q and fully masked rows,
+      // lse = -inf, get +inf so that P = 0) and D (0 past seqlen_q).
+      const int lane = threadIdx.x % 32;
+      const float* lse_head = params.lse + seq.lse_index(params, b, h, 0);
+      const float* dsum_head = params.dsoftmax_sum + seq.lse_index(params, b, h, 0);
+      constexpr float kLog2e = 1.4426950408889634f;
+      for (int i = 0; m_begin + i < m_end; ++i) {
+        const int stage = i % kStages;
+        mbar_wait(qdo_empty(stage), ((i / kStages) & 1) ^ 1);
+        const int m0 = (m_begin + i) * kBlockM;
+#pragma unroll
+        for (int r = lane; r < kBlockM; r += 32) {
+          const bool in_range = m0 + r < seq.seqlen_q;
+          const float lse = in_range ? lse_head[m0 + r] : -INFINITY;
+          st_shared_f32(lse_smem(stage) + r * 4, lse == -INFINITY ? INFINITY : lse * kLog2e);
+          st_shared_f32(dsum_smem(stage) + r * 4, in_range ? dsum_head[m0 + r] : 0.f);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(qdo_full(stage));  // release: the stores above are visible
       }
     }
     return;
@@ -300,29 +328,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int w = 0; w < 4; ++w) ds_frag[kk][w] = ld_shared_b32(ds_word_addr(ds_buf, kk, w));
     }
   };
-  // Per-query lse (as log2; rows past seqlen_q and fully masked rows, lse =
-  // -inf, get +inf so that P = 0) or D for the thread's accumulator columns.
-  const float* lse_head = params.lse + seq.lse_index(params, b, h, 0);
-  const float* dsum_head = params.dsoftmax_sum + seq.lse_index(params, b, h, 0);
-  constexpr float kLog2e = 1.4426950408889634f;
-  // f(j, e, m) for the thread's accumulator columns 8j + 2q + e (query m).
-  auto for_query_columns = [&](int m_block, auto&& f) {
+  // The step's lse (log2, +inf where P = 0) or D for the thread's accumulator
+  // columns 8j + 2q + {0, 1}, from the stage's row statistics (producer).
+  auto load_row_stat = [&](uint32_t row_stat, float (&out)[kBlockM / 8][2]) {
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) f(j, e, m_block * kBlockM + 2 * (lane % 4) + 8 * j + e);
+      ld_shared_v2_f32(row_stat + (8 * j + 2 * (lane % 4)) * 4, out[j][0], out[j][1]);
     }
-  };
-  auto load_lse_log2 = [&](int m_block, float (&out)[kBlockM / 8][2]) {
-    for_query_columns(m_block, [&](int j, int e, int m) {
-      const float lse = m < seq.seqlen_q ? lse_head[m] : -INFINITY;
-      out[j][e] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-    });
-  };
-  auto load_dsum = [&](int m_block, float (&out)[kBlockM / 8][2]) {
-    for_query_columns(m_block, [&](int j, int e, int m) {
-      out[j][e] = m < seq.seqlen_q ? dsum_head[m] : 0.f;
-    });
   };
   // S^T -> P^T in place. Causal: only tiles crossing the diagonal need the
   // per-element test.
@@ -456,8 +468,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       issue_transposed_scores(s, k_smem, q_smem(stage));
       issue_transposed_scores(dp, v_smem, do_smem(stage));
       float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];  // while the GEMMs run
-      load_lse_log2(m_block, lse_log2);
-      load_dsum(m_block, dsum);
+      load_row_stat(lse_smem(stage), lse_log2);
+      load_row_stat(dsum_smem(stage), dsum);
 
       wgmma_wait<1>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
@@ -514,11 +526,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       issue_transposed_scores(acc, wg == 0 ? k_smem : v_smem, wg == 0 ? q_smem(stage) : do_smem(stage));
       release_qdo_stage(i);
       float row_terms[kBlockM / 8][2];  // consumer 0: lse (log2); consumer 1: D
-      if (wg == 0) {
-        load_lse_log2(m_block, row_terms);
-      } else {
-        load_dsum(m_block, row_terms);
-      }
+      load_row_stat(wg == 0 ? lse_smem(stage) : dsum_smem(stage), row_terms);
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(acc));
 
