@@ -435,7 +435,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
       fence_grads();
-      if (!Traits::kDqInQdoStage && c == 0 && lane == 0) mbar_arrive(qdo_empty(stage));
+      if (!Traits::kDqInQdoStage && c == 0) {
+        __syncwarp();  // the warp's row-stat reads of the stage happen before the release
+        if (lane == 0) mbar_arrive(qdo_empty(stage));
+      }
       stage_dq(dq_buffer(step, stage, c), dq);
       send_dq_tma(dq_buffer(step, stage, c), m_block, c);
     }
