@@ -189,6 +189,15 @@ struct AttentionBwdParams : AttentionFwdParams {
   // indexed like lse.
   float* dq_accum = nullptr;
   bool deterministic = false;
+  // Padded-batch row statistics for the Hopper backward, [batch * heads]
+  // [seqlen_q_padded] each (seqlen_q rounded up to 64): lse as log2, +inf
+  // where P = 0 (rows past seqlen_q, fully masked rows), and D, 0 past
+  // seqlen_q. The preprocess kernel writes them when asked (scratch, nullptr
+  // where the workspace has none), so that the kernel copies a step's rows
+  // with one bulk copy each.
+  float* lse_log2_padded = nullptr;
+  float* dsum_padded = nullptr;
+  int seqlen_q_padded = 0;
 };
 
 }  // namespace flash_attn_ext

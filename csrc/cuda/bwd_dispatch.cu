@@ -6,6 +6,8 @@
 // Workspace (fp32), in this order:
 //   dsoftmax_sum  [q_rows_total]  (lse-shaped, params.h; padded to 64 floats)
 //   dq_accum      [splits][q_rows_total][accum_dim]
+//   lse_log2_padded, dsum_padded  [batch * heads][seqlen_q_padded] each, for
+//                 the calls the Hopper backward may take (params.h)
 // accum_dim = the instantiated head dim. splits = 1 unless deterministic; then
 // each of `splits` blocks per head owns one accumulator (see bwd_dq_splits).
 #include <cuda_bf16.h>
@@ -57,6 +59,20 @@ int64_t dsum_floats(const AttentionBwdParams& p) {
   return (p.q_rows_total + 63) / 64 * 64;  // keeps dq_accum 256-byte aligned
 }
 
+#ifdef FAE_HAS_SM90A
+bool use_sm90_backward(const AttentionBwdParams& p);
+#endif
+
+// The padded row statistics of the Hopper backward (params.h), reserved for
+// the calls it takes.
+int seqlen_q_padded(const AttentionBwdParams& p) { return (p.seqlen_q + 63) / 64 * 64; }
+int64_t row_stat_floats(const AttentionBwdParams& p) {
+#ifdef FAE_HAS_SM90A
+  if (use_sm90_backward(p)) return 2 * static_cast<int64_t>(p.batch) * p.heads * seqlen_q_padded(p);
+#endif
+  return 0;
+}
+
 [[noreturn]] void not_compiled(const AttentionBwdParams& p, const char* what) {
   throw std::runtime_error(std::string("flash_attn_ext: backward ") + what +
                            " is not compiled in this build (head_dim " +
@@ -106,13 +122,19 @@ void run_head_dim_switch(const AttentionBwdParams& p, cudaStream_t stream) {
 int64_t bwd_workspace_floats(const AttentionBwdParams& params, int num_sms) {
   const int64_t dq =
       static_cast<int64_t>(bwd_dq_splits(params, num_sms)) * params.q_rows_total * accum_dim(params);
-  return dsum_floats(params) + dq;
+  return dsum_floats(params) + dq + row_stat_floats(params);
 }
 
 void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms) {
   params.dsoftmax_sum = workspace;
   params.dq_accum = workspace + dsum_floats(params);
   params.num_splits = bwd_dq_splits(params, num_sms);
+  const int64_t row_stats = row_stat_floats(params);
+  if (row_stats > 0) {
+    params.seqlen_q_padded = seqlen_q_padded(params);
+    params.lse_log2_padded = params.dq_accum + params.num_splits * params.q_rows_total * accum_dim(params);
+    params.dsum_padded = params.lse_log2_padded + row_stats / 2;
+  }
 }
 
 void run_bwd(AttentionBwdParams& params, int num_sms, cudaStream_t stream) {

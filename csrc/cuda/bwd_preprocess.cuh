@@ -3,7 +3,8 @@
 //   * bwd_preprocess_kernel: D_i = sum_d dO[i,d] * O[i,d]  (fp32), the row term
 //     of dS = P o (dP - D) (since sum_j P_ij dP_ij = dO_i . O_i), and the
 //     zeroed dQ accumulator row(s) of query i (one launch instead of a memset
-//     and a kernel; the writes overlap the reads).
+//     and a kernel; the writes overlap the reads); for the Hopper backward
+//     also padded copies of lse (as log2) and D (params.h).
 //   * bwd_convert_dq_kernel: dq = softmax_scale * sum_{split} dq_accum[split]
 //     in input dtype, with dq's own strides. Splits are summed in the fixed
 //     order 0, 1, ..., so the deterministic mode is bit-reproducible.
@@ -73,7 +74,8 @@ constexpr int kDotRowsPerBlock = 256 / kDotThreadsPerRow;
 
 template <typename T>
 __global__ void __launch_bounds__(256)
-    bwd_preprocess_kernel(const AttentionBwdParams params, int accum_dim, int num_splits) {
+    bwd_preprocess_kernel(const AttentionBwdParams params, int accum_dim, int num_splits,
+                          bool padded_row_stats) {
   const int row = blockIdx.x * kDotRowsPerBlock + threadIdx.x / kDotThreadsPerRow;
   const int sub = threadIdx.x % kDotThreadsPerRow;
   const int h = blockIdx.y, b = blockIdx.z;
@@ -97,6 +99,14 @@ __global__ void __launch_bounds__(256)
   acc += __shfl_xor_sync(0xffffffff, acc, 1);
   acc += __shfl_xor_sync(0xffffffff, acc, 2);
   acc += __shfl_xor_sync(0xffffffff, acc, 4);
+  if (padded_row_stats && row < params.seqlen_q_padded && sub == 0) {
+    // Padded batch: lse_index is (b * heads + h) * seqlen_q + row.
+    constexpr float kLog2e = 1.4426950408889634f;
+    const int64_t padded = (static_cast<int64_t>(b) * params.heads + h) * params.seqlen_q_padded + row;
+    const float lse = row < seq.seqlen_q ? params.lse[seq.lse_index(params, b, h, row)] : -INFINITY;
+    params.lse_log2_padded[padded] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    params.dsum_padded[padded] = row < seq.seqlen_q ? acc : 0.f;
+  }
   if (row >= seq.seqlen_q) return;
   const int64_t index = seq.lse_index(params, b, h, row);
   if (sub == 0) params.dsoftmax_sum[index] = acc;
@@ -143,13 +153,15 @@ __global__ void __launch_bounds__(256)
 }
 
 // Host helpers: launch both with the shapes above. accum_dim and num_splits
-// describe the dQ accumulator(s) (the main kernel's row pitch and count).
+// describe the dQ accumulator(s) (the main kernel's row pitch and count);
+// padded_row_stats also writes params.lse_log2_padded / dsum_padded (Hopper).
 template <typename T>
 inline void launch_bwd_preprocess(const AttentionBwdParams& params, int accum_dim, int num_splits,
-                                  cudaStream_t stream) {
-  const dim3 grid((params.seqlen_q + kDotRowsPerBlock - 1) / kDotRowsPerBlock, params.heads,
-                  params.batch);
-  bwd_preprocess_kernel<T><<<grid, 256, 0, stream>>>(params, accum_dim, num_splits);
+                                  cudaStream_t stream, bool padded_row_stats = false) {
+  const int rows = padded_row_stats ? params.seqlen_q_padded : params.seqlen_q;
+  const dim3 grid((rows + kDotRowsPerBlock - 1) / kDotRowsPerBlock, params.heads, params.batch);
+  bwd_preprocess_kernel<T><<<grid, 256, 0, stream>>>(params, accum_dim, num_splits,
+                                                     padded_row_stats);
 }
 
 template <typename T>

@@ -119,8 +119,8 @@ struct BwdSm90Traits {
   // Arrivals that release a Q/dO stage: one per consumer warp after its last
   // wgmma on it, or (kDqInQdoStage) one per consumer after the TMA read.
   static constexpr int kQdoReleases = kDqInQdoStage ? kConsumerWarpgroups : kConsumerWarps;
-  // Per stage: the step's lse (log2) and D rows, written by the producer's
-  // second warp (kBlockM floats each).
+  // Per stage: the step's lse (log2) and D rows (kBlockM floats each), bulk
+  // copies from the padded row statistics (params.h).
   static constexpr int kRowStatBytes = kStages * 2 * kBlockM * 4;
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);
   // +1024: the dynamic shared memory base is only 16-byte aligned.
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(qdo_full(s), 2);  // the TMA thread (with the bytes) and the row-stat warp
+      mbar_init(qdo_full(s), 1);
       mbar_init(qdo_empty(s), Traits::kQdoReleases);
     }
     fence_barrier_init();
@@ -217,38 +217,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tmap_v);
       prefetch_tensor_map(&tmap_do);
       prefetch_tensor_map(&tmap_dq_accum);
+      // This head's padded lse (log2) rows; its D rows are dsum_offset further.
+      const int64_t head_rows = (static_cast<int64_t>(b) * params.heads + h) * params.seqlen_q_padded;
+      const float* row_stats_head = params.lse_log2_padded + head_rows;
+      const int64_t dsum_offset = params.dsum_padded - params.lse_log2_padded;
       mbar_arrive_expect_tx(kv_full, 2 * Traits::kKVBytes);
       tma_load_tile<kChunks>(&tmap_k, k_smem, kBlockN, kv_full, n0, h_k, b);
       tma_load_tile<kChunks>(&tmap_v, v_smem, kBlockN, kv_full, n0, h_k, b);
       for (int i = 0; m_begin + i < m_end; ++i) {
         const int stage = i % kStages;
         mbar_wait(qdo_empty(stage), ((i / kStages) & 1) ^ 1);
-        mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes);
+        mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes + 2 * kBlockM * 4);
         const int m0 = (m_begin + i) * kBlockM;
+        bulk_load(lse_smem(stage), row_stats_head + m0, kBlockM * 4, qdo_full(stage));
+        bulk_load(dsum_smem(stage), row_stats_head + dsum_offset + m0, kBlockM * 4, qdo_full(stage));
         tma_load_tile<kChunks>(&tmap_q, q_smem(stage), kBlockM, qdo_full(stage), m0, h, b);
         tma_load_tile<kChunks>(&tmap_do, do_smem(stage), kBlockM, qdo_full(stage), m0, h, b);
-      }
-    } else if (threadIdx.x / 32 == 1 && m_begin < m_end) {
-      // Row statistics of each stage, so that the consumers read them from
-      // shared memory: lse as log2 (rows past seqlen_q and fully masked rows,
-      // lse = -inf, get +inf so that P = 0) and D (0 past seqlen_q).
-      const int lane = threadIdx.x % 32;
-      const float* lse_head = params.lse + seq.lse_index(params, b, h, 0);
-      const float* dsum_head = params.dsoftmax_sum + seq.lse_index(params, b, h, 0);
-      constexpr float kLog2e = 1.4426950408889634f;
-      for (int i = 0; m_begin + i < m_end; ++i) {
-        const int stage = i % kStages;
-        mbar_wait(qdo_empty(stage), ((i / kStages) & 1) ^ 1);
-        const int m0 = (m_begin + i) * kBlockM;
-#pragma unroll
-        for (int r = lane; r < kBlockM; r += 32) {
-          const bool in_range = m0 + r < seq.seqlen_q;
-          const float lse = in_range ? lse_head[m0 + r] : -INFINITY;
-          st_shared_f32(lse_smem(stage) + r * 4, lse == -INFINITY ? INFINITY : lse * kLog2e);
-          st_shared_f32(dsum_smem(stage) + r * 4, in_range ? dsum_head[m0 + r] : 0.f);
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(qdo_full(stage));  // release: the stores above are visible
       }
     }
     return;

@@ -1,7 +1,7 @@
 // Host-side launcher of one Hopper backward configuration, included by the
 // generated instantiations/bwd_sm90_<dtype>_hdim<D>_<causal|full>.cu files:
-//   1. D = rowsum(dO o O), zeroed fp32 dQ accumulator (bwd_preprocess.cuh, shared
-//      with mma.sync),
+//   1. D = rowsum(dO o O), zeroed fp32 dQ accumulator, padded lse (log2) and D
+//      rows (bwd_preprocess.cuh, shared with mma.sync),
 //   2. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added into the
 //      accumulator by TMA reduce-adds),
 //   3. dq = softmax_scale * dQ accumulator (bwd_preprocess.cuh).
@@ -28,7 +28,11 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   }
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   // Workspace rows have the kernel head dim as pitch (bwd_dispatch.cu: accum_dim).
-  launch_bwd_preprocess<T>(params, kHeadDim, 1, stream);
+  if (params.lse_log2_padded == nullptr) {
+    throw std::runtime_error("flash_attn_ext: internal error: no row-statistics workspace for the "
+                             "Hopper backward");
+  }
+  launch_bwd_preprocess<T>(params, kHeadDim, 1, stream, /*padded_row_stats=*/true);
 
   const CUtensorMap tmap_q = query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kBlockM);
   const CUtensorMap tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);

@@ -72,6 +72,15 @@ FAE_DEVICE void tma_load_4d(uint32_t smem_dst, const CUtensorMap* map, uint32_t 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
+// Global -> shared, `bytes` contiguous bytes (16-byte aligned, a multiple of
+// 16), completing on `bar` like the tensor copies.
+FAE_DEVICE void bulk_load(uint32_t smem_dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_dst),
+      "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
+      : "memory");
+}
 // One [rows x 64 kChunks] tile: kChunks boxes of 64 columns, each stored as
 // [rows x 128 B] (the 128-byte swizzle atom width), all completing on `full`.
 // `rows` is the shared-memory tile's height (the chunk stride); the map's box
@@ -129,9 +138,6 @@ FAE_DEVICE uint32_t ld_shared_b32(uint32_t addr) {
   uint32_t value;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
   return value;
-}
-FAE_DEVICE void st_shared_f32(uint32_t addr, float x) {
-  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(x) : "memory");
 }
 FAE_DEVICE void ld_shared_v2_f32(uint32_t addr, float& x, float& y) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
