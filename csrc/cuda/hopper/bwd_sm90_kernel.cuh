@@ -116,9 +116,9 @@ struct BwdSm90Traits {
   static constexpr int kDqBufferBytes = kBlockM * kDqCols * 4;
   static constexpr int kDqSmemBytes =
       kDqInQdoStage ? 0 : kConsumerWarpgroups * kDqBuffers * kDqBufferBytes;
-  // Arrivals that release a Q/dO stage: one per consumer warp after its last
-  // wgmma on it, or (kDqInQdoStage) one per consumer after the TMA read.
-  static constexpr int kQdoReleases = kDqInQdoStage ? kConsumerWarpgroups : kConsumerWarps;
+  // Arrivals that release a Q/dO stage: one per consumer warp, after its last
+  // read of it (kDqInQdoStage: for warp 0 of a consumer, after the TMA read).
+  static constexpr int kQdoReleases = kConsumerWarps;
   // Per stage: the step's lse (log2) and D rows (kBlockM floats each), bulk
   // copies from the padded row statistics (params.h).
   static constexpr int kRowStatBytes = kStages * 2 * kBlockM * 4;
@@ -429,12 +429,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (tid == 0) bulk_commit_group();
   };
   // kDqInQdoStage: the previous step's stage goes back to the producer once
-  // the TMA has read this consumer's dQ chunks out of it (one arrival per
-  // consumer); called with this step's wgmmas in flight.
+  // the TMA has read this consumer's dQ chunks out of it (the sending thread
+  // waits, then its warp arrives); called with this step's wgmmas in flight.
   auto release_qdo_stage = [&](int step) {
-    if (tid == 0 && step > 0) {
-      bulk_wait_group_read<0>();
-      mbar_arrive(qdo_empty((step - 1) % kStages));
+    if (step > 0) {
+      if (tid == 0) bulk_wait_group_read<0>();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(qdo_empty((step - 1) % kStages));
     }
   };
 
