@@ -116,9 +116,11 @@ struct BwdSm90Traits {
   static constexpr int kDqBufferBytes = kBlockM * kDqCols * 4;
   static constexpr int kDqSmemBytes =
       kDqInQdoStage ? 0 : kConsumerWarpgroups * kDqBuffers * kDqBufferBytes;
-  // Arrivals that release a Q/dO stage: one per consumer warp, after its last
-  // read of it (kDqInQdoStage: for warp 0 of a consumer, after the TMA read).
-  static constexpr int kQdoReleases = kConsumerWarps;
+  // Arrivals that release a Q/dO stage: every consumer thread, after its last
+  // read of it (kDqInQdoStage: the dQ sender after the TMA read). One per warp
+  // would do as well, but compute-sanitizer racecheck then reports the lanes'
+  // row-stat reads as racing with the next TMA write of the stage.
+  static constexpr int kQdoReleases = 128 * kConsumerWarpgroups;
   // Per stage: the step's lse (log2) and D rows (kBlockM floats each), bulk
   // copies from the padded row statistics (params.h).
   static constexpr int kRowStatBytes = kStages * 2 * kBlockM * 4;
@@ -419,10 +421,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
       fence_grads();
-      if (!Traits::kDqInQdoStage && c == 0) {
-        __syncwarp();  // the warp's row-stat reads of the stage happen before the release
-        if (lane == 0) mbar_arrive(qdo_empty(stage));
-      }
+      if (!Traits::kDqInQdoStage && c == 0) mbar_arrive(qdo_empty(stage));
       stage_dq(dq_buffer(step, stage, c), dq);
       send_dq_tma(dq_buffer(step, stage, c), m_block, c);
     }
@@ -430,12 +429,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   // kDqInQdoStage: the previous step's stage goes back to the producer once
   // the TMA has read this consumer's dQ chunks out of it (the sending thread
-  // waits, then its warp arrives); called with this step's wgmmas in flight.
+  // arrives after waiting for that); called with this step's wgmmas in flight.
   auto release_qdo_stage = [&](int step) {
     if (step > 0) {
       if (tid == 0) bulk_wait_group_read<0>();
-      __syncwarp();
-      if (lane == 0) mbar_arrive(qdo_empty((step - 1) % kStages));
+      mbar_arrive(qdo_empty((step - 1) % kStages));
     }
   };
 
