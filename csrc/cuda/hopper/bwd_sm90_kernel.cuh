@@ -82,7 +82,6 @@ struct BwdSm90Traits {
   // 0.79x against 0.80x cuDNN geomean); D = 128 has no room for a third.
   static constexpr int kStages = 2;
   static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);
-  static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
 
   static constexpr int kChunkCols = 64;
   static constexpr int kChunks = kHeadDim / kChunkCols;
