@@ -53,6 +53,20 @@
 //     half of the step's Q and dO tiles, which nothing else reads by then; the
 //     stage returns to the producer once the TMA has read them.
 //
+// Measured (H100 SXM, bf16, ours / cuDNN geomean, S 512/2k/8k, causal and not,
+// cuDNN in the same process; docs/PERFORMANCE.md has the tables and A/B runs):
+//
+//   dQ and row statistics                         D=64   D=128  D=256
+//   fp32 atomics from the math warps               0.71   0.78   0.78
+//   TMA reduce-adds (this kernel's dQ path)        0.80   0.93   1.05
+//   + lse / D rows in shared memory, bulk-copied   0.95   0.99   1.07
+//
+//   tried and dropped (D=64, same process):
+//   3 Q/dO stages instead of 2                     0.79 against 0.80
+//   dQ over a consumer's own 64 keys (all columns,
+//     no 256-thread barrier, 2x the reduce bytes)  0.73 against 0.79
+//   dQ staged / sent under the next step's wgmmas  0.90 against 0.93
+//
 // Shared memory (tiles in 64-column chunks of [rows x 128 B], TMA's 128-byte
 // swizzle; every tile 1024-byte aligned):
 //   | K [kChunks][kBlockN][64] | V | Q [kStages][kChunks][64][64] | dO [...] |
