@@ -71,7 +71,7 @@
 // swizzle; every tile 1024-byte aligned):
 //   | K [kChunks][kBlockN][64] | V | Q [kStages][kChunks][64][64] | dO [...] |
 //   | dS^T [kDsBuffers][kBlockN keys][64 queries] | dQ [consumers][kDqBuffers][boxes][64][32] fp32
-//     (key split) | P^T (head-dim split) | mbarriers |
+//     (key split) | P^T (head-dim split) | lse (log2), D [kStages][2][64] fp32 | mbarriers |
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -134,13 +134,14 @@ struct BwdSm90Traits {
   // would do as well, but compute-sanitizer racecheck then reports the lanes'
   // row-stat reads as racing with the next TMA write of the stage.
   static constexpr int kQdoReleases = 128 * kConsumerWarpgroups;
-  // Per stage: the step's lse (log2) and D rows (kBlockM floats each), bulk
-  // copies from the padded row statistics (params.h).
-  static constexpr int kRowStatBytes = kStages * 2 * kBlockM * 4;
+  // One stage's lse (log2) and D rows (kBlockM floats each), bulk copies from
+  // the padded row statistics (params.h) that complete with Q and dO.
+  static constexpr int kRowStatBytes = 2 * kBlockM * 4;
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
-                                    kDqSmemBytes + kPBytes + kRowStatBytes + kBarrierBytes + 1024;
+                                    kDqSmemBytes + kPBytes + kStages * kRowStatBytes + kBarrierBytes +
+                                    1024;
 
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -191,11 +192,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const uint32_t dq_smem0 = ds_smem0 + Traits::kDsBuffers * Traits::kDsBytes;
   const uint32_t p_smem = dq_smem0 + Traits::kDqSmemBytes;  // head-dim split
   const uint32_t row_stats0 = p_smem + Traits::kPBytes;
-  const uint32_t bar0 = row_stats0 + Traits::kRowStatBytes;
+  const uint32_t bar0 = row_stats0 + kStages * Traits::kRowStatBytes;
   auto q_smem = [&](int stage) { return q_smem0 + stage * Traits::kQBytes; };
   auto do_smem = [&](int stage) { return do_smem0 + stage * Traits::kQBytes; };
   auto ds_smem = [&](int buf) { return ds_smem0 + buf * Traits::kDsBytes; };
-  auto lse_smem = [&](int stage) { return row_stats0 + stage * 2 * kBlockM * 4; };
+  auto lse_smem = [&](int stage) { return row_stats0 + stage * Traits::kRowStatBytes; };
   auto dsum_smem = [&](int stage) { return lse_smem(stage) + kBlockM * 4; };
   const uint32_t kv_full = bar0;
   auto qdo_full = [&](int stage) { return bar0 + 8 * (1 + stage); };
@@ -242,7 +243,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int i = 0; m_begin + i < m_end; ++i) {
         const int stage = i % kStages;
         mbar_wait(qdo_empty(stage), ((i / kStages) & 1) ^ 1);
-        mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes + 2 * kBlockM * 4);
+        mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes + Traits::kRowStatBytes);
         const int m0 = (m_begin + i) * kBlockM;
         bulk_load(lse_smem(stage), row_stats_head + m0, kBlockM * 4, qdo_full(stage));
         bulk_load(dsum_smem(stage), row_stats_head + dsum_offset + m0, kBlockM * 4, qdo_full(stage));
@@ -328,7 +329,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
   // The step's lse (log2, +inf where P = 0) or D for the thread's accumulator
-  // columns 8j + 2q + {0, 1}, from the stage's row statistics (producer).
+  // columns 8j + 2q + {0, 1}, from the stage's row statistics.
   auto load_row_stat = [&](uint32_t row_stat, float (&out)[kBlockM / 8][2]) {
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
