@@ -67,8 +67,9 @@ FAE_DEVICE void store8<float>(float* dst, const float (&v)[8]) {
 
 // ---- D = rowsum(dO o O); dq_accum rows = 0 ---------------------------------
 // 8 threads per row (each a strided set of 8-element chunks), 32 rows per
-// 256-thread block. grid = (ceil(seqlen_q / 32), heads, batch). Every
-// accumulator row is some (batch, head, query)'s, so all of them are zeroed.
+// 256-thread block. grid = (ceil(rows / 32), heads, batch), rows = seqlen_q, or
+// seqlen_q_padded with padded_row_stats. Every accumulator row is some
+// (batch, head, query)'s, so all of them are zeroed.
 constexpr int kDotThreadsPerRow = 8;
 constexpr int kDotRowsPerBlock = 256 / kDotThreadsPerRow;
 
