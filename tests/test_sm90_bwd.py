@@ -110,7 +110,7 @@ def test_sdpa_layout_noncontiguous_and_gqa(sm90, causal):
     out_gqa = fa.flash_attn_func(q, k, v, causal=causal)
     g_gqa = torch.autograd.grad(out_gqa, (q, k, v), dout)
     g_exp = torch.autograd.grad(out, (q, ke, ve), dout)
-    torch.testing.assert_close(g_gqa[0], g_exp[0], atol=2e-2, rtol=0)  # dq: atomics, any order
+    torch.testing.assert_close(g_gqa[0], g_exp[0], atol=2e-2, rtol=0)  # dq: fp32 sums in any order
     for g, e in zip(g_gqa[1:], g_exp[1:]):
         torch.testing.assert_close(g.float(), e.float().unflatten(2, (2, 4)).sum(3), atol=2e-2,
                                    rtol=1e-2)
@@ -133,8 +133,8 @@ def test_keys_nobody_sees_get_zero_grads(sm90):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_repeatable(sm90, dtype, head_dim):
-    # dK / dV have one writer per element: bit-identical. dQ is summed with fp32
-    # atomics (default, non-deterministic mode): equal up to summation order.
+    # dK / dV have one writer per element: bit-identical. dQ is summed in fp32 by
+    # TMA reduce-adds (default, non-deterministic mode): equal up to summation order.
     q, k, v = make_qkv(2, 1000, 1000, 4, head_dim, dtype, DEVICE)
     out = fa.flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)
