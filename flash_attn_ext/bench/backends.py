@@ -1,0 +1,166 @@
+"""Benchmark backends: the callables each backend runs (ours, naive, torch SDPA pinned to one
+backend, flex_attention), their inputs, FLOP and byte counts, and env helpers."""
+import contextlib
+import importlib
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+import flash_attn_ext as fa
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+ALL_BACKENDS = ("ours", "ours-mma", "naive", "sdpa", "math", "flash", "efficient", "cudnn", "flex")
+
+
+SDPA_BACKENDS = ("math", "flash", "efficient", "cudnn")
+
+
+# Backends that materialise the [Sq, Sk] score matrix: checked against free memory first.
+QUADRATIC_BACKENDS = ("naive", "math")
+
+
+PASS_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+
+
+def flops(cfg, pass_):
+    f = 4.0 * cfg["B"] * cfg["H"] * cfg["Sq"] * cfg["Sk"] * cfg["D"]
+    if cfg["causal"] and cfg["Sq"] == cfg["Sk"]:
+        f /= 2
+    return f * PASS_FLOP_FACTOR[pass_]
+
+
+def min_bytes(cfg, pass_, elt):
+    """Bytes that any implementation has to move through DRAM at least once."""
+    q_like = cfg["B"] * cfg["H"] * cfg["Sq"] * cfg["D"] * elt  # q, o, do, dq
+    k_like = cfg["B"] * cfg["H"] * cfg["Sk"] * cfg["D"] * elt  # k, v, dk, dv
+    fwd = 2 * q_like + 2 * k_like                # read q, k, v; write o
+    bwd = 4 * q_like + 4 * k_like                # read q, k, v, o, do; write dq, dk, dv
+    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}[pass_]
+
+
+def _sdpa_backend_enum(name):
+    from torch.nn.attention import SDPBackend
+    return {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
+def _causal_mask(Sq, Sk, device):
+    # Top-left aligned (torch SDPA's is_causal): key j is hidden from query i when j > i.
+    return torch.ones(Sq, Sk, dtype=torch.bool, device=device).triu(1)
+
+
+def make_fn(backend, cfg, device, deterministic=False):
+    causal, Sq, Sk = cfg["causal"], cfg["Sq"], cfg["Sk"]
+    scale = 1.0 / math.sqrt(cfg["D"])
+    if backend == "ours-mma":
+        # ours with both passes pinned to the mma.sync kernels (on sm_90 the default is the
+        # Hopper wgmma kernels); run_config times it inside _pinned_to_mma().
+        return make_fn("ours", cfg, device, deterministic)
+    if backend == "ours":
+        if not deterministic:
+            return lambda q, k, v: fa.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        # The SDPA wrapper has no deterministic flag; flash_attn_func has, but aligns causal
+        # masks bottom-right. For Sq <= Sk, top-left causal attention (the other backends')
+        # never sees keys past Sq, and on the first Sq keys both alignments coincide.
+        if causal and Sq > Sk:
+            raise NotImplementedError("--deterministic with causal and seqlen_q > seqlen_k")
+        n_keys = Sq if causal else Sk
+
+        def ours_det(q, k, v):
+            out = fa.flash_attn_func(q.transpose(1, 2), k[:, :, :n_keys].transpose(1, 2),
+                                     v[:, :, :n_keys].transpose(1, 2), causal=causal,
+                                     deterministic=True)
+            return out.transpose(1, 2)
+        return ours_det
+    if backend == "naive":
+        # What attention looks like written out in PyTorch, in the input dtype (softmax
+        # accumulates in fp32 internally). flash_attn_ext.attention_ref is the test
+        # reference instead: it upcasts and guards empty rows, which is not the baseline
+        # people would write.
+        mask = _causal_mask(Sq, Sk, device) if causal else None
+
+        def naive(q, k, v):
+            s = torch.matmul(q, k.transpose(-2, -1)) * scale
+            if mask is not None:
+                s = s.masked_fill(mask, float("-inf"))
+            return torch.matmul(torch.softmax(s, dim=-1), v)
+        return naive
+    if backend == "sdpa":  # torch's own choice (on CPU: its flash-attention CPU kernel)
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if backend in SDPA_BACKENDS:
+        from torch.nn.attention import sdpa_kernel
+        be = _sdpa_backend_enum(backend)
+
+        def pinned(q, k, v):
+            with sdpa_kernel(be):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return pinned
+    if backend == "flex":
+        if device != "cuda":
+            raise RuntimeError("flex_attention is benchmarked on CUDA only")
+        fx = importlib.import_module("torch.nn.attention.flex_attention")
+        # A fresh compile per config: every shape is a recompile, and past dynamo's recompile
+        # limit flex_attention would silently run unfused (eager), timing the wrong thing.
+        torch._dynamo.reset()
+        compiled = torch.compile(fx.flex_attention, dynamic=False)
+        block_mask = None
+        if causal:  # top-left, as SDPA's is_causal
+            block_mask = fx.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, Sq, Sk,
+                                              device=device)
+        return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def quadratic_bytes(backend, cfg, pass_, elt):
+    """Rough upper bound of what naive / math attention allocate: a few score-sized matrices
+    in the forward (scores, masked scores, probabilities), about twice as many when the
+    backward runs. The math backend may upcast half inputs, so count 4 bytes for it."""
+    n = cfg["B"] * cfg["H"] * cfg["Sq"] * cfg["Sk"] * (4 if backend == "math" else elt)
+    return n * (3 if pass_ == "fwd" else 6)
+
+
+@contextlib.contextmanager
+def env_set(values):
+    """os.environ updated with `values` (name -> str) while active, then restored. Our env
+    switches are read on every call, so this also covers a backward that autograd runs after
+    the forward returned."""
+    previous = {n: os.environ.get(n) for n in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for n, value in previous.items():
+            if value is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = value
+
+
+def _pinned_to_mma(active=True):
+    """FLASH_ATTN_EXT_FWD_IMPL / _BWD_IMPL = mma while active."""
+    names = ("FLASH_ATTN_EXT_FWD_IMPL", "FLASH_ATTN_EXT_BWD_IMPL")
+    return env_set({n: "mma" for n in names} if active else {})
+
+
+def make_inputs(cfg, layout, n_sets, device, dtype, seed=0):
+    """n_sets independent (q, k, v), each [B, H, S, D]-shaped; for layout bshd these are
+    transposed views of [B, S, H, D] storage, as a model using flash-attn's layout has them."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, D = cfg["B"], cfg["H"], cfg["D"]
+    sets = []
+    for _ in range(n_sets):
+        t = []
+        for n in (cfg["Sq"], cfg["Sk"], cfg["Sk"]):
+            shape = (B, H, n, D) if layout == "bhsd" else (B, n, H, D)
+            x = torch.randn(shape, generator=gen).to(device, dtype)
+            if layout == "bshd":
+                x = x.transpose(1, 2)
+            t.append(x.requires_grad_())
+        sets.append(tuple(t))
+    return sets
