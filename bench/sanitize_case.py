@@ -6,7 +6,8 @@ seqused_k and the KV-cache decode path; last the split-KV merge both ways (on sm
 16-bit decode-tile splits merge inside a thread-block cluster, FLASH_ATTN_EXT_SPLIT_MERGE=kernel
 forces the combine kernel), also on the 4-key-warp decode tile. On sm_90 the unsplit 16-bit forward cases run
 the Hopper kernel (two more cases give its persistent loop several tiles per CTA), and the
-non-deterministic 16-bit backward cases with head dim 40, 64, 128 or 256 the Hopper backward.
+16-bit backward cases with head dim 40, 64, 128 or 256 the Hopper backward (deterministic,
+varlen and seqused_k included).
 
   compute-sanitizer --tool memcheck python bench/sanitize_case.py
 """
@@ -62,6 +63,29 @@ for dtype in (torch.bfloat16, torch.float32):
     v = torch.randn(3, 50, 1, 64, device="cuda", dtype=dtype, requires_grad=True)
     used = torch.tensor([0, 17, 50], dtype=torch.int32, device="cuda")
     out = fa.flash_attn_func(q, k, v, causal=True, seqused_k=used)
+    out.backward(torch.randn_like(out))
+# Hopper backward with several key tiles per CTA (deterministic, 140 heads > SMs: one split,
+# every CTA walks all its head's tiles), then varlen / seqused_k at D = 128 and 256 (rows
+# past a sequence zeroed in shared memory).
+for d, sq, sk in ((128, 300, 300), (256, 200, 150)):
+    q, k, v = (torch.randn(2, s, 70, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for s in (sq, sk, sk))
+    out = fa.flash_attn_func(q, k, v, causal=True, deterministic=True)
+    out.backward(torch.randn_like(out))
+    lens_q, lens_k = [5, 0, 130, 33], [9, 4, 70, 200]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), 4, d, device="cuda", dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 2, d, device="cuda", dtype=torch.float16, requires_grad=True)
+            for _ in range(2))
+    for det in (False, True):
+        out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                        deterministic=det)
+        out.backward(torch.randn_like(out))
+    q, k, v = (torch.randn(3, s, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for s in (70, 200, 200))
+    out = fa.flash_attn_func(q, k, v, seqused_k=torch.tensor([0, 77, 200], dtype=torch.int32,
+                                                             device="cuda"))
     out.backward(torch.randn_like(out))
 k_cache = torch.randn(2, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
 v_cache = torch.randn_like(k_cache)

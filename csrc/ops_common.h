@@ -199,6 +199,8 @@ inline AttentionFwdParams make_varlen_fwd_params(const at::Tensor& q, const at::
   p.seqlen_k = static_cast<int>(va.max_seqlen_k);
   p.cu_seqlens_q = va.cu_seqlens_q.data_ptr<int>();
   p.cu_seqlens_k = va.cu_seqlens_k.data_ptr<int>();
+  p.total_q = q.size(0);
+  p.total_k = k.size(0);
   // lse [heads, total_q]
   p.lse_batch_stride = 0;
   p.lse_head_stride = q.size(0);

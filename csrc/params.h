@@ -84,6 +84,10 @@ struct AttentionFwdParams {
   // both the padded and the packed case.
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
+  // Varlen: rows of the packed q and k tensors (the Hopper backward's tensor
+  // maps span them); 0 for a padded batch.
+  int64_t total_q = 0;
+  int64_t total_k = 0;
   // Key padding: sequence b uses keys [0, seqused_k[b]) only (clamped to
   // [0, its key count]). Used by the KV cache (cache_seqlens).
   const int* seqused_k = nullptr;

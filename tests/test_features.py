@@ -6,97 +6,10 @@ import pytest
 import torch
 
 import flash_attn_ext as fa
-from flash_attn_ext import attention_ref
-from helpers import assert_fa_rule
+from helpers import (check_lse, check_out_and_grads, gqa_attention, make_varlen,
+                     padded_attention, randn, ref_and_base, varlen_attention)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-# ---- references ------------------------------------------------------------------
-def randn(shape, dtype, device, seed, requires_grad=False):
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    t = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
-    return t.requires_grad_(requires_grad)
-
-
-def gqa_attention(q, k, v, causal, bottom_right=True, layout="bshd", scale=None):
-    """attention_ref at the inputs' precision, with k/v heads repeated over their query-head
-    group (query head h uses kv head h // (H // H_kv)). Returns (out, lse)."""
-    head_axis = 2 if layout == "bshd" else 1
-    groups = q.shape[head_axis] // k.shape[head_axis]
-    k = k.repeat_interleave(groups, dim=head_axis)
-    v = v.repeat_interleave(groups, dim=head_axis)
-    return attention_ref(q, k, v, softmax_scale=scale, causal=causal,
-                         causal_bottom_right=bottom_right, upcast=False, layout=layout,
-                         return_lse=True)
-
-
-def padded_attention(q, k, v, causal, seqused_k=None, scale=None):
-    """[B, S, H, D] attention where batch b only sees keys [0, seqused_k[b]); causal is
-    bottom-right relative to seqused_k[b]. Returns (out, lse [B, H, Sq])."""
-    if seqused_k is None:
-        return gqa_attention(q, k, v, causal, scale=scale)
-    outs, lses = [], []
-    for b, n in enumerate(seqused_k.tolist()):
-        o, l = gqa_attention(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal, scale=scale)
-        outs.append(o)
-        lses.append(l)
-    return torch.cat(outs), torch.cat(lses)
-
-
-def varlen_attention(q, k, v, cu_q, cu_k, causal, seqused_k=None, scale=None):
-    """Packed [total, H, D] attention, one sequence at a time (causal bottom-right per
-    sequence). Rows past cu_q[-1] get zeros. Returns (out [total_q, H, D], lse [H, cu_q[-1]])."""
-    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
-    used = None if seqused_k is None else seqused_k.tolist()
-    outs, lses = [], []
-    for b in range(len(cu_q) - 1):
-        k_end = cu_k[b + 1] if used is None else cu_k[b] + used[b]
-        o, l = gqa_attention(q[cu_q[b]:cu_q[b + 1]].unsqueeze(0), k[cu_k[b]:k_end].unsqueeze(0),
-                             v[cu_k[b]:k_end].unsqueeze(0), causal, scale=scale)
-        outs.append(o[0])
-        lses.append(l[0])
-    outs.append(q.new_zeros((q.shape[0] - cu_q[-1], q.shape[1], v.shape[-1])))
-    return torch.cat(outs), torch.cat(lses, dim=-1)
-
-
-def ref_and_base(fn, tensors, dout=None):
-    """Runs fn(*tensors) -> (out, lse) in float64 (the reference) and at the inputs' precision
-    (the baseline of the FA rule). Returns [(out, lse, grads), ...] for the two, grads (w.r.t.
-    `tensors`) only when dout is given."""
-    results = []
-    for dtype in (torch.float64, None):
-        leaves = [t.detach().to(dtype or t.dtype).requires_grad_(dout is not None) for t in tensors]
-        out, lse = fn(*leaves)
-        grads = torch.autograd.grad(out, leaves, dout.to(out.dtype)) if dout is not None else None
-        results.append((out, lse, grads))
-    return results
-
-
-def check_lse(lse, ref_lse, dtype):
-    """lse is -inf exactly where the reference is (rows that see no key), close elsewhere."""
-    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "lse must be -inf exactly on rows that see no key"
-    assert (lse[~finite] == float("-inf")).all()
-    if finite.any():
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        err = (lse[finite].double() - ref_lse[finite].double()).abs().max().item()
-        assert err <= tol * max(1.0, ref_lse[finite].abs().max().item()), f"lse error {err:.3e}"
-
-
-def check_out_and_grads(out, grads, ref, base, dtype, rows=None, names=("dq", "dk", "dv")):
-    """FA rule: out within 2x, grads within 3x the same-precision error. `rows` optionally
-    restricts the comparison of out to its first `rows` rows (varlen padding rows)."""
-    (ref_out, _, ref_grads), (base_out, _, base_grads) = ref, base
-    assert out.dtype == dtype and out.shape == ref_out.shape
-    sl = slice(None) if rows is None else slice(0, rows)
-    assert_fa_rule(out[sl], ref_out[sl], base_out[sl], 2, what="out")
-    if grads is None:
-        return
-    for name, g, r, b in zip(names, grads, ref_grads, base_grads):
-        assert g.dtype == dtype and g.shape == r.shape, f"{name}: {g.dtype} {tuple(g.shape)}"
-        assert_fa_rule(g, r, b, 3, what=name)
 
 
 # ---- GQA / MQA -------------------------------------------------------------------
@@ -259,17 +172,6 @@ def test_gqa_deterministic(device, dtype):
 
 
 # ---- varlen ------------------------------------------------------------------------
-def make_varlen(lens_q, lens_k, heads, kv_heads, head_dim, dtype, device, pad_q=0, pad_k=0,
-                seed=0, requires_grad=True):
-    cu_q = torch.tensor([0] + lens_q, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-    cu_k = torch.tensor([0] + lens_k, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-    total_q, total_k = sum(lens_q) + pad_q, sum(lens_k) + pad_k
-    q = randn((total_q, heads, head_dim), dtype, device, seed, requires_grad)
-    k = randn((total_k, kv_heads, head_dim), dtype, device, seed + 1, requires_grad)
-    v = randn((total_k, kv_heads, head_dim), dtype, device, seed + 2, requires_grad)
-    return q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)
-
-
 LENS_Q = [0, 1, 63, 17, 128, 5]
 LENS_K = [5, 0, 63, 40, 100, 1]
 

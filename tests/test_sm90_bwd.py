@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import flash_attn_ext as fa
-from helpers import assert_fa_rule, kernel_names, make_qkv, reference_and_baseline
+from helpers import (assert_fa_rule, check_out_and_grads, kernel_names, make_qkv, make_varlen,
+                     padded_attention, randn, ref_and_base, reference_and_baseline,
+                     varlen_attention)
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -45,8 +47,10 @@ def test_dispatch(sm90, impl):
     assert not backward_ran_sm90(q, k, v, causal=True)
     impl("wgmma")
     assert backward_ran_sm90(q, k, v)
+    assert backward_ran_sm90(q, k, v, deterministic=True)
+    assert backward_ran_sm90(q, k, v, seqused_k=torch.tensor([300, 7], dtype=torch.int32,
+                                                                device=DEVICE))
     # Calls the Hopper backward does not implement stay on mma.sync.
-    assert not backward_ran_sm90(q, k, v, deterministic=True)
     for head_dim in (96, 192):
         q2, k2, v2 = make_qkv(1, 300, 300, 2, head_dim, torch.bfloat16, DEVICE)
         try:
@@ -170,3 +174,90 @@ def test_broadcast_inputs_stay_on_mma(sm90):
     assert_fa_rule(out, ref, base, 2)
     for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
         assert_fa_rule(g, r, b, 3, what=name)
+
+
+# ---- deterministic ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic(sm90, dtype, head_dim, causal):
+    # One dQ accumulator per split, each filled by one CTA in a fixed tile order: grads
+    # within the FA rule and bit-identical run to run (250 runs for one configuration).
+    q, k, v = make_qkv(2, 1031, 1031, 3, head_dim, dtype, DEVICE)
+    assert backward_ran_sm90(q, k, v, causal=causal, deterministic=True)
+    run_and_check_grads(q, k, v, causal, deterministic=True)
+    out = fa.flash_attn_func(q, k, v, causal=causal, deterministic=True)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    runs = 250 if (head_dim, causal, dtype) == (128, True, torch.bfloat16) else 10
+    for _ in range(runs):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+# ---- varlen and seqused_k -------------------------------------------------------------
+def varlen_ran_sm90(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+    out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    names = kernel_names(lambda: torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    return any(SM90_BWD_KERNEL in n for n in names)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen(sm90, dtype, head_dim, causal, deterministic):
+    # Sequences shorter than, equal to and longer than a tile, empty ones, GQA, and
+    # NaN in the rows past cu_seqlens[-1]: packed tiles read neighbouring rows, which
+    # the kernel zeroes in shared memory, so nothing leaks between sequences.
+    lens_q, lens_k = [0, 1, 63, 200, 128, 77, 5], [5, 0, 63, 129, 300, 77, 1]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, 4, 2, head_dim, dtype,
+                                                    DEVICE, pad_q=9, pad_k=70)
+    with torch.no_grad():
+        for t in (q, k, v):
+            t[-5:] = float("nan")
+    kwargs = dict(causal=causal, deterministic=deterministic)
+    assert varlen_ran_sm90(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    rows = sum(lens_q)
+    dout = randn(out.shape, dtype, DEVICE, 21)
+    dout[rows:] = 0  # the padding rows' out is not defined: give them no gradient
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=deterministic)
+    keys = sum(lens_k)
+    clean = [t.detach().clone() for t in (q, k, v)]
+    for t, n in zip(clean, (rows, keys, keys)):
+        t[n:] = 0
+    ref, base = ref_and_base(lambda q, k, v: varlen_attention(q, k, v, cu_q, cu_k, causal),
+                             clean, dout)
+    check_out_and_grads(out, grads, ref, base, dtype, rows=rows)
+    dq, dk, dv = grads
+    assert torch.all(dq[rows:] == 0) and torch.all(dk[keys:] == 0) and torch.all(dv[keys:] == 0)
+    if deterministic:
+        again = torch.autograd.grad(out, (q, k, v), dout)
+        for a, b in zip(grads, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqused_k_ignores_cache_garbage(sm90, head_dim, causal):
+    # Keys past seqused_k hold NaN (an unfilled cache): zero gradients there, exact elsewhere.
+    used = torch.tensor([0, 1, 130, 300, 64], dtype=torch.int32, device=DEVICE)
+    q = randn((5, 150, 4, head_dim), torch.bfloat16, DEVICE, 1, True)
+    k = randn((5, 300, 2, head_dim), torch.bfloat16, DEVICE, 2)
+    v = randn((5, 300, 2, head_dim), torch.bfloat16, DEVICE, 3)
+    for b, n in enumerate(used.tolist()):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    k.requires_grad_()
+    v.requires_grad_()
+    assert backward_ran_sm90(q, k, v, causal=causal, seqused_k=used)
+    out = fa.flash_attn_func(q, k, v, causal=causal, seqused_k=used)
+    dout = randn(out.shape, torch.bfloat16, DEVICE, 4)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    clean = [t.detach().nan_to_num(0.0) for t in (q, k, v)]
+    ref, base = ref_and_base(lambda q, k, v: padded_attention(q, k, v, causal, used), clean, dout)
+    check_out_and_grads(out, grads, ref, base, torch.bfloat16)
+    for b, n in enumerate(used.tolist()):
+        assert torch.all(grads[1][b, n:] == 0) and torch.all(grads[2][b, n:] == 0)

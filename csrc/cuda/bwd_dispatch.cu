@@ -40,28 +40,39 @@ int accum_dim(const AttentionBwdParams& p) {
   return is_fp32(p) ? bwd_fp32_accum_dim(p.head_dim) : bwd_rounded_head_dim(p.head_dim);
 }
 
+#ifdef FAE_HAS_SM90A
+bool use_sm90_backward(const AttentionBwdParams& p);
+#endif
+
 // Deterministic mode: the blocks along seqlen_k of one (batch, head) are
 // folded into `splits` blocks, each walking n_blocks split, split + splits, ...
-// in order and owning a private fp32 dQ accumulator (plain read-modify-write,
-// no atomics); the convert kernel sums the splits in order 0..splits-1. So the
-// result is bit-identical run to run. `splits` targets one wave of blocks
-// (one 256-thread block per SM) and costs splits x the dQ accumulator memory.
+// in order and owning a private fp32 dQ accumulator (mma.sync: plain
+// read-modify-write; Hopper: TMA reduce-adds from one thread, each tile's
+// waited for before the next); the convert kernel sums the splits in order
+// 0..splits-1. So the result is bit-identical run to run. `splits` targets one
+// wave of blocks and costs splits x the dQ accumulator memory: mma.sync rounds
+// up (256-thread blocks, several per SM), the Hopper kernel (one CTA per SM)
+// rounds down, so that no second wave holds a few CTAs.
 int bwd_dq_splits(const AttentionBwdParams& p, int num_sms) {
   if (!p.deterministic) return 1;
-  const int block_n = is_fp32(p) ? kBwdFp32BlockN : bwd_block_n(accum_dim(p));
+  int block_n = is_fp32(p) ? kBwdFp32BlockN : bwd_block_n(accum_dim(p));
+  bool one_cta_per_sm = false;
+#ifdef FAE_HAS_SM90A
+  if (use_sm90_backward(p)) {
+    block_n = bwd_sm90_block_n(accum_dim(p));
+    one_cta_per_sm = true;
+  }
+#endif
   const int num_n_blocks = (p.seqlen_k + block_n - 1) / block_n;
   const int64_t heads_total = static_cast<int64_t>(p.batch) * p.heads;
-  const int64_t wanted = (std::max(num_sms, 1) + heads_total - 1) / heads_total;
+  const int64_t sms = std::max(num_sms, 1);
+  const int64_t wanted = one_cta_per_sm ? sms / heads_total : (sms + heads_total - 1) / heads_total;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, num_n_blocks)));
 }
 
 int64_t dsum_floats(const AttentionBwdParams& p) {
   return (p.q_rows_total + 63) / 64 * 64;  // keeps dq_accum 256-byte aligned
 }
-
-#ifdef FAE_HAS_SM90A
-bool use_sm90_backward(const AttentionBwdParams& p);
-#endif
 
 // The padded row statistics of the Hopper backward (params.h), reserved for
 // the calls it takes.
@@ -83,18 +94,25 @@ int64_t row_stat_floats(const AttentionBwdParams& p) {
 
 // The Hopper (wgmma + TMA) backward takes a call when it was compiled (an
 // sm_90a target), the device is sm_90, FLASH_ATTN_EXT_BWD_IMPL allows it, and
-// the call is one it implements: 16-bit, kernel head dim 64/128/256, padded batch
-// without seqused_k, not deterministic, no broadcast (stride-0) dimension
-// (README "Hopper backward").
+// the call is one it implements: 16-bit, kernel head dim 64/128/256, no
+// broadcast (stride-0) dimension, packed rows addressable by TMA's int32
+// coordinates (README "Hopper backward"). Varlen, seqused_k and deterministic
+// calls included.
 #ifdef FAE_HAS_SM90A
 bool use_sm90_backward(const AttentionBwdParams& p) {
   if (kernel_impl_requested("FLASH_ATTN_EXT_BWD_IMPL") == KernelImpl::kMma) return false;
-  return !is_fp32(p) && bwd_sm90_head_dim(bwd_rounded_head_dim(p.head_dim)) &&
-         !has_var_seqs(p) && !p.deterministic && p.heads <= 65535 && p.batch <= 65535 &&
-         tma_strides_ok(p.q_strides, p.seqlen_q, p.heads, p.batch) &&
-         tma_strides_ok(p.dout_strides, p.seqlen_q, p.heads, p.batch) &&
-         tma_strides_ok(p.k_strides, p.seqlen_k, p.heads_k, p.batch) &&
-         tma_strides_ok(p.v_strides, p.seqlen_k, p.heads_k, p.batch) && device_is_sm90();
+  const bool packed = p.cu_seqlens_q != nullptr;
+  // What the tensor maps see (bwd_sm90_launch.cuh): packed tensors as one
+  // batch entry of total rows.
+  const int64_t rows_q = packed ? p.total_q : p.seqlen_q, rows_k = packed ? p.total_k : p.seqlen_k;
+  const int map_batch = packed ? 1 : p.batch;
+  const bool rows_fit = rows_q < (int64_t{1} << 31) - 64 && rows_k < (int64_t{1} << 31) - 128;
+  return !is_fp32(p) && bwd_sm90_head_dim(bwd_rounded_head_dim(p.head_dim)) && rows_fit &&
+         p.heads <= 65535 && p.batch <= 65535 &&
+         tma_strides_ok(p.q_strides, rows_q, p.heads, map_batch) &&
+         tma_strides_ok(p.dout_strides, rows_q, p.heads, map_batch) &&
+         tma_strides_ok(p.k_strides, rows_k, p.heads_k, map_batch) &&
+         tma_strides_ok(p.v_strides, rows_k, p.heads_k, map_batch) && device_is_sm90();
 }
 #endif
 

@@ -14,7 +14,7 @@ import flash_attn_ext as fa
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-ALL_BACKENDS = ("ours", "ours-mma", "naive", "sdpa", "math", "flash", "efficient", "cudnn", "flex")
+ALL_BACKENDS = ("ours", "ours-mma", "ours-det", "naive", "sdpa", "math", "flash", "efficient", "cudnn", "flex")
 
 
 SDPA_BACKENDS = ("math", "flash", "efficient", "cudnn")
@@ -61,6 +61,8 @@ def make_fn(backend, cfg, device, deterministic=False):
         # ours with both passes pinned to the mma.sync kernels (on sm_90 the default is the
         # Hopper wgmma kernels); run_config times it inside _pinned_to_mma().
         return make_fn("ours", cfg, device, deterministic)
+    if backend == "ours-det":  # ours with deterministic=True, beside ours in the same run
+        return make_fn("ours", cfg, device, True)
     if backend == "ours":
         if not deterministic:
             return lambda q, k, v: fa.scaled_dot_product_attention(q, k, v, is_causal=causal)

@@ -6,7 +6,8 @@ one process, and prints a table last.
   python -m flash_attn_ext.bench --hdims 128 --seqlens 4096 --causal 1 --pass fwd
   python -m flash_attn_ext.bench --csv out.csv --json out.json --plot plots/
 
-Backends: ours, naive (matmul-softmax-matmul in the input dtype), sdpa (torch's own choice),
+Backends: ours, ours-mma (both passes pinned to the mma.sync kernels), ours-det (ours with
+deterministic=True), naive (matmul-softmax-matmul in the input dtype), sdpa (torch's own choice),
 math, flash, efficient, cudnn (torch SDPA pinned to one backend with sdpa_kernel) and flex
 (torch.compile(flex_attention), CUDA only). A backend that refuses an input, or would not fit
 in memory, gets a note instead of a time.

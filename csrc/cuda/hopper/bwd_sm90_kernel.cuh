@@ -1,11 +1,15 @@
-// Hopper backward: dK, dV (and dQ partial sums) for one key tile per CTA, with
-// TMA loads and wgmma; one producer warpgroup feeding two consumer warpgroups.
+// Hopper backward: dK, dV (and dQ partial sums) for one key tile at a time,
+// with TMA loads and wgmma; one producer warpgroup feeding two consumer
+// warpgroups.
 //
-//   CTA = 3 warpgroups, grid = (key tiles, heads, batch)
+//   CTA = 3 warpgroups, grid = (key tiles, heads, batch); deterministic mode:
+//   grid = (splits, heads, batch), CTA x walks key tiles x, x + splits, ... and
+//   adds its dQ partials into accumulator x only (one thread, each tile's adds
+//   completed before the next tile's: a fixed order; bwd_dispatch.cu)
 //
-//   warpgroup 0 (producer, 24 registers): one thread loads K_j, V_j once,
-//       then Q_i, dO_i for every query tile i that sees key tile j into a
-//       kStages ring (mbarriers qdo_full / qdo_empty).
+//   warpgroup 0 (producer, 24 registers): one thread loads K_j, V_j once per
+//       tile (mbarriers kv_full / kv_empty), then Q_i, dO_i for every query
+//       tile i that sees key tile j into a kStages ring (qdo_full / qdo_empty).
 //   warpgroups 1, 2 (consumers, 240 registers). Per query tile i (64 rows):
 //       S^T  = K Q_i^T                   wgmma SS (both K-major, as loaded)
 //       dP^T = V dO_i^T                  wgmma SS
@@ -22,6 +26,12 @@
 //                                        reduce-add per 32 columns, so the
 //                                        math warps issue no atomics
 //   epilogue: dK * softmax_scale and dV from registers to global memory.
+//
+// Varlen (packed rows) and seqused_k (kVarSeq): the tensor maps span all rows
+// of the packed tensors and tiles start at the sequence's first row, so a
+// tile's rows past the sequence hold other sequences' rows (or unused cache
+// keys); the consumers zero them in shared memory before the first wgmma reads
+// them, and the kernel then runs exactly as on a padded batch.
 //
 // The transposed formulation (S^T rather than S) puts the keys on wgmma's M
 // side, so the accumulators of S^T / dP^T are already the A operands (P^T,
@@ -137,7 +147,8 @@ struct BwdSm90Traits {
   // One stage's lse (log2) and D rows (kBlockM floats each), bulk copies from
   // the padded row statistics (params.h) that complete with Q and dO.
   static constexpr int kRowStatBytes = 2 * kBlockM * 4;
-  static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);
+  // kv_full, kv_empty, then qdo_full / qdo_empty per stage.
+  static constexpr int kBarrierBytes = 8 * (2 + 2 * kStages);
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
                                     kDqSmemBytes + kPBytes + kStages * kRowStatBytes + kBarrierBytes +
@@ -164,7 +175,7 @@ struct BwdSm90Traits {
                 "register file split between producer and consumers");
 };
 
-template <typename Traits, bool kIsCausal>
+template <typename Traits, bool kIsCausal, bool kVarSeq>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmap_q,
                           const __grid_constant__ CUtensorMap tmap_k,
@@ -198,24 +209,37 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto ds_smem = [&](int buf) { return ds_smem0 + buf * Traits::kDsBytes; };
   auto lse_smem = [&](int stage) { return row_stats0 + stage * Traits::kRowStatBytes; };
   auto dsum_smem = [&](int stage) { return lse_smem(stage) + kBlockM * 4; };
-  const uint32_t kv_full = bar0;
-  auto qdo_full = [&](int stage) { return bar0 + 8 * (1 + stage); };
-  auto qdo_empty = [&](int stage) { return bar0 + 8 * (1 + kStages + stage); };
+  const uint32_t kv_full = bar0, kv_empty = bar0 + 8;
+  auto qdo_full = [&](int stage) { return bar0 + 8 * (2 + stage); };
+  auto qdo_empty = [&](int stage) { return bar0 + 8 * (2 + kStages + stage); };
 
-  const int n_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int h = blockIdx.y, b = blockIdx.z;
   const int h_k = h / (params.heads / params.heads_k);
-  const SeqBounds seq = seq_bounds<false>(params, b);
-  const int n0 = n_block * kBlockN;
-  // Query tiles that see a key of this tile: causal, query m sees key n iff
+  const SeqBounds seq = seq_bounds<kVarSeq>(params, b);
+  // Key tiles of this CTA: blockIdx.x alone, or in deterministic mode
+  // blockIdx.x, + gridDim.x, ... in this order, every one adding its dQ
+  // partials into accumulator blockIdx.x (bwd_dispatch.cu: bwd_dq_splits),
+  // which nothing else touches; the convert kernel sums the accumulators in
+  // a fixed order.
+  const int n_tiles = (seq.seqlen_k + kBlockN - 1) / kBlockN;
+  // Query tiles that see a key of tile n0: causal, query m sees key n iff
   // n <= m + offset, so the first is the one holding m = n0 - offset.
-  const int m_begin = kIsCausal ? max(0, n0 - seq.causal_offset) / kBlockM : 0;
+  auto first_query_tile = [&](int n0) {
+    return kIsCausal ? max(0, n0 - seq.causal_offset) / kBlockM : 0;
+  };
   const int m_end = (seq.seqlen_q + kBlockM - 1) / kBlockM;
+  // Packed (varlen) tensors are one batch entry of total rows; this
+  // sequence's rows start at row0 (params.h).
+  const bool packed = kVarSeq && params.cu_seqlens_q != nullptr;
+  const int tma_batch = packed ? 0 : b;
+  const int q_row0 = static_cast<int>(seq.row0_q), k_row0 = static_cast<int>(seq.row0_k);
   // Broadcast from lane 0 so that ptxas sees a warp-uniform value: wgmmas
   // under a branch on it are then not serialised as in a divergent path.
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
+    mbar_init(kv_empty, 256);  // every consumer thread, after the tile's last step
     for (int s = 0; s < kStages; ++s) {
       mbar_init(qdo_full(s), 1);
       mbar_init(qdo_empty(s), Traits::kQdoReleases);
@@ -227,7 +251,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (warpgroup == 0) {
     // ---------------- producer ----------------
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x == 0 && m_begin < m_end) {
+    if (threadIdx.x == 0 && m_end > 0) {
       prefetch_tensor_map(&tmap_q);
       prefetch_tensor_map(&tmap_k);
       prefetch_tensor_map(&tmap_v);
@@ -237,18 +261,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int64_t head_rows = (static_cast<int64_t>(b) * params.heads + h) * params.seqlen_q_padded;
       const float* row_stats_head = params.lse_log2_padded + head_rows;
       const int64_t dsum_offset = params.dsum_padded - params.lse_log2_padded;
-      mbar_arrive_expect_tx(kv_full, 2 * Traits::kKVBytes);
-      tma_load_tile<kChunks>(&tmap_k, k_smem, kBlockN, kv_full, n0, h_k, b);
-      tma_load_tile<kChunks>(&tmap_v, v_smem, kBlockN, kv_full, n0, h_k, b);
-      for (int i = 0; m_begin + i < m_end; ++i) {
-        const int stage = i % kStages;
-        mbar_wait(qdo_empty(stage), ((i / kStages) & 1) ^ 1);
-        mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes + Traits::kRowStatBytes);
-        const int m0 = (m_begin + i) * kBlockM;
-        bulk_load(lse_smem(stage), row_stats_head + m0, kBlockM * 4, qdo_full(stage));
-        bulk_load(dsum_smem(stage), row_stats_head + dsum_offset + m0, kBlockM * 4, qdo_full(stage));
-        tma_load_tile<kChunks>(&tmap_q, q_smem(stage), kBlockM, qdo_full(stage), m0, h, b);
-        tma_load_tile<kChunks>(&tmap_do, do_smem(stage), kBlockM, qdo_full(stage), m0, h, b);
+      // step counts Q/dO stages over all of the CTA's tiles, tiles_loaded K/V loads.
+      int step = 0, tiles_loaded = 0;
+      for (int n_block = blockIdx.x; n_block < n_tiles; n_block += gridDim.x) {
+        const int n0 = n_block * kBlockN;
+        const int m_begin = first_query_tile(n0);
+        if (m_begin >= m_end) continue;
+        mbar_wait(kv_empty, (tiles_loaded & 1) ^ 1);  // the previous tile's K/V are read
+        ++tiles_loaded;
+        mbar_arrive_expect_tx(kv_full, 2 * Traits::kKVBytes);
+        tma_load_tile<kChunks>(&tmap_k, k_smem, kBlockN, kv_full, k_row0 + n0, h_k, tma_batch);
+        tma_load_tile<kChunks>(&tmap_v, v_smem, kBlockN, kv_full, k_row0 + n0, h_k, tma_batch);
+        for (int m_block = m_begin; m_block < m_end; ++m_block, ++step) {
+          const int stage = step % kStages;
+          mbar_wait(qdo_empty(stage), ((step / kStages) & 1) ^ 1);
+          mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes + Traits::kRowStatBytes);
+          const int m0 = m_block * kBlockM;
+          bulk_load(lse_smem(stage), row_stats_head + m0, kBlockM * 4, qdo_full(stage));
+          bulk_load(dsum_smem(stage), row_stats_head + dsum_offset + m0, kBlockM * 4,
+                    qdo_full(stage));
+          tma_load_tile<kChunks>(&tmap_q, q_smem(stage), kBlockM, qdo_full(stage), q_row0 + m0, h,
+                                 tma_batch);
+          tma_load_tile<kChunks>(&tmap_do, do_smem(stage), kBlockM, qdo_full(stage), q_row0 + m0,
+                                 h, tma_batch);
+        }
       }
     }
     return;
@@ -269,13 +305,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // acc[j][e], lane = 4g + q: e = 0,1 -> row g, cols 8j + 2q + {0,1};
   // e = 2,3 -> row g + 8. Rows are keys here, columns queries (or head dim).
   float dk[kGradCols / 8][4], dv[kGradCols / 8][4];
-#pragma unroll
-  for (int j = 0; j < kGradCols / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
-  }
   const int key_row = wg_key0 + warp * 16 + lane / 4;  // + 8 * (e / 2), within the tile
-  const int key_base = n0 + key_row;
+  int n0 = 0;  // the current key tile's first key
+  // The dQ accumulator slice of (b, h) in the map (make_dq_accum_tensor_map):
+  // [splits][batch * heads] padded, [splits][heads] packed.
+  const int dq_slice =
+      (params.deterministic ? static_cast<int>(blockIdx.x) : 0) * (packed ? 1 : params.batch) *
+          params.heads +
+      (packed ? 0 : b * params.heads) + h;
 
   // X^T = A B^T for K-major A (this warpgroup's 64 keys) and B (queries):
   // kHeadDim / 16 k-steps, 32 bytes apart inside a 64-column chunk.
@@ -347,7 +384,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float p = exp2f(s[j][e] * params.scale_log2 - lse_log2[j][e % 2]);
-        if (needs_mask && key_base + 8 * (e / 2) > query_base + 8 * j + e % 2 + seq.causal_offset) {
+        if (needs_mask && n0 + key_row + 8 * (e / 2) > query_base + 8 * j + e % 2 + seq.causal_offset) {
           p = 0.f;
         }
         s[j][e] = p;
@@ -418,8 +455,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
       for (int box = 0; box < kDqBoxes; ++box) {
         tma_reduce_add_3d(&tmap_dq_accum, buf + box * kBlockM * 128,
-                          dq_col0(c) + box * Traits::kDqBoxCols, m_block * kBlockM,
-                          b * params.heads + h);
+                          dq_col0(c) + box * Traits::kDqBoxCols, q_row0 + m_block * kBlockM,
+                          dq_slice);
       }
     }
   };
@@ -445,154 +482,205 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // the TMA has read this consumer's dQ chunks out of it (the sending thread
   // arrives after waiting for that); called with this step's wgmmas in flight.
   auto release_qdo_stage = [&](int step) {
-    if (step > 0) {
+    if (step > 0) {  // the CTA's first step: nothing to release
       if (tid == 0) bulk_wait_group_read<0>();
       mbar_arrive(qdo_empty((step - 1) % kStages));
     }
   };
 
-  if (m_begin < m_end) mbar_wait(kv_full, 0);
-  if constexpr (!Traits::kSplitHeadDim) {
-    // ---- key split: each consumer runs the whole step for its 64 keys ----
-    // Every wgmma is waited for in the iteration that issued it: one left in
-    // flight across the loop's back edge, or waited for under a branch, made
-    // ptxas serialise all of them.
-    constexpr int kDsBarrier = 1;  // both consumers' dS^T written
-    for (int i = 0; m_begin + i < m_end; ++i) {
-      const int m_block = m_begin + i;
-      const int stage = i % kStages;
-      mbar_wait(qdo_full(stage), (i / kStages) & 1);
-
-      float s[kBlockM / 8][4], dp[kBlockM / 8][4];
-      wgmma_fence();
-      issue_transposed_scores(s, k_smem, q_smem(stage));
-      issue_transposed_scores(dp, v_smem, do_smem(stage));
-      float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];  // while the GEMMs run
-      load_row_stat(lse_smem(stage), lse_log2);
-      load_row_stat(dsum_smem(stage), dsum);
-
-      wgmma_wait<1>();
-      fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
-      scores_to_probs(m_block, s, lse_log2);
-      wgmma_wait<0>();
-      fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
-#pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - dsum[j][e % 2]);
-      }
-      uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-      accumulators_to_a_fragments<T, kBlockM>(s, p_frag);
-      accumulators_to_a_fragments<T, kBlockM>(dp, ds_frag);
-
-      wgmma_fence();
-      issue_grad_update(dv, p_frag, do_smem(stage));
-      issue_grad_update(dk, ds_frag, q_smem(stage));
-      wgmma_commit();
-
-      const uint32_t ds_buf = ds_smem(i % 2);
-      store_ds(ds_buf, ds_frag);
+  // Packed sequences and key padding: rows of a tile past the sequence hold
+  // other sequences' rows (or unused cache rows) instead of TMA's zeros.
+  // They are zeroed in shared memory, so that every product sees what it
+  // sees in a padded batch: P = 0 for padded queries (lse = +inf), and zero
+  // contributions from padded keys (their dK / dV rows are not written).
+  // Rows [row_begin, kRows) of every 64-column chunk, whole 128-byte rows (so
+  // the swizzle does not matter), by the 256 consumer threads; the caller
+  // syncs them (kZeroedBarrier) before any wgmma reads the tile.
+  constexpr int kZeroedBarrier = 5;
+  auto zero_tile_rows = [&](uint32_t tile, int tile_rows, int row_begin) {
+    const int units_per_chunk = (tile_rows - row_begin) * 8;  // 16-byte units
+    for (int u = wg * 128 + tid; u < kChunks * units_per_chunk; u += 256) {
+      const int chunk = u / units_per_chunk, row = row_begin + (u % units_per_chunk) / 8;
+      st_shared_v4_f32(tile + chunk * tile_rows * 128 + row * 128 + (u % 8) * 16, 0.f, 0.f, 0.f,
+                       0.f);
+    }
+  };
+  auto zero_rows_past_sequence = [&](int m_block, int stage) {
+    if (packed && (m_block + 1) * kBlockM > seq.seqlen_q) {
+      zero_tile_rows(q_smem(stage), kBlockM, seq.seqlen_q - m_block * kBlockM);
+      zero_tile_rows(do_smem(stage), kBlockM, seq.seqlen_q - m_block * kBlockM);
       fence_proxy_async_smem();
-      // This step's dQ buffer was last read by the TMA reduce of step i - 2
-      // (groups i - 2 and i - 1 are the sender's outstanding ones): done
-      // before the barrier, which every write to the buffer follows.
-      if (tid == 0) bulk_wait_group_read<1>();
-      named_barrier_sync(kDsBarrier, 256);
-      accumulate_dq(ds_buf, m_block, stage, i);
-      fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
-      fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
+      named_barrier_sync(kZeroedBarrier, 256);
     }
-  } else {
-    // ---- head-dim split: consumer 0 computes P^T, consumer 1 dP^T and dS^T ----
-    // Every buffer reuse is separated by a bar.sync of both consumers: P^T of
-    // step i + 1 is written after kDsReady of step i (consumer 1 has read P^T
-    // of step i), dS^T of step i + 2 (the buffer of step i) after kPReady of
-    // step i + 2 (consumer 0 has read dS^T of step i and waited for its dQ).
-    // kPReady as bar.arrive for consumer 0 measured no faster, and
-    // compute-sanitizer racecheck flagged the dS^T reads under it. Both
-    // barriers are single instructions outside the warpgroup branches.
-    constexpr int kPReady = 1, kDsReady = 2;
-    const uint32_t p_slot = p_smem + tid * 16;  // + q * 128 * 16 for float4 q
-    for (int i = 0; m_begin + i < m_end; ++i) {
-      const int m_block = m_begin + i;
-      const int stage = i % kStages;
-      mbar_wait(qdo_full(stage), (i / kStages) & 1);
-      const uint32_t ds_buf = ds_smem(i % 2);
+  };
 
-      // The wgmmas stay outside the warpgroup branches (operands selected
-      // instead): inside a divergent branch ptxas serialises them.
-      float acc[kBlockM / 8][4];  // consumer 0: S^T -> P^T; consumer 1: dP^T -> dS^T
-      wgmma_fence();
-      issue_transposed_scores(acc, wg == 0 ? k_smem : v_smem, wg == 0 ? q_smem(stage) : do_smem(stage));
-      release_qdo_stage(i);
-      float row_terms[kBlockM / 8][2];  // consumer 0: lse (log2); consumer 1: D
-      load_row_stat(wg == 0 ? lse_smem(stage) : dsum_smem(stage), row_terms);
-      wgmma_wait<0>();
-      fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(acc));
-
-      uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-      if (wg == 0) {
-        scores_to_probs(m_block, acc, row_terms);
+  // step counts Q/dO stages over all of the CTA's tiles (stage, phase, dS and
+  // dQ buffers), tiles_loaded K/V loads, as the producer does.
+  int step = 0, tiles_loaded = 0;
+  for (int n_block = blockIdx.x; n_block < n_tiles; n_block += gridDim.x) {
+    n0 = n_block * kBlockN;
+    const int m_begin = first_query_tile(n0);
 #pragma unroll
-        for (int q = 0; q < kBlockM / 8; ++q) {
-          st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
-        }
-      }
-      // One barrier instruction for both consumers: the same named barrier
-      // synced from two branches was flagged by compute-sanitizer synccheck.
-      named_barrier_sync(kPReady, 256);
-      if (wg == 0) {
-        accumulators_to_a_fragments<T, kBlockM>(acc, p_frag);
-      } else {
-        float p[kBlockM / 8][4];
+    for (int j = 0; j < kGradCols / 8; ++j) {
 #pragma unroll
-        for (int q = 0; q < kBlockM / 8; ++q) {
-          ld_shared_v4_f32(p_slot + q * 128 * 16, p[q][0], p[q][1], p[q][2], p[q][3]);
-        }
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][e] = p[j][e] * (acc[j][e] - row_terms[j][e % 2]);
-        }
-        accumulators_to_a_fragments<T, kBlockM>(p, p_frag);
-        accumulators_to_a_fragments<T, kBlockM>(acc, ds_frag);
-        store_ds(ds_buf, ds_frag);
+      for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+    }
+    if (m_begin < m_end) {
+      mbar_wait(kv_full, tiles_loaded & 1);
+      ++tiles_loaded;
+      if (kVarSeq && n0 + kBlockN > seq.seqlen_k) {
+        zero_tile_rows(k_smem, kBlockN, seq.seqlen_k - n0);
+        zero_tile_rows(v_smem, kBlockN, seq.seqlen_k - n0);
         fence_proxy_async_smem();
+        named_barrier_sync(kZeroedBarrier, 256);
       }
-      wgmma_fence();
-      issue_grad_update(dv, p_frag, do_smem(stage));
-      wgmma_commit();
-      named_barrier_sync(kDsReady, 256);
-      if (wg == 0) {
-        load_ds(ds_buf, ds_frag);
-      }
-      wgmma_fence();
-      issue_grad_update(dk, ds_frag, q_smem(stage));
-      wgmma_commit();
-      accumulate_dq(ds_buf, m_block, stage, i);
-      fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
-      fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
-    }
-  }
+      if constexpr (!Traits::kSplitHeadDim) {
+        // ---- key split: each consumer runs the whole step for its 64 keys ----
+        // Every wgmma is waited for in the iteration that issued it: one left in
+        // flight across the loop's back edge, or waited for under a branch, made
+        // ptxas serialise all of them.
+        constexpr int kDsBarrier = 1;  // both consumers' dS^T written
+        for (int m_block = m_begin; m_block < m_end; ++m_block, ++step) {
+          const int stage = step % kStages;
+          mbar_wait(qdo_full(stage), (step / kStages) & 1);
+          if constexpr (kVarSeq) zero_rows_past_sequence(m_block, stage);
 
-  // ---------------- epilogue ----------------
-  // dK = softmax_scale * sum dS^T Q; keys past seqlen_k and padded head-dim
-  // columns are not written. Keys no query sees get zeros.
+          float s[kBlockM / 8][4], dp[kBlockM / 8][4];
+          wgmma_fence();
+          issue_transposed_scores(s, k_smem, q_smem(stage));
+          issue_transposed_scores(dp, v_smem, do_smem(stage));
+          float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];  // while the GEMMs run
+          load_row_stat(lse_smem(stage), lse_log2);
+          load_row_stat(dsum_smem(stage), dsum);
+
+          wgmma_wait<1>();
+          fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
+          scores_to_probs(m_block, s, lse_log2);
+          wgmma_wait<0>();
+          fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int key = key_base + 8 * hh;
-    const bool key_ok = key < seq.seqlen_k;
-    const int row = key_ok ? key : 0;
-    T* dk_row = static_cast<T*>(params.dk) + row_offset(params.dk_strides, b, h, row);
-    T* dv_row = static_cast<T*>(params.dv) + row_offset(params.dv_strides, b, h, row);
-    store_accumulator_row<T, kGradCols>(dk_row, dk, hh, params.softmax_scale, wg_col0,
-                                        params.head_dim, key_ok, lane);
-    store_accumulator_row<T, kGradCols>(dv_row, dv, hh, 1.f, wg_col0, params.head_dim, key_ok,
-                                        lane);
+          for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - dsum[j][e % 2]);
+          }
+          uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+          accumulators_to_a_fragments<T, kBlockM>(s, p_frag);
+          accumulators_to_a_fragments<T, kBlockM>(dp, ds_frag);
+
+          wgmma_fence();
+          issue_grad_update(dv, p_frag, do_smem(stage));
+          issue_grad_update(dk, ds_frag, q_smem(stage));
+          wgmma_commit();
+
+          const uint32_t ds_buf = ds_smem(step % 2);
+          store_ds(ds_buf, ds_frag);
+          fence_proxy_async_smem();
+          // This step's dQ buffer was last read by the TMA reduce of step - 2
+          // (groups step - 2 and step - 1 are the sender's outstanding ones):
+          // done before the barrier, which every write to the buffer follows.
+          if (tid == 0) bulk_wait_group_read<1>();
+          named_barrier_sync(kDsBarrier, 256);
+          accumulate_dq(ds_buf, m_block, stage, step);
+          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
+          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
+        }
+      } else {
+        // ---- head-dim split: consumer 0 computes P^T, consumer 1 dP^T and dS^T ----
+        // Every buffer reuse is separated by a bar.sync of both consumers: P^T of
+        // step i + 1 is written after kDsReady of step i (consumer 1 has read P^T
+        // of step i), dS^T of step i + 2 (the buffer of step i) after kPReady of
+        // step i + 2 (consumer 0 has read dS^T of step i and waited for its dQ).
+        // kPReady as bar.arrive for consumer 0 measured no faster, and
+        // compute-sanitizer racecheck flagged the dS^T reads under it. Both
+        // barriers are single instructions outside the warpgroup branches.
+        constexpr int kPReady = 1, kDsReady = 2;
+        const uint32_t p_slot = p_smem + tid * 16;  // + q * 128 * 16 for float4 q
+        for (int m_block = m_begin; m_block < m_end; ++m_block, ++step) {
+          const int stage = step % kStages;
+          mbar_wait(qdo_full(stage), (step / kStages) & 1);
+          if constexpr (kVarSeq) zero_rows_past_sequence(m_block, stage);
+          const uint32_t ds_buf = ds_smem(step % 2);
+
+          // The wgmmas stay outside the warpgroup branches (operands selected
+          // instead): inside a divergent branch ptxas serialises them.
+          float acc[kBlockM / 8][4];  // consumer 0: S^T -> P^T; consumer 1: dP^T -> dS^T
+          wgmma_fence();
+          issue_transposed_scores(acc, wg == 0 ? k_smem : v_smem,
+                                  wg == 0 ? q_smem(stage) : do_smem(stage));
+          release_qdo_stage(step);
+          float row_terms[kBlockM / 8][2];  // consumer 0: lse (log2); consumer 1: D
+          load_row_stat(wg == 0 ? lse_smem(stage) : dsum_smem(stage), row_terms);
+          wgmma_wait<0>();
+          fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(acc));
+
+          uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+          if (wg == 0) {
+            scores_to_probs(m_block, acc, row_terms);
+#pragma unroll
+            for (int q = 0; q < kBlockM / 8; ++q) {
+              st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
+            }
+          }
+          // One barrier instruction for both consumers: the same named barrier
+          // synced from two branches was flagged by compute-sanitizer synccheck.
+          named_barrier_sync(kPReady, 256);
+          if (wg == 0) {
+            accumulators_to_a_fragments<T, kBlockM>(acc, p_frag);
+          } else {
+            float p[kBlockM / 8][4];
+#pragma unroll
+            for (int q = 0; q < kBlockM / 8; ++q) {
+              ld_shared_v4_f32(p_slot + q * 128 * 16, p[q][0], p[q][1], p[q][2], p[q][3]);
+            }
+#pragma unroll
+            for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[j][e] = p[j][e] * (acc[j][e] - row_terms[j][e % 2]);
+            }
+            accumulators_to_a_fragments<T, kBlockM>(p, p_frag);
+            accumulators_to_a_fragments<T, kBlockM>(acc, ds_frag);
+            store_ds(ds_buf, ds_frag);
+            fence_proxy_async_smem();
+          }
+          wgmma_fence();
+          issue_grad_update(dv, p_frag, do_smem(stage));
+          wgmma_commit();
+          named_barrier_sync(kDsReady, 256);
+          if (wg == 0) {
+            load_ds(ds_buf, ds_frag);
+          }
+          wgmma_fence();
+          issue_grad_update(dk, ds_frag, q_smem(stage));
+          wgmma_commit();
+          accumulate_dq(ds_buf, m_block, stage, step);
+          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
+          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
+        }
+      }
+      // Every wgmma reading K / V was waited for: the producer may load the next tile's.
+      mbar_arrive(kv_empty);
+    }
+
+    // ---------------- epilogue ----------------
+    // dK = softmax_scale * sum dS^T Q; keys past seqlen_k and padded head-dim
+    // columns are not written. Keys no query sees get zeros.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int key = n0 + key_row + 8 * hh;
+      const bool key_ok = key < seq.seqlen_k;
+      const int64_t row = k_row0 + (key_ok ? key : 0);
+      T* dk_row = static_cast<T*>(params.dk) + row_offset(params.dk_strides, b, h, row);
+      T* dv_row = static_cast<T*>(params.dv) + row_offset(params.dv_strides, b, h, row);
+      store_accumulator_row<T, kGradCols>(dk_row, dk, hh, params.softmax_scale, wg_col0,
+                                          params.head_dim, key_ok, lane);
+      store_accumulator_row<T, kGradCols>(dv_row, dv, hh, 1.f, wg_col0, params.head_dim, key_ok,
+                                          lane);
+    }
+    // The dQ buffers live until the TMA has read them, and the CTA's adds are
+    // done before it retires; a deterministic CTA's next tile adds into the
+    // same rows, after these (one issuing thread, waited for: a fixed order).
+    if (tid == 0) bulk_wait_group<0>();
   }
-  // The dQ buffers live until the TMA has read them (and the CTA's adds are
-  // done before it retires).
-  if (tid == 0) bulk_wait_group<0>();
 #endif
 }
 

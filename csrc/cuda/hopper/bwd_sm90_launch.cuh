@@ -3,8 +3,9 @@
 //   1. D = rowsum(dO o O), zeroed fp32 dQ accumulator, padded lse (log2) and D
 //      rows (bwd_preprocess.cuh, shared with mma.sync),
 //   2. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added into the
-//      accumulator by TMA reduce-adds),
-//   3. dq = softmax_scale * dQ accumulator (bwd_preprocess.cuh).
+//      accumulator by TMA reduce-adds; deterministic: into one accumulator per
+//      split, in a fixed order),
+//   3. dq = softmax_scale * sum of the dQ accumulators (bwd_preprocess.cuh).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -22,7 +23,9 @@ namespace cuda {
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   using Traits = BwdSm90Traits<T, kHeadDim>;
-  if (params.head_dim > kHeadDim || params.deterministic || has_var_seqs(params)) {
+  static_assert(Traits::kBlockN == bwd_sm90_block_n(kHeadDim), "bwd_sm90.h names the key tile");
+  if (params.head_dim > kHeadDim || params.num_splits < 1 ||
+      (!params.deterministic && params.num_splits != 1)) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "Hopper backward");
   }
@@ -32,31 +35,54 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
     throw std::runtime_error("flash_attn_ext: internal error: no row-statistics workspace for the "
                              "Hopper backward");
   }
-  launch_bwd_preprocess<T>(params, kHeadDim, 1, stream, /*padded_row_stats=*/true);
+  launch_bwd_preprocess<T>(params, kHeadDim, params.num_splits, stream, /*padded_row_stats=*/true);
 
-  const CUtensorMap tmap_q = query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kBlockM);
-  const CUtensorMap tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
-  const CUtensorMap tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
+  // Packed (varlen) tensors are mapped as one batch entry of all their rows;
+  // the kernel offsets each sequence's tiles by its first row.
+  const bool packed = params.cu_seqlens_q != nullptr;
+  const int rows_q = packed ? static_cast<int>(params.total_q) : params.seqlen_q;
+  const int rows_k = packed ? static_cast<int>(params.total_k) : params.seqlen_k;
+  const int map_batch = packed ? 1 : params.batch;
+  auto map_of = [&](const void* base, const TensorStrides& strides, int rows, int heads,
+                    int box_rows) {
+    return make_attention_tensor_map(base, kBf16, params.head_dim, rows, heads, map_batch, strides,
+                                     box_rows);
+  };
+  const CUtensorMap tmap_q = map_of(params.q, params.q_strides, rows_q, params.heads, Traits::kBlockM);
+  const CUtensorMap tmap_k = map_of(params.k, params.k_strides, rows_k, params.heads_k, Traits::kBlockN);
+  const CUtensorMap tmap_v = map_of(params.v, params.v_strides, rows_k, params.heads_k, Traits::kBlockN);
   const CUtensorMap tmap_do =
-      query_tensor_map(params, params.dout, params.dout_strides, kBf16, Traits::kBlockM);
-  // The padded batch's accumulator rows are [batch * heads][seqlen_q] (params.h).
-  const CUtensorMap tmap_dq_accum = make_dq_accum_tensor_map(
-      params.dq_accum, kHeadDim, params.seqlen_q, params.batch * params.heads, Traits::kBlockM);
+      map_of(params.dout, params.dout_strides, rows_q, params.heads, Traits::kBlockM);
+  // The accumulator rows (params.h) as [splits * batch * heads][seqlen_q]
+  // padded, [splits * heads][total_q] packed.
+  const int slices = params.num_splits * (packed ? 1 : params.batch) * params.heads;
+  const CUtensorMap tmap_dq_accum =
+      make_dq_accum_tensor_map(params.dq_accum, kHeadDim, rows_q, slices, Traits::kBlockM);
 
-  auto kernel = flash_bwd_sm90_kernel<Traits, kIsCausal>;
-  bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Traits::kSmemBytes),
-                 "shared-memory opt-in");
-  // One CTA per key tile; blockIdx.x = 0 holds the first keys, which under
-  // causal masking see the most queries, so the longest CTAs start first.
-  const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.heads,
-                  params.batch);
-  if (grid.x > 0) {
+  // One CTA per key tile (blockIdx.x = 0 holds the first keys, which under
+  // causal masking see the most queries, so the longest CTAs start first), or
+  // in deterministic mode num_splits CTAs per head, each walking every
+  // num_splits-th tile (the kernel's tile loop).
+  const int n_tiles = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const dim3 grid(params.deterministic ? params.num_splits : n_tiles, params.heads, params.batch);
+  auto launch = [&](auto kernel) {
+    bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        Traits::kSmemBytes),
+                   "shared-memory opt-in");
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, tmap_do,
                                                                     tmap_dq_accum, params);
     bwd_check_cuda(cudaGetLastError(), "Hopper kernel launch");
+  };
+  if (n_tiles > 0) {
+    // Varlen and seqused_k read per-sequence bounds (and zero rows past them);
+    // the padded batch keeps them in the constant bank.
+    if (has_var_seqs(params)) {
+      launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true>);
+    } else {
+      launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false>);
+    }
   }
-  launch_bwd_convert_dq<T>(params, kHeadDim, 1, stream);
+  launch_bwd_convert_dq<T>(params, kHeadDim, params.num_splits, stream);
 }
 
 }  // namespace cuda

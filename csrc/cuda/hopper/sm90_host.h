@@ -53,7 +53,7 @@ CUtensorMap make_dq_accum_tensor_map(float* base, int accum_dim, int seqlen_q, i
 // than 1 needs a positive stride (a broadcast, stride-0 dimension, e.g. from
 // expand(), cannot be encoded; such calls stay on the mma.sync kernels, which
 // read any strides). 16-byte alignment is ensured by the op layer (ops_cuda.cpp).
-inline bool tma_strides_ok(const TensorStrides& st, int seqlen, int heads, int batch) {
+inline bool tma_strides_ok(const TensorStrides& st, int64_t seqlen, int heads, int batch) {
   return (seqlen <= 1 || st.row > 0) && (heads <= 1 || st.head > 0) && (batch <= 1 || st.batch > 0);
 }
 
