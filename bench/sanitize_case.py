@@ -64,9 +64,9 @@ for dtype in (torch.bfloat16, torch.float32):
     used = torch.tensor([0, 17, 50], dtype=torch.int32, device="cuda")
     out = fa.flash_attn_func(q, k, v, causal=True, seqused_k=used)
     out.backward(torch.randn_like(out))
-# Hopper backward with several key tiles per CTA (deterministic, 140 heads > SMs: one split,
-# every CTA walks all its head's tiles), then varlen / seqused_k at D = 128 and 256 (rows
-# past a sequence zeroed in shared memory).
+# Hopper backward, deterministic (dQ adds handed from CTA to CTA through counters) over
+# 140 heads (several waves of CTAs), then varlen / seqused_k at D = 128 and 256 (rows past
+# a sequence zeroed in shared memory).
 for d, sq, sk in ((128, 300, 300), (256, 200, 150)):
     q, k, v = (torch.randn(2, s, 70, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for s in (sq, sk, sk))

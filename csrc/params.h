@@ -202,6 +202,10 @@ struct AttentionBwdParams : AttentionFwdParams {
   float* lse_log2_padded = nullptr;
   float* dsum_padded = nullptr;
   int seqlen_q_padded = 0;
+  // Deterministic Hopper backward: one counter per (batch * heads, query tile
+  // of seqlen_q_padded / 64, consumer) that orders the key tiles' dQ adds
+  // (bwd_sm90_kernel.cuh), zeroed by the preprocess kernel; nullptr otherwise.
+  int* dq_semaphore = nullptr;
 };
 
 }  // namespace flash_attn_ext

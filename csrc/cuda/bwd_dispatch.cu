@@ -44,29 +44,23 @@ int accum_dim(const AttentionBwdParams& p) {
 bool use_sm90_backward(const AttentionBwdParams& p);
 #endif
 
-// Deterministic mode: the blocks along seqlen_k of one (batch, head) are
-// folded into `splits` blocks, each walking n_blocks split, split + splits, ...
-// in order and owning a private fp32 dQ accumulator (mma.sync: plain
-// read-modify-write; Hopper: TMA reduce-adds from one thread, each tile's
-// waited for before the next); the convert kernel sums the splits in order
-// 0..splits-1. So the result is bit-identical run to run. `splits` targets one
-// wave of blocks and costs splits x the dQ accumulator memory: mma.sync rounds
-// up (256-thread blocks, several per SM), the Hopper kernel (one CTA per SM)
-// rounds down, so that no second wave holds a few CTAs.
+// Deterministic mode. mma.sync: the blocks along seqlen_k of one (batch,
+// head) are folded into `splits` blocks, each walking n_blocks split,
+// split + splits, ... in order and owning a private fp32 dQ accumulator
+// (plain read-modify-write, no atomics); the convert kernel sums the splits in
+// order 0..splits-1. `splits` targets one wave of blocks and costs splits x
+// the dQ accumulator memory. Hopper: one accumulator, the key tiles' adds
+// ordered by counters (bwd_sm90_kernel.cuh). Either way the result is
+// bit-identical run to run.
 int bwd_dq_splits(const AttentionBwdParams& p, int num_sms) {
   if (!p.deterministic) return 1;
-  int block_n = is_fp32(p) ? kBwdFp32BlockN : bwd_block_n(accum_dim(p));
-  bool one_cta_per_sm = false;
 #ifdef FAE_HAS_SM90A
-  if (use_sm90_backward(p)) {
-    block_n = bwd_sm90_block_n(accum_dim(p));
-    one_cta_per_sm = true;
-  }
+  if (use_sm90_backward(p)) return 1;
 #endif
+  const int block_n = is_fp32(p) ? kBwdFp32BlockN : bwd_block_n(accum_dim(p));
   const int num_n_blocks = (p.seqlen_k + block_n - 1) / block_n;
   const int64_t heads_total = static_cast<int64_t>(p.batch) * p.heads;
-  const int64_t sms = std::max(num_sms, 1);
-  const int64_t wanted = one_cta_per_sm ? sms / heads_total : (sms + heads_total - 1) / heads_total;
+  const int64_t wanted = (std::max(num_sms, 1) + heads_total - 1) / heads_total;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, num_n_blocks)));
 }
 
@@ -74,14 +68,18 @@ int64_t dsum_floats(const AttentionBwdParams& p) {
   return (p.q_rows_total + 63) / 64 * 64;  // keeps dq_accum 256-byte aligned
 }
 
-// The padded row statistics of the Hopper backward (params.h), reserved for
-// the calls it takes.
+// The padded row statistics of the Hopper backward and, deterministic, its
+// dQ order counters (params.h, 4-byte ints), reserved for the calls it takes.
 int seqlen_q_padded(const AttentionBwdParams& p) { return (p.seqlen_q + 63) / 64 * 64; }
 int64_t row_stat_floats(const AttentionBwdParams& p) {
 #ifdef FAE_HAS_SM90A
   if (use_sm90_backward(p)) return 2 * static_cast<int64_t>(p.batch) * p.heads * seqlen_q_padded(p);
 #endif
   return 0;
+}
+int64_t dq_semaphore_ints(const AttentionBwdParams& p) {
+  if (row_stat_floats(p) == 0 || !p.deterministic) return 0;
+  return 2 * static_cast<int64_t>(p.batch) * p.heads * (seqlen_q_padded(p) / 64);
 }
 
 [[noreturn]] void not_compiled(const AttentionBwdParams& p, const char* what) {
@@ -140,7 +138,7 @@ void run_head_dim_switch(const AttentionBwdParams& p, cudaStream_t stream) {
 int64_t bwd_workspace_floats(const AttentionBwdParams& params, int num_sms) {
   const int64_t dq =
       static_cast<int64_t>(bwd_dq_splits(params, num_sms)) * params.q_rows_total * accum_dim(params);
-  return dsum_floats(params) + dq + row_stat_floats(params);
+  return dsum_floats(params) + dq + row_stat_floats(params) + dq_semaphore_ints(params);
 }
 
 void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms) {
@@ -152,6 +150,9 @@ void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms
     params.seqlen_q_padded = seqlen_q_padded(params);
     params.lse_log2_padded = params.dq_accum + params.num_splits * params.q_rows_total * accum_dim(params);
     params.dsum_padded = params.lse_log2_padded + row_stats / 2;
+    if (dq_semaphore_ints(params) > 0) {
+      params.dq_semaphore = reinterpret_cast<int*>(params.dsum_padded + row_stats / 2);
+    }
   }
 }
 

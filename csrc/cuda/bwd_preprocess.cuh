@@ -4,7 +4,8 @@
 //     of dS = P o (dP - D) (since sum_j P_ij dP_ij = dO_i . O_i), and the
 //     zeroed dQ accumulator row(s) of query i (one launch instead of a memset
 //     and a kernel; the writes overlap the reads); for the Hopper backward
-//     also padded copies of lse (as log2) and D (params.h).
+//     also padded copies of lse (as log2) and D, and the zeroed dQ order
+//     counters of its deterministic mode (params.h).
 //   * bwd_convert_dq_kernel: dq = softmax_scale * sum_{split} dq_accum[split]
 //     in input dtype, with dq's own strides. Splits are summed in the fixed
 //     order 0, 1, ..., so the deterministic mode is bit-reproducible.
@@ -107,6 +108,11 @@ __global__ void __launch_bounds__(256)
     const float lse = row < seq.seqlen_q ? params.lse[seq.lse_index(params, b, h, row)] : -INFINITY;
     params.lse_log2_padded[padded] = lse == -INFINITY ? INFINITY : lse * kLog2e;
     params.dsum_padded[padded] = row < seq.seqlen_q ? acc : 0.f;
+    // The first row of each 64-row query tile zeroes the tile's two counters.
+    if (params.dq_semaphore != nullptr && row % 64 == 0) {
+      int* counters = params.dq_semaphore + 2 * (padded / 64);
+      counters[0] = counters[1] = 0;
+    }
   }
   if (row >= seq.seqlen_q) return;
   const int64_t index = seq.lse_index(params, b, h, row);

@@ -140,15 +140,16 @@ struct BwdSm90Traits {
   static constexpr int kDqSmemBytes =
       kDqInQdoStage ? 0 : kConsumerWarpgroups * kDqBuffers * kDqBufferBytes;
   // Arrivals that release a Q/dO stage: every consumer thread, after its last
-  // read of it (kDqInQdoStage: the dQ sender after the TMA read). One per warp
-  // would do as well, but compute-sanitizer racecheck then reports the lanes'
-  // row-stat reads as racing with the next TMA write of the stage.
-  static constexpr int kQdoReleases = 128 * kConsumerWarpgroups;
+  // read of it, and with kDqInQdoStage the two dQ writers after the TMA read.
+  // One per warp would do as well, but compute-sanitizer racecheck then
+  // reports the lanes' row-stat reads as racing with the next TMA write.
+  static constexpr int kQdoReleases = 128 * kConsumerWarpgroups + (kDqInQdoStage ? 2 : 0);
   // One stage's lse (log2) and D rows (kBlockM floats each), bulk copies from
   // the padded row statistics (params.h) that complete with Q and dO.
   static constexpr int kRowStatBytes = 2 * kBlockM * 4;
-  // kv_full, kv_empty, then qdo_full / qdo_empty per stage.
-  static constexpr int kBarrierBytes = 8 * (2 + 2 * kStages);
+  // kv_full, qdo_full / qdo_empty per stage, dq_full / dq_empty per consumer
+  // and dQ buffer.
+  static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages + 2 * kConsumerWarpgroups * kDqBuffers);
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
                                     kDqSmemBytes + kPBytes + kStages * kRowStatBytes + kBarrierBytes +
@@ -170,6 +171,7 @@ struct BwdSm90Traits {
                               : kDqChunks == 1,
                 "dQ staging: one chunk per key-split consumer and step; a head-dim-split "
                 "consumer's two chunks each fill its column half of the Q or dO tile");
+  static_assert(!kDqInQdoStage || kDqBuffers == kStages, "head-dim split: one dQ buffer per stage");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one CTA per SM");
   static_assert(128 * kProducerRegs + 128 * kConsumerWarpgroups * kConsumerRegs <= 65536,
                 "register file split between producer and consumers");
@@ -191,6 +193,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kStages = Traits::kStages;
   constexpr int kChunks = Traits::kChunks;
   constexpr int kGradCols = Traits::kGradCols;
+  constexpr int kDqBuffers = Traits::kDqBuffers;
   using namespace sm90;
 
   extern __shared__ uint8_t smem_raw[];
@@ -209,24 +212,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto ds_smem = [&](int buf) { return ds_smem0 + buf * Traits::kDsBytes; };
   auto lse_smem = [&](int stage) { return row_stats0 + stage * Traits::kRowStatBytes; };
   auto dsum_smem = [&](int stage) { return lse_smem(stage) + kBlockM * 4; };
-  const uint32_t kv_full = bar0, kv_empty = bar0 + 8;
-  auto qdo_full = [&](int stage) { return bar0 + 8 * (2 + stage); };
-  auto qdo_empty = [&](int stage) { return bar0 + 8 * (2 + kStages + stage); };
+  const uint32_t kv_full = bar0;
+  auto qdo_full = [&](int stage) { return bar0 + 8 * (1 + stage); };
+  auto qdo_empty = [&](int stage) { return bar0 + 8 * (1 + kStages + stage); };
+  // Consumer w's dQ buffer `buf` staged (dq_full) / read by the TMA (dq_empty).
+  auto dq_full = [&](int w, int buf) { return bar0 + 8 * (1 + 2 * kStages + w * kDqBuffers + buf); };
+  auto dq_empty = [&](int w, int buf) {
+    return bar0 + 8 * (1 + 2 * kStages + (2 + w) * kDqBuffers + buf);
+  };
 
   const int h = blockIdx.y, b = blockIdx.z;
   const int h_k = h / (params.heads / params.heads_k);
   const SeqBounds seq = seq_bounds<kVarSeq>(params, b);
-  // Key tiles of this CTA: blockIdx.x alone, or in deterministic mode
-  // blockIdx.x, + gridDim.x, ... in this order, every one adding its dQ
-  // partials into accumulator blockIdx.x (bwd_dispatch.cu: bwd_dq_splits),
-  // which nothing else touches; the convert kernel sums the accumulators in
-  // a fixed order.
   const int n_tiles = (seq.seqlen_k + kBlockN - 1) / kBlockN;
-  // Query tiles that see a key of tile n0: causal, query m sees key n iff
+  // Deterministic and causal: the last key tile first (see the dQ writer).
+  const int n_block = kIsCausal && params.deterministic ? n_tiles - 1 - static_cast<int>(blockIdx.x)
+                                                        : static_cast<int>(blockIdx.x);
+  if (n_block < 0 || n_block >= n_tiles) return;  // a shorter sequence of a varlen batch
+  const int n0 = n_block * kBlockN;
+  // Query tiles that see a key of this tile: causal, query m sees key n iff
   // n <= m + offset, so the first is the one holding m = n0 - offset.
-  auto first_query_tile = [&](int n0) {
-    return kIsCausal ? max(0, n0 - seq.causal_offset) / kBlockM : 0;
-  };
+  const int m_begin = kIsCausal ? max(0, n0 - seq.causal_offset) / kBlockM : 0;
   const int m_end = (seq.seqlen_q + kBlockM - 1) / kBlockM;
   // Packed (varlen) tensors are one batch entry of total rows; this
   // sequence's rows start at row0 (params.h).
@@ -239,53 +245,116 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
-    mbar_init(kv_empty, 256);  // every consumer thread, after the tile's last step
     for (int s = 0; s < kStages; ++s) {
       mbar_init(qdo_full(s), 1);
       mbar_init(qdo_empty(s), Traits::kQdoReleases);
+    }
+    for (int w = 0; w < Traits::kConsumerWarpgroups; ++w) {
+      for (int buf = 0; buf < kDqBuffers; ++buf) {
+        mbar_init(dq_full(w, buf), 128);  // every thread of consumer w, after staging
+        mbar_init(dq_empty(w, buf), 1);   // its writer, after the TMA read
+      }
     }
     fence_barrier_init();
   }
   __syncthreads();
 
+  // dQ chunk c of consumer w's step (stage, buf) goes out through shared
+  // memory (see the traits): the key split's own buffers in turn, or consumer
+  // w's column half of the step's Q tile (chunk 0) / dO tile (chunk 1), which
+  // the 64-column chunks of those tiles hold contiguously (16 KB, 1024-byte
+  // aligned).
+  auto dq_buffer = [&](int w, int stage, int buf, int c) {
+    if constexpr (Traits::kDqInQdoStage) {
+      return (c == 0 ? q_smem(stage) : do_smem(stage)) + w * (kGradCols / 64) * kBlockM * 128;
+    } else {
+      return dq_smem0 + (w * kDqBuffers + buf) * Traits::kDqBufferBytes;
+    }
+  };
+  constexpr int kDqCols = Traits::kDqCols;
+  auto dq_col0 = [&](int w, int c) { return (w * Traits::kDqChunks + c) * kDqCols; };
+
   if (warpgroup == 0) {
     // ---------------- producer ----------------
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x == 0 && m_end > 0) {
+    if (m_begin >= m_end) return;
+    if (threadIdx.x == 0) {
+      // ---- loader: K, V once, then Q, dO, lse, D of every step ----
       prefetch_tensor_map(&tmap_q);
       prefetch_tensor_map(&tmap_k);
       prefetch_tensor_map(&tmap_v);
       prefetch_tensor_map(&tmap_do);
-      prefetch_tensor_map(&tmap_dq_accum);
       // This head's padded lse (log2) rows; its D rows are dsum_offset further.
       const int64_t head_rows = (static_cast<int64_t>(b) * params.heads + h) * params.seqlen_q_padded;
       const float* row_stats_head = params.lse_log2_padded + head_rows;
       const int64_t dsum_offset = params.dsum_padded - params.lse_log2_padded;
-      // step counts Q/dO stages over all of the CTA's tiles, tiles_loaded K/V loads.
-      int step = 0, tiles_loaded = 0;
-      for (int n_block = blockIdx.x; n_block < n_tiles; n_block += gridDim.x) {
-        const int n0 = n_block * kBlockN;
-        const int m_begin = first_query_tile(n0);
-        if (m_begin >= m_end) continue;
-        mbar_wait(kv_empty, (tiles_loaded & 1) ^ 1);  // the previous tile's K/V are read
-        ++tiles_loaded;
-        mbar_arrive_expect_tx(kv_full, 2 * Traits::kKVBytes);
-        tma_load_tile<kChunks>(&tmap_k, k_smem, kBlockN, kv_full, k_row0 + n0, h_k, tma_batch);
-        tma_load_tile<kChunks>(&tmap_v, v_smem, kBlockN, kv_full, k_row0 + n0, h_k, tma_batch);
-        for (int m_block = m_begin; m_block < m_end; ++m_block, ++step) {
-          const int stage = step % kStages;
-          mbar_wait(qdo_empty(stage), ((step / kStages) & 1) ^ 1);
-          mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes + Traits::kRowStatBytes);
-          const int m0 = m_block * kBlockM;
-          bulk_load(lse_smem(stage), row_stats_head + m0, kBlockM * 4, qdo_full(stage));
-          bulk_load(dsum_smem(stage), row_stats_head + dsum_offset + m0, kBlockM * 4,
-                    qdo_full(stage));
-          tma_load_tile<kChunks>(&tmap_q, q_smem(stage), kBlockM, qdo_full(stage), q_row0 + m0, h,
-                                 tma_batch);
-          tma_load_tile<kChunks>(&tmap_do, do_smem(stage), kBlockM, qdo_full(stage), q_row0 + m0,
-                                 h, tma_batch);
-        }
+      mbar_arrive_expect_tx(kv_full, 2 * Traits::kKVBytes);
+      tma_load_tile<kChunks>(&tmap_k, k_smem, kBlockN, kv_full, k_row0 + n0, h_k, tma_batch);
+      tma_load_tile<kChunks>(&tmap_v, v_smem, kBlockN, kv_full, k_row0 + n0, h_k, tma_batch);
+      for (int i = 0; m_begin + i < m_end; ++i) {
+        const int stage = i % kStages;
+        mbar_wait(qdo_empty(stage), ((i / kStages) & 1) ^ 1);
+        mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes + Traits::kRowStatBytes);
+        const int m0 = (m_begin + i) * kBlockM;
+        bulk_load(lse_smem(stage), row_stats_head + m0, kBlockM * 4, qdo_full(stage));
+        bulk_load(dsum_smem(stage), row_stats_head + dsum_offset + m0, kBlockM * 4,
+                  qdo_full(stage));
+        tma_load_tile<kChunks>(&tmap_q, q_smem(stage), kBlockM, qdo_full(stage), q_row0 + m0, h,
+                               tma_batch);
+        tma_load_tile<kChunks>(&tmap_do, do_smem(stage), kBlockM, qdo_full(stage), q_row0 + m0, h,
+                               tma_batch);
       }
+    } else if (threadIdx.x == 32 || threadIdx.x == 64) {
+      // ---- dQ writer of consumer w: TMA reduce-adds of its staged chunks ----
+      // Deterministic mode: the key tiles add into a query tile's rows in a
+      // fixed order, handed over through a counter per (query tile, consumer)
+      // that the preprocess zeroed: the tile of rank r waits until r tiles have
+      // added (their adds completed), adds, completes, and counts itself.
+      // Without causal masking every key tile sees every query tile, and rank =
+      // key tile. With it, query tile m is seen by key tiles 0..last(m) and
+      // rank = last(m) - key tile: the last tile, which starts with m, comes
+      // first. A CTA only ever waits for tiles of smaller blockIdx.x (the grid
+      // launches causal tiles last-first), which started before it, so the
+      // order cannot deadlock.
+      const int w = threadIdx.x / 32 - 1;
+      prefetch_tensor_map(&tmap_dq_accum);
+      const int dq_slice = (packed ? 0 : b * params.heads) + h;  // make_dq_accum_tensor_map
+      int* order = params.deterministic
+                       ? params.dq_semaphore +
+                             (static_cast<int64_t>(b) * params.heads + h) *
+                                 (params.seqlen_q_padded / kBlockM) * Traits::kConsumerWarpgroups +
+                             w
+                       : nullptr;
+      for (int i = 0; m_begin + i < m_end; ++i) {
+        const int m_block = m_begin + i, stage = i % kStages, buf = i % kDqBuffers;
+        mbar_wait(dq_full(w, buf), (i / kDqBuffers) & 1);
+        int* turn = nullptr;
+        if (params.deterministic) {
+          turn = order + m_block * Traits::kConsumerWarpgroups;
+          const int last =
+              min(n_tiles - 1, (m_block * kBlockM + kBlockM - 1 + seq.causal_offset) / kBlockN);
+          wait_flag_equal(turn, kIsCausal ? last - n_block : n_block);
+        }
+#pragma unroll
+        for (int c = 0; c < Traits::kDqChunks; ++c) {
+#pragma unroll
+          for (int box = 0; box < kDqCols / Traits::kDqBoxCols; ++box) {
+            tma_reduce_add_3d(&tmap_dq_accum, dq_buffer(w, stage, buf, c) + box * kBlockM * 128,
+                              dq_col0(w, c) + box * Traits::kDqBoxCols, q_row0 + m_block * kBlockM,
+                              dq_slice);
+          }
+        }
+        bulk_commit_group();
+        if (turn != nullptr) {
+          bulk_wait_group<0>();
+          release_flag_increment(turn);
+        } else {
+          bulk_wait_group_read<0>();
+        }
+        // The buffer may be written again (head-dim split: the stage reloaded).
+        mbar_arrive(Traits::kDqInQdoStage ? qdo_empty(stage) : dq_empty(w, buf));
+      }
+      bulk_wait_group<0>();  // the CTA's adds are done before it retires
     }
     return;
   }
@@ -305,14 +374,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // acc[j][e], lane = 4g + q: e = 0,1 -> row g, cols 8j + 2q + {0,1};
   // e = 2,3 -> row g + 8. Rows are keys here, columns queries (or head dim).
   float dk[kGradCols / 8][4], dv[kGradCols / 8][4];
+#pragma unroll
+  for (int j = 0; j < kGradCols / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+  }
   const int key_row = wg_key0 + warp * 16 + lane / 4;  // + 8 * (e / 2), within the tile
-  int n0 = 0;  // the current key tile's first key
-  // The dQ accumulator slice of (b, h) in the map (make_dq_accum_tensor_map):
-  // [splits][batch * heads] padded, [splits][heads] packed.
-  const int dq_slice =
-      (params.deterministic ? static_cast<int>(blockIdx.x) : 0) * (packed ? 1 : params.batch) *
-          params.heads +
-      (packed ? 0 : b * params.heads) + h;
 
   // X^T = A B^T for K-major A (this warpgroup's 64 keys) and B (queries):
   // kHeadDim / 16 k-steps, 32 bytes apart inside a 64-column chunk.
@@ -397,10 +464,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // (32 columns: +64 B inside the 128-byte swizzle row, as the K-major k-steps
   // step by 32 B; the swizzle applies to the absolute address). Issued and
   // committed here; staged and sent after the wait.
-  constexpr int kDqCols = Traits::kDqCols;
-  auto dq_col0 = [&](int c) { return (wg * Traits::kDqChunks + c) * kDqCols; };
   auto issue_dq_chunk = [&](float (&dq)[kDqCols / 8][4], uint32_t ds_buf, int c) {
-    const int col0 = dq_col0(c);
+    const int col0 = dq_col0(wg, c);
     const uint32_t k_cols = k_smem + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2;
     wgmma_fence();
 #pragma unroll
@@ -415,19 +480,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dk));
     fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dv));
   };
-  // dQ chunk c of a step goes out through shared memory (see the traits):
-  // the key split's own buffers in turn, or this consumer's column half of
-  // the step's Q tile (chunk 0) / dO tile (chunk 1), which the 64-column
-  // chunks of those tiles hold contiguously (16 KB, 1024-byte aligned).
   constexpr int kDqBoxes = kDqCols / Traits::kDqBoxCols;
-  auto dq_buffer = [&](int step, int stage, int c) {
-    if constexpr (Traits::kDqInQdoStage) {
-      return (c == 0 ? q_smem(stage) : do_smem(stage)) + wg * (kGradCols / 64) * kBlockM * 128;
-    } else {
-      return dq_smem0 +
-             (wg * Traits::kDqBuffers + step % Traits::kDqBuffers) * Traits::kDqBufferBytes;
-    }
-  };
   // A chunk is kDqCols / 32 boxes of [64 rows x 128 B] in the 128-byte swizzle
   // of the dQ tensor map: 16-byte unit u of row r sits at unit u ^ (r % 8).
   // The float2 of (row r, columns 8j + 2q) is unit 2 (j % 4) + q / 2, byte
@@ -445,26 +498,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     }
   };
-  // Once every thread's stores are visible to the async proxy, one thread
-  // sends the boxes; rows past seqlen_q are clipped by the map.
-  constexpr int kDqStagedBarrier = 3;  // + wg: one per consumer, 128 threads
-  auto send_dq_tma = [&](uint32_t buf, int m_block, int c) {
-    fence_proxy_async_smem();
-    named_barrier_sync(kDqStagedBarrier + wg, 128);
-    if (tid == 0) {
-#pragma unroll
-      for (int box = 0; box < kDqBoxes; ++box) {
-        tma_reduce_add_3d(&tmap_dq_accum, buf + box * kBlockM * 128,
-                          dq_col0(c) + box * Traits::kDqBoxCols, q_row0 + m_block * kBlockM,
-                          dq_slice);
-      }
-    }
-  };
-  // Every chunk in turn, the step's chunks as one bulk group. The first wait
-  // also retires the step's dV / dK products: the key split releases the
-  // Q/dO stage there, the head-dim split after the TMA has read its chunks
-  // (release_qdo_stage, called in the next step).
-  auto accumulate_dq = [&](uint32_t ds_buf, int m_block, int stage, int step) {
+  // Every chunk in turn, then the step's buffer goes to this consumer's dQ
+  // writer (dq_full). The first wait also retires the step's dV / dK
+  // products: the key split releases the Q/dO stage there; the head-dim split
+  // stages dQ in it, so the writer releases it after the TMA read.
+  auto accumulate_dq = [&](uint32_t ds_buf, int stage, int i) {
+    const int buf = i % kDqBuffers;
 #pragma unroll
     for (int c = 0; c < Traits::kDqChunks; ++c) {
       float dq[kDqCols / 8][4];
@@ -472,20 +511,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
       fence_grads();
-      if (!Traits::kDqInQdoStage && c == 0) mbar_arrive(qdo_empty(stage));
-      stage_dq(dq_buffer(step, stage, c), dq);
-      send_dq_tma(dq_buffer(step, stage, c), m_block, c);
+      if (c == 0) {
+        mbar_arrive(qdo_empty(stage));
+        // The buffer's previous chunk (step i - kDqBuffers) has been read.
+        if (!Traits::kDqInQdoStage) mbar_wait(dq_empty(wg, buf), ((i / kDqBuffers) & 1) ^ 1);
+      }
+      stage_dq(dq_buffer(wg, stage, buf, c), dq);
     }
-    if (tid == 0) bulk_commit_group();
-  };
-  // kDqInQdoStage: the previous step's stage goes back to the producer once
-  // the TMA has read this consumer's dQ chunks out of it (the sending thread
-  // arrives after waiting for that); called with this step's wgmmas in flight.
-  auto release_qdo_stage = [&](int step) {
-    if (step > 0) {  // the CTA's first step: nothing to release
-      if (tid == 0) bulk_wait_group_read<0>();
-      mbar_arrive(qdo_empty((step - 1) % kStages));
-    }
+    fence_proxy_async_smem();
+    mbar_arrive(dq_full(wg, buf));
   };
 
   // Packed sequences and key padding: rows of a tile past the sequence hold
@@ -514,172 +548,149 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
 
-  // step counts Q/dO stages over all of the CTA's tiles (stage, phase, dS and
-  // dQ buffers), tiles_loaded K/V loads, as the producer does.
-  int step = 0, tiles_loaded = 0;
-  for (int n_block = blockIdx.x; n_block < n_tiles; n_block += gridDim.x) {
-    n0 = n_block * kBlockN;
-    const int m_begin = first_query_tile(n0);
-#pragma unroll
-    for (int j = 0; j < kGradCols / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+  if (m_begin < m_end) {
+    mbar_wait(kv_full, 0);
+    if (kVarSeq && n0 + kBlockN > seq.seqlen_k) {
+      zero_tile_rows(k_smem, kBlockN, seq.seqlen_k - n0);
+      zero_tile_rows(v_smem, kBlockN, seq.seqlen_k - n0);
+      fence_proxy_async_smem();
+      named_barrier_sync(kZeroedBarrier, 256);
     }
-    if (m_begin < m_end) {
-      mbar_wait(kv_full, tiles_loaded & 1);
-      ++tiles_loaded;
-      if (kVarSeq && n0 + kBlockN > seq.seqlen_k) {
-        zero_tile_rows(k_smem, kBlockN, seq.seqlen_k - n0);
-        zero_tile_rows(v_smem, kBlockN, seq.seqlen_k - n0);
-        fence_proxy_async_smem();
-        named_barrier_sync(kZeroedBarrier, 256);
+  }
+  if constexpr (!Traits::kSplitHeadDim) {
+    // ---- key split: each consumer runs the whole step for its 64 keys ----
+    // Every wgmma is waited for in the iteration that issued it: one left in
+    // flight across the loop's back edge, or waited for under a branch, made
+    // ptxas serialise all of them.
+    constexpr int kDsBarrier = 1;  // both consumers' dS^T written
+    for (int i = 0; m_begin + i < m_end; ++i) {
+      const int m_block = m_begin + i;
+      const int stage = i % kStages;
+      mbar_wait(qdo_full(stage), (i / kStages) & 1);
+      if constexpr (kVarSeq) zero_rows_past_sequence(m_block, stage);
+
+      float s[kBlockM / 8][4], dp[kBlockM / 8][4];
+      wgmma_fence();
+      issue_transposed_scores(s, k_smem, q_smem(stage));
+      issue_transposed_scores(dp, v_smem, do_smem(stage));
+      float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];  // while the GEMMs run
+      load_row_stat(lse_smem(stage), lse_log2);
+      load_row_stat(dsum_smem(stage), dsum);
+
+      wgmma_wait<1>();
+      fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
+      scores_to_probs(m_block, s, lse_log2);
+      wgmma_wait<0>();
+      fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - dsum[j][e % 2]);
       }
-      if constexpr (!Traits::kSplitHeadDim) {
-        // ---- key split: each consumer runs the whole step for its 64 keys ----
-        // Every wgmma is waited for in the iteration that issued it: one left in
-        // flight across the loop's back edge, or waited for under a branch, made
-        // ptxas serialise all of them.
-        constexpr int kDsBarrier = 1;  // both consumers' dS^T written
-        for (int m_block = m_begin; m_block < m_end; ++m_block, ++step) {
-          const int stage = step % kStages;
-          mbar_wait(qdo_full(stage), (step / kStages) & 1);
-          if constexpr (kVarSeq) zero_rows_past_sequence(m_block, stage);
+      uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+      accumulators_to_a_fragments<T, kBlockM>(s, p_frag);
+      accumulators_to_a_fragments<T, kBlockM>(dp, ds_frag);
 
-          float s[kBlockM / 8][4], dp[kBlockM / 8][4];
-          wgmma_fence();
-          issue_transposed_scores(s, k_smem, q_smem(stage));
-          issue_transposed_scores(dp, v_smem, do_smem(stage));
-          float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];  // while the GEMMs run
-          load_row_stat(lse_smem(stage), lse_log2);
-          load_row_stat(dsum_smem(stage), dsum);
+      wgmma_fence();
+      issue_grad_update(dv, p_frag, do_smem(stage));
+      issue_grad_update(dk, ds_frag, q_smem(stage));
+      wgmma_commit();
 
-          wgmma_wait<1>();
-          fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
-          scores_to_probs(m_block, s, lse_log2);
-          wgmma_wait<0>();
-          fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
+      const uint32_t ds_buf = ds_smem(i % 2);
+      store_ds(ds_buf, ds_frag);
+      fence_proxy_async_smem();
+      named_barrier_sync(kDsBarrier, 256);
+      accumulate_dq(ds_buf, stage, i);
+      fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
+      fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
+    }
+  } else {
+    // ---- head-dim split: consumer 0 computes P^T, consumer 1 dP^T and dS^T ----
+    // Every buffer reuse is separated by a bar.sync of both consumers: P^T of
+    // step i + 1 is written after kDsReady of step i (consumer 1 has read P^T
+    // of step i), dS^T of step i + 2 (the buffer of step i) after kPReady of
+    // step i + 2 (consumer 0 has read dS^T of step i and waited for its dQ).
+    // kPReady as bar.arrive for consumer 0 measured no faster, and
+    // compute-sanitizer racecheck flagged the dS^T reads under it. Both
+    // barriers are single instructions outside the warpgroup branches.
+    constexpr int kPReady = 1, kDsReady = 2;
+    const uint32_t p_slot = p_smem + tid * 16;  // + q * 128 * 16 for float4 q
+    for (int i = 0; m_begin + i < m_end; ++i) {
+      const int m_block = m_begin + i;
+      const int stage = i % kStages;
+      mbar_wait(qdo_full(stage), (i / kStages) & 1);
+      if constexpr (kVarSeq) zero_rows_past_sequence(m_block, stage);
+      const uint32_t ds_buf = ds_smem(i % 2);
+
+      // The wgmmas stay outside the warpgroup branches (operands selected
+      // instead): inside a divergent branch ptxas serialises them.
+      float acc[kBlockM / 8][4];  // consumer 0: S^T -> P^T; consumer 1: dP^T -> dS^T
+      wgmma_fence();
+      issue_transposed_scores(acc, wg == 0 ? k_smem : v_smem, wg == 0 ? q_smem(stage) : do_smem(stage));
+      float row_terms[kBlockM / 8][2];  // consumer 0: lse (log2); consumer 1: D
+      load_row_stat(wg == 0 ? lse_smem(stage) : dsum_smem(stage), row_terms);
+      wgmma_wait<0>();
+      fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(acc));
+
+      uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+      if (wg == 0) {
+        scores_to_probs(m_block, acc, row_terms);
 #pragma unroll
-          for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - dsum[j][e % 2]);
-          }
-          uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-          accumulators_to_a_fragments<T, kBlockM>(s, p_frag);
-          accumulators_to_a_fragments<T, kBlockM>(dp, ds_frag);
-
-          wgmma_fence();
-          issue_grad_update(dv, p_frag, do_smem(stage));
-          issue_grad_update(dk, ds_frag, q_smem(stage));
-          wgmma_commit();
-
-          const uint32_t ds_buf = ds_smem(step % 2);
-          store_ds(ds_buf, ds_frag);
-          fence_proxy_async_smem();
-          // This step's dQ buffer was last read by the TMA reduce of step - 2
-          // (groups step - 2 and step - 1 are the sender's outstanding ones):
-          // done before the barrier, which every write to the buffer follows.
-          if (tid == 0) bulk_wait_group_read<1>();
-          named_barrier_sync(kDsBarrier, 256);
-          accumulate_dq(ds_buf, m_block, stage, step);
-          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
-          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
+        for (int q = 0; q < kBlockM / 8; ++q) {
+          st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
         }
+      }
+      // One barrier instruction for both consumers: the same named barrier
+      // synced from two branches was flagged by compute-sanitizer synccheck.
+      named_barrier_sync(kPReady, 256);
+      if (wg == 0) {
+        accumulators_to_a_fragments<T, kBlockM>(acc, p_frag);
       } else {
-        // ---- head-dim split: consumer 0 computes P^T, consumer 1 dP^T and dS^T ----
-        // Every buffer reuse is separated by a bar.sync of both consumers: P^T of
-        // step i + 1 is written after kDsReady of step i (consumer 1 has read P^T
-        // of step i), dS^T of step i + 2 (the buffer of step i) after kPReady of
-        // step i + 2 (consumer 0 has read dS^T of step i and waited for its dQ).
-        // kPReady as bar.arrive for consumer 0 measured no faster, and
-        // compute-sanitizer racecheck flagged the dS^T reads under it. Both
-        // barriers are single instructions outside the warpgroup branches.
-        constexpr int kPReady = 1, kDsReady = 2;
-        const uint32_t p_slot = p_smem + tid * 16;  // + q * 128 * 16 for float4 q
-        for (int m_block = m_begin; m_block < m_end; ++m_block, ++step) {
-          const int stage = step % kStages;
-          mbar_wait(qdo_full(stage), (step / kStages) & 1);
-          if constexpr (kVarSeq) zero_rows_past_sequence(m_block, stage);
-          const uint32_t ds_buf = ds_smem(step % 2);
-
-          // The wgmmas stay outside the warpgroup branches (operands selected
-          // instead): inside a divergent branch ptxas serialises them.
-          float acc[kBlockM / 8][4];  // consumer 0: S^T -> P^T; consumer 1: dP^T -> dS^T
-          wgmma_fence();
-          issue_transposed_scores(acc, wg == 0 ? k_smem : v_smem,
-                                  wg == 0 ? q_smem(stage) : do_smem(stage));
-          release_qdo_stage(step);
-          float row_terms[kBlockM / 8][2];  // consumer 0: lse (log2); consumer 1: D
-          load_row_stat(wg == 0 ? lse_smem(stage) : dsum_smem(stage), row_terms);
-          wgmma_wait<0>();
-          fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(acc));
-
-          uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-          if (wg == 0) {
-            scores_to_probs(m_block, acc, row_terms);
+        float p[kBlockM / 8][4];
 #pragma unroll
-            for (int q = 0; q < kBlockM / 8; ++q) {
-              st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
-            }
-          }
-          // One barrier instruction for both consumers: the same named barrier
-          // synced from two branches was flagged by compute-sanitizer synccheck.
-          named_barrier_sync(kPReady, 256);
-          if (wg == 0) {
-            accumulators_to_a_fragments<T, kBlockM>(acc, p_frag);
-          } else {
-            float p[kBlockM / 8][4];
-#pragma unroll
-            for (int q = 0; q < kBlockM / 8; ++q) {
-              ld_shared_v4_f32(p_slot + q * 128 * 16, p[q][0], p[q][1], p[q][2], p[q][3]);
-            }
-#pragma unroll
-            for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) acc[j][e] = p[j][e] * (acc[j][e] - row_terms[j][e % 2]);
-            }
-            accumulators_to_a_fragments<T, kBlockM>(p, p_frag);
-            accumulators_to_a_fragments<T, kBlockM>(acc, ds_frag);
-            store_ds(ds_buf, ds_frag);
-            fence_proxy_async_smem();
-          }
-          wgmma_fence();
-          issue_grad_update(dv, p_frag, do_smem(stage));
-          wgmma_commit();
-          named_barrier_sync(kDsReady, 256);
-          if (wg == 0) {
-            load_ds(ds_buf, ds_frag);
-          }
-          wgmma_fence();
-          issue_grad_update(dk, ds_frag, q_smem(stage));
-          wgmma_commit();
-          accumulate_dq(ds_buf, m_block, stage, step);
-          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
-          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
+        for (int q = 0; q < kBlockM / 8; ++q) {
+          ld_shared_v4_f32(p_slot + q * 128 * 16, p[q][0], p[q][1], p[q][2], p[q][3]);
         }
-      }
-      // Every wgmma reading K / V was waited for: the producer may load the next tile's.
-      mbar_arrive(kv_empty);
-    }
-
-    // ---------------- epilogue ----------------
-    // dK = softmax_scale * sum dS^T Q; keys past seqlen_k and padded head-dim
-    // columns are not written. Keys no query sees get zeros.
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int key = n0 + key_row + 8 * hh;
-      const bool key_ok = key < seq.seqlen_k;
-      const int64_t row = k_row0 + (key_ok ? key : 0);
-      T* dk_row = static_cast<T*>(params.dk) + row_offset(params.dk_strides, b, h, row);
-      T* dv_row = static_cast<T*>(params.dv) + row_offset(params.dv_strides, b, h, row);
-      store_accumulator_row<T, kGradCols>(dk_row, dk, hh, params.softmax_scale, wg_col0,
-                                          params.head_dim, key_ok, lane);
-      store_accumulator_row<T, kGradCols>(dv_row, dv, hh, 1.f, wg_col0, params.head_dim, key_ok,
-                                          lane);
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] = p[j][e] * (acc[j][e] - row_terms[j][e % 2]);
+        }
+        accumulators_to_a_fragments<T, kBlockM>(p, p_frag);
+        accumulators_to_a_fragments<T, kBlockM>(acc, ds_frag);
+        store_ds(ds_buf, ds_frag);
+        fence_proxy_async_smem();
+      }
+      wgmma_fence();
+      issue_grad_update(dv, p_frag, do_smem(stage));
+      wgmma_commit();
+      named_barrier_sync(kDsReady, 256);
+      if (wg == 0) {
+        load_ds(ds_buf, ds_frag);
+      }
+      wgmma_fence();
+      issue_grad_update(dk, ds_frag, q_smem(stage));
+      wgmma_commit();
+      accumulate_dq(ds_buf, stage, i);
+      fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
+      fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
     }
-    // The dQ buffers live until the TMA has read them, and the CTA's adds are
-    // done before it retires; a deterministic CTA's next tile adds into the
-    // same rows, after these (one issuing thread, waited for: a fixed order).
-    if (tid == 0) bulk_wait_group<0>();
+  }
+
+  // ---------------- epilogue ----------------
+  // dK = softmax_scale * sum dS^T Q; keys past seqlen_k and padded head-dim
+  // columns are not written. Keys no query sees get zeros.
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int key = n0 + key_row + 8 * hh;
+    const bool key_ok = key < seq.seqlen_k;
+    const int64_t row = k_row0 + (key_ok ? key : 0);
+    T* dk_row = static_cast<T*>(params.dk) + row_offset(params.dk_strides, b, h, row);
+    T* dv_row = static_cast<T*>(params.dv) + row_offset(params.dv_strides, b, h, row);
+    store_accumulator_row<T, kGradCols>(dk_row, dk, hh, params.softmax_scale, wg_col0,
+                                        params.head_dim, key_ok, lane);
+    store_accumulator_row<T, kGradCols>(dv_row, dv, hh, 1.f, wg_col0, params.head_dim, key_ok,
+                                        lane);
   }
 #endif
 }

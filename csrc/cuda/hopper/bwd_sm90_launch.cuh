@@ -3,9 +3,8 @@
 //   1. D = rowsum(dO o O), zeroed fp32 dQ accumulator, padded lse (log2) and D
 //      rows (bwd_preprocess.cuh, shared with mma.sync),
 //   2. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added into the
-//      accumulator by TMA reduce-adds; deterministic: into one accumulator per
-//      split, in a fixed order),
-//   3. dq = softmax_scale * sum of the dQ accumulators (bwd_preprocess.cuh).
+//      accumulator by TMA reduce-adds; deterministic: in a fixed order),
+//   3. dq = softmax_scale * dQ accumulator (bwd_preprocess.cuh).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -24,8 +23,8 @@ template <typename T, int kHeadDim, bool kIsCausal>
 void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   using Traits = BwdSm90Traits<T, kHeadDim>;
   static_assert(Traits::kBlockN == bwd_sm90_block_n(kHeadDim), "bwd_sm90.h names the key tile");
-  if (params.head_dim > kHeadDim || params.num_splits < 1 ||
-      (!params.deterministic && params.num_splits != 1)) {
+  if (params.head_dim > kHeadDim || params.num_splits != 1 ||
+      params.deterministic != (params.dq_semaphore != nullptr)) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "Hopper backward");
   }
@@ -35,7 +34,7 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
     throw std::runtime_error("flash_attn_ext: internal error: no row-statistics workspace for the "
                              "Hopper backward");
   }
-  launch_bwd_preprocess<T>(params, kHeadDim, params.num_splits, stream, /*padded_row_stats=*/true);
+  launch_bwd_preprocess<T>(params, kHeadDim, 1, stream, /*padded_row_stats=*/true);
 
   // Packed (varlen) tensors are mapped as one batch entry of all their rows;
   // the kernel offsets each sequence's tiles by its first row.
@@ -53,18 +52,18 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   const CUtensorMap tmap_v = map_of(params.v, params.v_strides, rows_k, params.heads_k, Traits::kBlockN);
   const CUtensorMap tmap_do =
       map_of(params.dout, params.dout_strides, rows_q, params.heads, Traits::kBlockM);
-  // The accumulator rows (params.h) as [splits * batch * heads][seqlen_q]
-  // padded, [splits * heads][total_q] packed.
-  const int slices = params.num_splits * (packed ? 1 : params.batch) * params.heads;
+  // The accumulator rows (params.h) as [batch * heads][seqlen_q] padded,
+  // [heads][total_q] packed.
+  const int slices = (packed ? 1 : params.batch) * params.heads;
   const CUtensorMap tmap_dq_accum =
       make_dq_accum_tensor_map(params.dq_accum, kHeadDim, rows_q, slices, Traits::kBlockM);
 
-  // One CTA per key tile (blockIdx.x = 0 holds the first keys, which under
-  // causal masking see the most queries, so the longest CTAs start first), or
-  // in deterministic mode num_splits CTAs per head, each walking every
-  // num_splits-th tile (the kernel's tile loop).
+  // One CTA per key tile. blockIdx.x = 0 holds the first keys, which under
+  // causal masking see the most queries, so the longest CTAs start first;
+  // deterministic and causal, the kernel maps blockIdx.x to the last tiles
+  // first (its dQ order needs that).
   const int n_tiles = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const dim3 grid(params.deterministic ? params.num_splits : n_tiles, params.heads, params.batch);
+  const dim3 grid(n_tiles, params.heads, params.batch);
   auto launch = [&](auto kernel) {
     bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Traits::kSmemBytes),
@@ -82,7 +81,7 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
       launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false>);
     }
   }
-  launch_bwd_convert_dq<T>(params, kHeadDim, params.num_splits, stream);
+  launch_bwd_convert_dq<T>(params, kHeadDim, 1, stream);
 }
 
 }  // namespace cuda

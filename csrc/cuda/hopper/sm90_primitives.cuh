@@ -117,6 +117,24 @@ template <int kPending>
 FAE_DEVICE void bulk_wait_group() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
+// ---- ordered hand-over between CTAs (the deterministic backward's dQ) --------
+// Spins until *flag == value (acquire: what the CTA that set it wrote before
+// its release is visible afterwards, to the async proxy included).
+FAE_DEVICE void wait_flag_equal(const int* flag, int value) {
+  int seen;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
+    if (seen == value) break;
+    __nanosleep(32);
+  }
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+// *flag += 1 after everything this thread wrote, the async proxy's completed
+// bulk copies included (wait for them first).
+FAE_DEVICE void release_flag_increment(int* flag) {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(flag) : "memory");
+}
 // Generic-proxy writes to shared memory (st.shared) become visible to the
 // async proxy (TMA store, wgmma) only after this fence in the writing thread.
 FAE_DEVICE void fence_proxy_async_smem() {
