@@ -194,7 +194,8 @@ struct AttentionBwdParams : AttentionFwdParams {
   float* dq_accum = nullptr;
   bool deterministic = false;
   // Padded-batch row statistics for the Hopper backward, [batch * heads]
-  // [seqlen_q_padded] each (seqlen_q rounded up to 64): lse as log2, +inf
+  // [seqlen_q_padded] each (seqlen_q rounded up to 128, the longest query
+  // step, so that a step's bulk copy stays inside its head): lse as log2, +inf
   // where P = 0 (rows past seqlen_q, fully masked rows), and D, 0 past
   // seqlen_q. The preprocess kernel writes them when asked (scratch, nullptr
   // where the workspace has none), so that the kernel copies a step's rows
@@ -202,9 +203,10 @@ struct AttentionBwdParams : AttentionFwdParams {
   float* lse_log2_padded = nullptr;
   float* dsum_padded = nullptr;
   int seqlen_q_padded = 0;
-  // Deterministic Hopper backward: one counter per (batch * heads, query tile
-  // of seqlen_q_padded / 64, consumer) that orders the key tiles' dQ adds
-  // (bwd_sm90_kernel.cuh), zeroed by the preprocess kernel; nullptr otherwise.
+  // Deterministic Hopper backward: counters that order the key tiles' dQ adds,
+  // one per (batch * heads, query step, consumer) (bwd_sm90_kernel.cuh), room
+  // for 2 per 64 rows of seqlen_q_padded, zeroed by the preprocess kernel;
+  // nullptr otherwise.
   int* dq_semaphore = nullptr;
 };
 

@@ -70,7 +70,7 @@ int64_t dsum_floats(const AttentionBwdParams& p) {
 
 // The padded row statistics of the Hopper backward and, deterministic, its
 // dQ order counters (params.h, 4-byte ints), reserved for the calls it takes.
-int seqlen_q_padded(const AttentionBwdParams& p) { return (p.seqlen_q + 63) / 64 * 64; }
+int seqlen_q_padded(const AttentionBwdParams& p) { return (p.seqlen_q + 127) / 128 * 128; }
 int64_t row_stat_floats(const AttentionBwdParams& p) {
 #ifdef FAE_HAS_SM90A
   if (use_sm90_backward(p)) return 2 * static_cast<int64_t>(p.batch) * p.heads * seqlen_q_padded(p);

@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(256)
     const float lse = row < seq.seqlen_q ? params.lse[seq.lse_index(params, b, h, row)] : -INFINITY;
     params.lse_log2_padded[padded] = lse == -INFINITY ? INFINITY : lse * kLog2e;
     params.dsum_padded[padded] = row < seq.seqlen_q ? acc : 0.f;
-    // The first row of each 64-row query tile zeroes the tile's two counters.
+    // Two counters per 64 rows (params.h), zeroed by the first of the rows.
     if (params.dq_semaphore != nullptr && row % 64 == 0) {
       int* counters = params.dq_semaphore + 2 * (padded / 64);
       counters[0] = counters[1] = 0;

@@ -101,9 +101,14 @@ struct BwdSm90Traits {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr bool kSplitHeadDim = kHeadDim > 128;  // see the file comment
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 64 * kConsumerWarpgroups;  // keys
-  static constexpr int kBlockM = 64;  // queries per step: wgmma N of S^T
-  // Q/dO ring depth. 3 stages at D = 64 measured no faster (H100, 6 configs:
-  // 0.79x against 0.80x cuDNN geomean); D = 128 has no room for a third.
+  // Queries per step (wgmma N of S^T). D = 64: 128, as FlashAttention-3
+  // takes: twice the GEMM work per step's fixed costs (the dS barrier, the
+  // waits, the dQ hand-over), and the registers allow it there (S^T and dP^T
+  // 64 each, dK + dV 64 per thread); at D = 128 dK + dV alone take 128.
+  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
+  // Q/dO ring depth. 3 stages at D = 64 (64-query steps) measured no faster
+  // (H100, 6 configs: 0.79x against 0.80x cuDNN geomean); D = 128 has no room
+  // for a third.
   static constexpr int kStages = 2;
   static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);
 
@@ -111,11 +116,15 @@ struct BwdSm90Traits {
   static constexpr int kChunks = kHeadDim / kChunkCols;
   // dK / dV columns per consumer (each owns 64 keys of them).
   static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / kConsumerWarpgroups : kHeadDim;
-  // dQ columns per consumer, each summed over all kBlockN keys, in kDqChunks
-  // wgmmas of kDqCols columns. D = 64 (one 64-column chunk): 32 columns each
-  // (one sum over 128 keys has half the reduce-add traffic of one per consumer).
-  static constexpr int kDqCols = kChunks == 1 ? 32 : 64;
-  static constexpr int kDqChunks = kHeadDim / kConsumerWarpgroups / kDqCols;
+  // A step's dQ rows, each summed over all kBlockN keys, by wgmmas of kDqRows
+  // queries x kDqCols columns (one sum over the CTA's keys has half the
+  // reduce-add traffic of one per consumer). 128-query steps (kDqByRows):
+  // consumer w takes query rows [64w, 64w + 64), every column; 64-query
+  // steps: every row, its half of the columns, in kDqChunks chunks.
+  static constexpr bool kDqByRows = kBlockM == 128;
+  static constexpr int kDqRows = 64;
+  static constexpr int kDqCols = 64;
+  static constexpr int kDqChunks = (kDqByRows ? kHeadDim : kHeadDim / kConsumerWarpgroups) / kDqCols;
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // one Q (or dO) stage
@@ -128,15 +137,17 @@ struct BwdSm90Traits {
   // dQ leaves through shared memory and TMA reduce-adds: each consumer's
   // 64 x kDqCols fp32 chunk in boxes of 32 columns (128 bytes, one swizzle
   // row). Key split: two buffers per consumer, used in turn, so that a step's
-  // writes never wait for the TMA to finish reading the previous step's.
+  // writes never wait for the TMA to finish reading the previous step's; one
+  // with 128-query steps (no room for two; the TMA has read the chunk long
+  // before the next step's is ready).
   // Head-dim split (no shared memory left): a consumer's two chunks go into
   // its own column half of the step's Q tile and dO tile (16 KB each), which
   // only its own dK / dV products still read by then; the stage is released
   // to the producer once the TMA has read them (kDqInQdoStage).
   static constexpr bool kDqInQdoStage = kSplitHeadDim;
   static constexpr int kDqBoxCols = 32;
-  static constexpr int kDqBuffers = 2;
-  static constexpr int kDqBufferBytes = kBlockM * kDqCols * 4;
+  static constexpr int kDqBuffers = kDqByRows ? 1 : 2;
+  static constexpr int kDqBufferBytes = kDqRows * kDqCols * 4;
   static constexpr int kDqSmemBytes =
       kDqInQdoStage ? 0 : kConsumerWarpgroups * kDqBuffers * kDqBufferBytes;
   // Arrivals that release a Q/dO stage: every consumer thread, after its last
@@ -163,9 +174,12 @@ struct BwdSm90Traits {
                 "dK + dV accumulators (2 kGradCols / 2 fp32 registers per thread) must leave "
                 "room for S^T, dP^T and dQ within 240 registers");
   static_assert(kGradCols <= 128, "at most 128 dK/dV columns per consumer (register budget)");
-  static_assert(kBlockM * 2 == 128, "one 64-query step is one 128-byte swizzle row of dS^T");
-  static_assert(kDqChunks * kDqCols * kConsumerWarpgroups == kHeadDim,
-                "dQ columns split evenly between the consumers");
+  static_assert(kBlockM == 64 || (kBlockM == 128 && !kSplitHeadDim),
+                "dS^T holds 64-query chunks of 128-byte swizzle rows; 128-query steps only "
+                "with the key split");
+  static_assert(kDqByRows ? kDqRows * kConsumerWarpgroups == kBlockM && kDqChunks * kDqCols == kHeadDim
+                          : kDqRows == kBlockM && kDqChunks * kDqCols * kConsumerWarpgroups == kHeadDim,
+                "dQ rows or columns split evenly between the consumers");
   static_assert(kDqCols % kDqBoxCols == 0, "dQ chunks are whole 32-column boxes");
   static_assert(kDqInQdoStage ? kDqChunks == 2 && kDqBufferBytes == kGradCols / 64 * kBlockM * 128
                               : kDqChunks == 1,
@@ -271,8 +285,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       return dq_smem0 + (w * kDqBuffers + buf) * Traits::kDqBufferBytes;
     }
   };
-  constexpr int kDqCols = Traits::kDqCols;
-  auto dq_col0 = [&](int w, int c) { return (w * Traits::kDqChunks + c) * kDqCols; };
+  constexpr int kDqCols = Traits::kDqCols, kDqRows = Traits::kDqRows;
+  // First column of consumer w's dQ chunk c, and its first row within the step.
+  auto dq_col0 = [&](int w, int c) {
+    return (Traits::kDqByRows ? c : w * Traits::kDqChunks + c) * kDqCols;
+  };
+  auto dq_row0 = [&](int w) { return Traits::kDqByRows ? w * kDqRows : 0; };
 
   if (warpgroup == 0) {
     // ---------------- producer ----------------
@@ -339,9 +357,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int c = 0; c < Traits::kDqChunks; ++c) {
 #pragma unroll
           for (int box = 0; box < kDqCols / Traits::kDqBoxCols; ++box) {
-            tma_reduce_add_3d(&tmap_dq_accum, dq_buffer(w, stage, buf, c) + box * kBlockM * 128,
-                              dq_col0(w, c) + box * Traits::kDqBoxCols, q_row0 + m_block * kBlockM,
-                              dq_slice);
+            tma_reduce_add_3d(&tmap_dq_accum, dq_buffer(w, stage, buf, c) + box * kDqRows * 128,
+                              dq_col0(w, c) + box * Traits::kDqBoxCols,
+                              q_row0 + m_block * kBlockM + dq_row0(w), dq_slice);
           }
         }
         bulk_commit_group();
@@ -409,14 +427,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       WgmmaOps<T, kGradCols>::rs_mnmajor(&acc[0][0], a[kk], desc_b, 1);
     }
   };
-  // dS^T (64 keys x 64 queries, queries contiguous) in shared memory, in the
-  // swizzled layout the dQ wgmma reads: 16-byte unit u of row r sits at unit
-  // u ^ (r % 8). A quad touches one unit per row, the 8 rows of a warp 8
-  // different units: conflict-free. A-fragment word (kk, w) of a thread holds
-  // row key_row + 8 (w % 2), unit 2kk + w / 2.
+  // dS^T (kBlockN keys x kBlockM queries, queries contiguous) in shared
+  // memory, in the swizzled layout the dQ wgmma reads: 64-query chunks of
+  // [kBlockN rows x 128 B], 16-byte unit u of row r at unit u ^ (r % 8). A
+  // quad touches one unit per row, the 8 rows of a warp 8 different units:
+  // conflict-free. A-fragment word (kk, w) of a thread holds row
+  // key_row + 8 (w % 2), chunk kk / 4, unit 2 (kk % 4) + w / 2.
   auto ds_word_addr = [&](uint32_t ds_buf, int kk, int w) {
     const int r = key_row + 8 * (w % 2);
-    return ds_buf + r * 128 + (((2 * kk + w / 2) ^ (r % 8)) * 16) + (lane % 4) * 4;
+    return ds_buf + (kk / 4) * kBlockN * 128 + r * 128 + (((2 * (kk % 4) + w / 2) ^ (r % 8)) * 16) +
+           (lane % 4) * 4;
   };
   auto store_ds = [&](uint32_t ds_buf, const uint32_t (&ds_frag)[kBlockM / 16][4]) {
 #pragma unroll
@@ -433,24 +453,40 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
   // The step's lse (log2, +inf where P = 0) or D for the thread's accumulator
-  // columns 8j + 2q + {0, 1}, from the stage's row statistics.
-  auto load_row_stat = [&](uint32_t row_stat, float (&out)[kBlockM / 8][2]) {
+  // columns 8j + 2q + {0, 1}, from the stage's row statistics: with 64-query
+  // steps preloaded while the score GEMMs run (RowStat), with 128-query steps
+  // read where used (another 2 x 32 registers beside S^T and dP^T would spill).
+  constexpr bool kPreloadRowStats = kBlockM == 64;
+  using RowStat = float[kPreloadRowStats ? kBlockM / 8 : 1][2];
+  auto load_row_stat = [&](uint32_t row_stat, RowStat& out) {
+    if constexpr (kPreloadRowStats) {
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      ld_shared_v2_f32(row_stat + (8 * j + 2 * (lane % 4)) * 4, out[j][0], out[j][1]);
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        ld_shared_v2_f32(row_stat + (8 * j + 2 * (lane % 4)) * 4, out[j][0], out[j][1]);
+      }
+    }
+  };
+  auto row_stat_pair = [&](uint32_t row_stat, const RowStat& pre, int j, float (&out)[2]) {
+    if constexpr (kPreloadRowStats) {
+      out[0] = pre[j][0];
+      out[1] = pre[j][1];
+    } else {
+      ld_shared_v2_f32(row_stat + (8 * j + 2 * (lane % 4)) * 4, out[0], out[1]);
     }
   };
   // S^T -> P^T in place. Causal: only tiles crossing the diagonal need the
   // per-element test.
-  auto scores_to_probs = [&](int m_block, float (&s)[kBlockM / 8][4],
-                             const float (&lse_log2)[kBlockM / 8][2]) {
+  auto scores_to_probs = [&](int m_block, float (&s)[kBlockM / 8][4], uint32_t lse_row_stat,
+                             const RowStat& lse_pre) {
     const int query_base = m_block * kBlockM + 2 * (lane % 4);  // + 8j + e % 2
     const bool needs_mask = kIsCausal && n0 + kBlockN - 1 > m_block * kBlockM + seq.causal_offset;
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
+      float lse_log2[2];
+      row_stat_pair(lse_row_stat, lse_pre, j, lse_log2);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float p = exp2f(s[j][e] * params.scale_log2 - lse_log2[j][e % 2]);
+        float p = exp2f(s[j][e] * params.scale_log2 - lse_log2[e % 2]);
         if (needs_mask && n0 + key_row + 8 * (e / 2) > query_base + 8 * j + e % 2 + seq.causal_offset) {
           p = 0.f;
         }
@@ -467,6 +503,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto issue_dq_chunk = [&](float (&dq)[kDqCols / 8][4], uint32_t ds_buf, int c) {
     const int col0 = dq_col0(wg, c);
     const uint32_t k_cols = k_smem + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2;
+    ds_buf += (dq_row0(wg) / 64) * kBlockN * 128;  // this consumer's query chunk of dS^T
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -492,7 +529,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int hh = 0; hh < 2; ++hh) {
         const int r = warp * 16 + lane / 4 + 8 * hh;
         const int unit = 2 * (j % 4) + (lane % 4) / 2;
-        const uint32_t addr = buf + (j / 4) * kBlockM * 128 + r * 128 + ((unit ^ (r % 8)) * 16) +
+        const uint32_t addr = buf + (j / 4) * kDqRows * 128 + r * 128 + ((unit ^ (r % 8)) * 16) +
                               (lane % 2) * 8;
         st_shared_v2_f32(addr, dq[j][2 * hh], dq[j][2 * hh + 1]);
       }
@@ -573,19 +610,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_fence();
       issue_transposed_scores(s, k_smem, q_smem(stage));
       issue_transposed_scores(dp, v_smem, do_smem(stage));
-      float lse_log2[kBlockM / 8][2], dsum[kBlockM / 8][2];  // while the GEMMs run
+      RowStat lse_log2, dsum;  // while the GEMMs run
       load_row_stat(lse_smem(stage), lse_log2);
       load_row_stat(dsum_smem(stage), dsum);
 
       wgmma_wait<1>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
-      scores_to_probs(m_block, s, lse_log2);
+      scores_to_probs(m_block, s, lse_smem(stage), lse_log2);
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
+        float d[2];
+        row_stat_pair(dsum_smem(stage), dsum, j, d);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - dsum[j][e % 2]);
+        for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - d[e % 2]);
       }
       uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
       accumulators_to_a_fragments<T, kBlockM>(s, p_frag);
@@ -627,14 +666,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       float acc[kBlockM / 8][4];  // consumer 0: S^T -> P^T; consumer 1: dP^T -> dS^T
       wgmma_fence();
       issue_transposed_scores(acc, wg == 0 ? k_smem : v_smem, wg == 0 ? q_smem(stage) : do_smem(stage));
-      float row_terms[kBlockM / 8][2];  // consumer 0: lse (log2); consumer 1: D
+      static_assert(kPreloadRowStats, "the head-dim split takes 64-query steps");
+      RowStat row_terms;  // consumer 0: lse (log2); consumer 1: D
       load_row_stat(wg == 0 ? lse_smem(stage) : dsum_smem(stage), row_terms);
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(acc));
 
       uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
       if (wg == 0) {
-        scores_to_probs(m_block, acc, row_terms);
+        scores_to_probs(m_block, acc, lse_smem(stage), row_terms);
 #pragma unroll
         for (int q = 0; q < kBlockM / 8; ++q) {
           st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0], acc[q][1], acc[q][2], acc[q][3]);

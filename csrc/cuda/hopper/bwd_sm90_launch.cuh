@@ -56,7 +56,7 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   // [heads][total_q] packed.
   const int slices = (packed ? 1 : params.batch) * params.heads;
   const CUtensorMap tmap_dq_accum =
-      make_dq_accum_tensor_map(params.dq_accum, kHeadDim, rows_q, slices, Traits::kBlockM);
+      make_dq_accum_tensor_map(params.dq_accum, kHeadDim, rows_q, slices, Traits::kDqRows);
 
   // One CTA per key tile. blockIdx.x = 0 holds the first keys, which under
   // causal masking see the most queries, so the longest CTAs start first;
