@@ -235,19 +235,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return bar0 + 8 * (1 + 2 * kStages + (2 + w) * kDqBuffers + buf);
   };
 
-  const int h = blockIdx.y, b = blockIdx.z;
+  // EXPERIMENT (FAE_EXP_BWD bit 1): grid (batch * heads, key tiles).
+  const bool heads_first = params.exp_bwd & 2;
+  const int tile_index = heads_first ? blockIdx.y : blockIdx.x;
+  const int h = heads_first ? blockIdx.x % params.heads : blockIdx.y;
+  const int b = heads_first ? blockIdx.x / params.heads : blockIdx.z;
   const int h_k = h / (params.heads / params.heads_k);
   const SeqBounds seq = seq_bounds<kVarSeq>(params, b);
   const int n_tiles = (seq.seqlen_k + kBlockN - 1) / kBlockN;
   // Deterministic and causal: the last key tile first (see the dQ writer).
-  const int n_block = kIsCausal && params.deterministic ? n_tiles - 1 - static_cast<int>(blockIdx.x)
-                                                        : static_cast<int>(blockIdx.x);
+  const int n_block = kIsCausal && params.deterministic ? n_tiles - 1 - tile_index : tile_index;
   if (n_block < 0 || n_block >= n_tiles) return;  // a shorter sequence of a varlen batch
   const int n0 = n_block * kBlockN;
   // Query tiles that see a key of this tile: causal, query m sees key n iff
   // n <= m + offset, so the first is the one holding m = n0 - offset.
   const int m_begin = kIsCausal ? max(0, n0 - seq.causal_offset) / kBlockM : 0;
   const int m_end = (seq.seqlen_q + kBlockM - 1) / kBlockM;
+  // EXPERIMENT (FAE_EXP_BWD bit 0): step i's query tile, rotated by the key tile.
+  const int m_rotation =
+      !kIsCausal && !params.deterministic && (params.exp_bwd & 1) && m_end > 0 ? n_block % m_end : 0;
+  auto query_tile = [&](int i) {
+    const int m = m_begin + i + m_rotation;
+    return m < m_end ? m : m - m_end;
+  };
   // Packed (varlen) tensors are one batch entry of total rows; this
   // sequence's rows start at row0 (params.h).
   const bool packed = kVarSeq && params.cu_seqlens_q != nullptr;
@@ -313,7 +323,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int stage = i % kStages;
         mbar_wait(qdo_empty(stage), ((i / kStages) & 1) ^ 1);
         mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes + Traits::kRowStatBytes);
-        const int m0 = (m_begin + i) * kBlockM;
+        const int m0 = query_tile(i) * kBlockM;
         bulk_load(lse_smem(stage), row_stats_head + m0, kBlockM * 4, qdo_full(stage));
         bulk_load(dsum_smem(stage), row_stats_head + dsum_offset + m0, kBlockM * 4,
                   qdo_full(stage));
@@ -344,7 +354,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                              w
                        : nullptr;
       for (int i = 0; m_begin + i < m_end; ++i) {
-        const int m_block = m_begin + i, stage = i % kStages, buf = i % kDqBuffers;
+        const int m_block = query_tile(i), stage = i % kStages, buf = i % kDqBuffers;
         mbar_wait(dq_full(w, buf), (i / kDqBuffers) & 1);
         int* turn = nullptr;
         if (params.deterministic) {
@@ -601,7 +611,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // ptxas serialise all of them.
     constexpr int kDsBarrier = 1;  // both consumers' dS^T written
     for (int i = 0; m_begin + i < m_end; ++i) {
-      const int m_block = m_begin + i;
+      const int m_block = query_tile(i);
       const int stage = i % kStages;
       mbar_wait(qdo_full(stage), (i / kStages) & 1);
       if constexpr (kVarSeq) zero_rows_past_sequence(m_block, stage);
@@ -655,7 +665,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kPReady = 1, kDsReady = 2;
     const uint32_t p_slot = p_smem + tid * 16;  // + q * 128 * 16 for float4 q
     for (int i = 0; m_begin + i < m_end; ++i) {
-      const int m_block = m_begin + i;
+      const int m_block = query_tile(i);
       const int stage = i % kStages;
       mbar_wait(qdo_full(stage), (i / kStages) & 1);
       if constexpr (kVarSeq) zero_rows_past_sequence(m_block, stage);
