@@ -448,18 +448,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return ds_buf + (kk / 4) * kBlockN * 128 + r * 128 + (((2 * (kk % 4) + w / 2) ^ (r % 8)) * 16) +
            (lane % 4) * 4;
   };
+  // The same layout, one 16-byte row per lane for stmatrix / ldmatrix.x4:
+  // lane l addresses row l % 8 of 8x8 matrix l / 8, which holds words w = l / 8
+  // of fragment kk (rows + 8 (w % 2), unit + w / 2).
+  auto ds_row_addr = [&](uint32_t ds_buf, int kk) {
+    const int r = wg_key0 + warp * 16 + lane % 8 + 8 * ((lane / 8) % 2);
+    return ds_buf + (kk / 4) * kBlockN * 128 + r * 128 + (((2 * (kk % 4) + lane / 16) ^ (r % 8)) * 16);
+  };
+  const bool exp_stmatrix = params.exp_bwd & 4;  // EXPERIMENT
   auto store_ds = [&](uint32_t ds_buf, const uint32_t (&ds_frag)[kBlockM / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      if (exp_stmatrix) {
+        stmatrix_x4(ds_row_addr(ds_buf, kk), ds_frag[kk]);
+      } else {
 #pragma unroll
-      for (int w = 0; w < 4; ++w) st_shared_b32(ds_word_addr(ds_buf, kk, w), ds_frag[kk][w]);
+        for (int w = 0; w < 4; ++w) st_shared_b32(ds_word_addr(ds_buf, kk, w), ds_frag[kk][w]);
+      }
     }
   };
   auto load_ds = [&](uint32_t ds_buf, uint32_t (&ds_frag)[kBlockM / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      if (exp_stmatrix) {
+        ldmatrix_x4(ds_row_addr(ds_buf, kk), ds_frag[kk]);
+      } else {
 #pragma unroll
-      for (int w = 0; w < 4; ++w) ds_frag[kk][w] = ld_shared_b32(ds_word_addr(ds_buf, kk, w));
+        for (int w = 0; w < 4; ++w) ds_frag[kk][w] = ld_shared_b32(ds_word_addr(ds_buf, kk, w));
+      }
     }
   };
   // The step's lse (log2, +inf where P = 0) or D for the thread's accumulator

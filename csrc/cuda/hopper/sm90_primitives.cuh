@@ -157,6 +157,20 @@ FAE_DEVICE uint32_t ld_shared_b32(uint32_t addr) {
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
   return value;
 }
+// Four 8x8 matrices of 16-bit elements per warp: lane l gives the 16-byte
+// row (l % 8) of matrix l / 8; each lane's register i holds row lane / 4,
+// columns 2 (lane % 4) + {0, 1} of matrix i (an m16n8k16 A fragment).
+FAE_DEVICE void stmatrix_x4(uint32_t row_addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(row_addr),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+FAE_DEVICE void ldmatrix_x4(uint32_t row_addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row_addr)
+               : "memory");
+}
 FAE_DEVICE void ld_shared_v2_f32(uint32_t addr, float& x, float& y) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
 }
