@@ -208,7 +208,6 @@ struct AttentionBwdParams : AttentionFwdParams {
   // for 2 per 64 rows of seqlen_q_padded, zeroed by the preprocess kernel;
   // nullptr otherwise.
   int* dq_semaphore = nullptr;
-  int exp_bwd = 0;  // EXPERIMENT
 };
 
 }  // namespace flash_attn_ext

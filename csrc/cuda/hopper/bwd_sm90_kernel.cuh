@@ -2,15 +2,16 @@
 // with TMA loads and wgmma; one producer warpgroup feeding two consumer
 // warpgroups.
 //
-//   CTA = 3 warpgroups, grid = (key tiles, heads, batch); deterministic mode:
-//   grid = (splits, heads, batch), CTA x walks key tiles x, x + splits, ... and
-//   adds its dQ partials into accumulator x only (one thread, each tile's adds
-//   completed before the next tile's: a fixed order; bwd_dispatch.cu)
+//   CTA = 3 warpgroups, one key tile, grid = (key tiles, heads, batch)
 //
-//   warpgroup 0 (producer, 24 registers): one thread loads K_j, V_j once per
-//       tile (mbarriers kv_full / kv_empty), then Q_i, dO_i for every query
-//       tile i that sees key tile j into a kStages ring (qdo_full / qdo_empty).
-//   warpgroups 1, 2 (consumers, 240 registers). Per query tile i (64 rows):
+//   warpgroup 0 (producer, 24 registers): thread 0 loads K_j, V_j (mbarrier
+//       kv_full), then Q_i, dO_i, lse_i, D_i for every query tile i that sees
+//       key tile j into a kStages ring (qdo_full / qdo_empty); threads 32 and
+//       64, one per consumer, are its dQ writers: each waits for the consumer's
+//       staged dQ_i (dq_full), adds it into the fp32 accumulator with TMA
+//       reduce-adds and frees the buffer once the TMA has read it (dq_empty).
+//   warpgroups 1, 2 (consumers, 240 registers). Per query tile i (kBlockM
+//   rows: 128 at D = 64, else 64):
 //       S^T  = K Q_i^T                   wgmma SS (both K-major, as loaded)
 //       dP^T = V dO_i^T                  wgmma SS
 //       P^T  = exp2(S^T * scale*log2e - lse*log2e), masked   (registers)
@@ -22,9 +23,9 @@
 //                                        read transposed), added into the fp32
 //                                        dQ accumulator (bwd_preprocess.cuh
 //                                        converts it at the end): staged in
-//                                        shared memory and sent with one TMA
-//                                        reduce-add per 32 columns, so the
-//                                        math warps issue no atomics
+//                                        shared memory for the dQ writer, so
+//                                        the math warps issue no atomics and
+//                                        never wait for the TMA
 //   epilogue: dK * softmax_scale and dV from registers to global memory.
 //
 // Varlen (packed rows) and seqused_k (kVarSeq): the tensor maps span all rows
@@ -42,13 +43,13 @@
 //
 //   D = 64, 128 ("key split", 128 keys per CTA): consumer w owns keys
 //     [64w, 64w + 64) and runs every product above for them. dQ = dS K sums
-//     over keys: with two 64-column chunks (D = 128) each consumer takes one
-//     chunk over all 128 keys (dS^T of both is shared through shared memory,
-//     one 256-thread barrier per step, dS double-buffered); with one chunk
-//     (D = 64) each takes 32 of its columns, again over all 128 keys. Each
-//     consumer's dQ_i partial goes to its own shared-memory buffer (two, used
-//     in turn), and one thread hands it to the TMA unit, which adds it into
-//     the accumulator in L2.
+//     over keys, so dS^T of both consumers is shared through shared memory
+//     (stmatrix; one 256-thread barrier per step, dS double-buffered) and
+//     each consumer sums its part of dQ_i over all 128 keys: D = 128 (64-query
+//     steps) one 64-column half, D = 64 (128-query steps) its 64 query rows,
+//     all columns. Each consumer's dQ_i partial goes to its own
+//     shared-memory buffer (two used in turn; one at D = 64, where shared
+//     memory is full) for its dQ writer.
 //
 //   D = 256 ("head-dim split", 64 keys per CTA): 256 accumulator registers
 //     would not fit, so both consumers work on the same 64 keys and consumer w
@@ -70,17 +71,32 @@
 //   fp32 atomics from the math warps               0.71   0.78   0.78
 //   TMA reduce-adds (this kernel's dQ path)        0.80   0.93   1.05
 //   + lse / D rows in shared memory, bulk-copied   0.95   0.99   1.07
+//   + dQ writer threads, one CTA per key tile      0.94   0.99   1.09
+//   + 128-query steps at D = 64                    1.03   0.99   1.09
+//   (the last two rows: 6-12 configs per head dim, S 512-16k)
+//   dS^T by stmatrix (key split; same process,
+//     S 2k-16k, 6 configs): D=64 0.99 -> 1.02, D=128 0.96 -> 0.96
+//   docs/PERFORMANCE.md has the tables.
 //
-//   tried and dropped (D=64, same process):
-//   3 Q/dO stages instead of 2                     0.79 against 0.80
+//   deterministic mode: the same kernel, the key tiles' dQ adds into each
+//   query tile ordered through counters (the dQ writer; 1.08x the time of
+//   the default mode, geomean of 18 configs, at most 1.26x).
+//
+//   tried and dropped (same process):
+//   D=64 (64-query steps): 3 Q/dO stages           0.79 against 0.80
 //   dQ over a consumer's own 64 keys (all columns,
 //     no 256-thread barrier, 2x the reduce bytes)  0.73 against 0.79
 //   dQ staged / sent under the next step's wgmmas  0.90 against 0.93
+//   all: grid (batch * heads, key tiles), the
+//     causal grid's longest tiles first globally   0.72 against 0.99 (L2)
+//   non-causal: each CTA's query walk rotated by
+//     its key tile (dQ adds spread over rows)      no gain beyond +-2% noise
+//   D=256: dS^T by stmatrix / ldmatrix             1-6% slower
 //
 // Shared memory (tiles in 64-column chunks of [rows x 128 B], TMA's 128-byte
 // swizzle; every tile 1024-byte aligned):
 //   | K [kChunks][kBlockN][64] | V | Q [kStages][kChunks][64][64] | dO [...] |
-//   | dS^T [kDsBuffers][kBlockN keys][64 queries] | dQ [consumers][kDqBuffers][boxes][64][32] fp32
+//   | dS^T [kDsBuffers][kBlockM / 64][kBlockN keys][64 queries] | dQ [consumers][kDqBuffers][boxes][64][32] fp32
 //     (key split) | P^T (head-dim split) | lse (log2), D [kStages][2][64] fp32 | mbarriers |
 #pragma once
 #include <cuda.h>
@@ -235,29 +251,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return bar0 + 8 * (1 + 2 * kStages + (2 + w) * kDqBuffers + buf);
   };
 
-  // EXPERIMENT (FAE_EXP_BWD bit 1): grid (batch * heads, key tiles).
-  const bool heads_first = params.exp_bwd & 2;
-  const int tile_index = heads_first ? blockIdx.y : blockIdx.x;
-  const int h = heads_first ? blockIdx.x % params.heads : blockIdx.y;
-  const int b = heads_first ? blockIdx.x / params.heads : blockIdx.z;
+  const int h = blockIdx.y, b = blockIdx.z;
   const int h_k = h / (params.heads / params.heads_k);
   const SeqBounds seq = seq_bounds<kVarSeq>(params, b);
   const int n_tiles = (seq.seqlen_k + kBlockN - 1) / kBlockN;
   // Deterministic and causal: the last key tile first (see the dQ writer).
-  const int n_block = kIsCausal && params.deterministic ? n_tiles - 1 - tile_index : tile_index;
+  const int n_block = kIsCausal && params.deterministic ? n_tiles - 1 - static_cast<int>(blockIdx.x)
+                                                        : static_cast<int>(blockIdx.x);
   if (n_block < 0 || n_block >= n_tiles) return;  // a shorter sequence of a varlen batch
   const int n0 = n_block * kBlockN;
   // Query tiles that see a key of this tile: causal, query m sees key n iff
   // n <= m + offset, so the first is the one holding m = n0 - offset.
   const int m_begin = kIsCausal ? max(0, n0 - seq.causal_offset) / kBlockM : 0;
   const int m_end = (seq.seqlen_q + kBlockM - 1) / kBlockM;
-  // EXPERIMENT (FAE_EXP_BWD bit 0): step i's query tile, rotated by the key tile.
-  const int m_rotation =
-      !kIsCausal && !params.deterministic && (params.exp_bwd & 1) && m_end > 0 ? n_block % m_end : 0;
-  auto query_tile = [&](int i) {
-    const int m = m_begin + i + m_rotation;
-    return m < m_end ? m : m - m_end;
-  };
   // Packed (varlen) tensors are one batch entry of total rows; this
   // sequence's rows start at row0 (params.h).
   const bool packed = kVarSeq && params.cu_seqlens_q != nullptr;
@@ -323,7 +329,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int stage = i % kStages;
         mbar_wait(qdo_empty(stage), ((i / kStages) & 1) ^ 1);
         mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes + Traits::kRowStatBytes);
-        const int m0 = query_tile(i) * kBlockM;
+        const int m0 = (m_begin + i) * kBlockM;
         bulk_load(lse_smem(stage), row_stats_head + m0, kBlockM * 4, qdo_full(stage));
         bulk_load(dsum_smem(stage), row_stats_head + dsum_offset + m0, kBlockM * 4,
                   qdo_full(stage));
@@ -354,7 +360,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                              w
                        : nullptr;
       for (int i = 0; m_begin + i < m_end; ++i) {
-        const int m_block = query_tile(i), stage = i % kStages, buf = i % kDqBuffers;
+        const int m_block = m_begin + i, stage = i % kStages, buf = i % kDqBuffers;
         mbar_wait(dq_full(w, buf), (i / kDqBuffers) & 1);
         int* turn = nullptr;
         if (params.deterministic) {
@@ -448,18 +454,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return ds_buf + (kk / 4) * kBlockN * 128 + r * 128 + (((2 * (kk % 4) + w / 2) ^ (r % 8)) * 16) +
            (lane % 4) * 4;
   };
-  // The same layout, one 16-byte row per lane for stmatrix / ldmatrix.x4:
-  // lane l addresses row l % 8 of 8x8 matrix l / 8, which holds words w = l / 8
-  // of fragment kk (rows + 8 (w % 2), unit + w / 2).
+  // The key split stores a fragment with one stmatrix.x4 (a quarter of the
+  // shared-memory instructions; ncu showed our consumers stalled on a full MIO
+  // queue, cuDNN's not): lane l addresses row l % 8 of 8x8 matrix l / 8, which
+  // receives words w = l / 8 (rows + 8 (w % 2), unit + w / 2). The head-dim
+  // split keeps 32-bit stores and loads: there stmatrix / ldmatrix measured
+  // 1-6% slower (H100, 6 configs, same process).
   auto ds_row_addr = [&](uint32_t ds_buf, int kk) {
     const int r = wg_key0 + warp * 16 + lane % 8 + 8 * ((lane / 8) % 2);
     return ds_buf + (kk / 4) * kBlockN * 128 + r * 128 + (((2 * (kk % 4) + lane / 16) ^ (r % 8)) * 16);
   };
-  const bool exp_stmatrix = params.exp_bwd & 4;  // EXPERIMENT
   auto store_ds = [&](uint32_t ds_buf, const uint32_t (&ds_frag)[kBlockM / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      if (exp_stmatrix) {
+      if constexpr (!Traits::kSplitHeadDim) {
         stmatrix_x4(ds_row_addr(ds_buf, kk), ds_frag[kk]);
       } else {
 #pragma unroll
@@ -470,12 +478,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto load_ds = [&](uint32_t ds_buf, uint32_t (&ds_frag)[kBlockM / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      if (exp_stmatrix) {
-        ldmatrix_x4(ds_row_addr(ds_buf, kk), ds_frag[kk]);
-      } else {
 #pragma unroll
-        for (int w = 0; w < 4; ++w) ds_frag[kk][w] = ld_shared_b32(ds_word_addr(ds_buf, kk, w));
-      }
+      for (int w = 0; w < 4; ++w) ds_frag[kk][w] = ld_shared_b32(ds_word_addr(ds_buf, kk, w));
     }
   };
   // The step's lse (log2, +inf where P = 0) or D for the thread's accumulator
@@ -627,7 +631,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // ptxas serialise all of them.
     constexpr int kDsBarrier = 1;  // both consumers' dS^T written
     for (int i = 0; m_begin + i < m_end; ++i) {
-      const int m_block = query_tile(i);
+      const int m_block = m_begin + i;
       const int stage = i % kStages;
       mbar_wait(qdo_full(stage), (i / kStages) & 1);
       if constexpr (kVarSeq) zero_rows_past_sequence(m_block, stage);
@@ -681,7 +685,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kPReady = 1, kDsReady = 2;
     const uint32_t p_slot = p_smem + tid * 16;  // + q * 128 * 16 for float4 q
     for (int i = 0; m_begin + i < m_end; ++i) {
-      const int m_block = query_tile(i);
+      const int m_block = m_begin + i;
       const int stage = i % kStages;
       mbar_wait(qdo_full(stage), (i / kStages) & 1);
       if constexpr (kVarSeq) zero_rows_past_sequence(m_block, stage);

@@ -8,7 +8,6 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -64,14 +63,7 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   // deterministic and causal, the kernel maps blockIdx.x to the last tiles
   // first (its dQ order needs that).
   const int n_tiles = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  static const int exp_bwd = [] {
-    const char* e = std::getenv("FAE_EXP_BWD");
-    return e ? std::atoi(e) : 0;
-  }();
-  AttentionBwdParams& mparams = const_cast<AttentionBwdParams&>(params);
-  mparams.exp_bwd = exp_bwd;
-  const dim3 grid = (exp_bwd & 2) ? dim3(params.batch * params.heads, n_tiles, 1)
-                                  : dim3(n_tiles, params.heads, params.batch);
+  const dim3 grid(n_tiles, params.heads, params.batch);
   auto launch = [&](auto kernel) {
     bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Traits::kSmemBytes),
