@@ -30,20 +30,6 @@ SplitMerge split_merge_requested() {
                                                                             : SplitMerge::kAuto;
 }
 
-bool fwd_sm90_pingpong() {
-  const char* raw = std::getenv("FLASH_ATTN_EXT_SM90_PINGPONG");
-  return raw == nullptr || raw[0] == '\0' || std::strcmp(raw, "0") != 0;
-}
-
-Sm90Schedule fwd_sm90_schedule(bool causal) {
-  switch (env_choice("FLASH_ATTN_EXT_SM90_SCHED", {"auto", "tile", "static", "dynamic"})) {
-    case 1: return Sm90Schedule::kPerTile;
-    case 2: return Sm90Schedule::kStatic;
-    case 3: return Sm90Schedule::kDynamic;
-    default: return causal ? Sm90Schedule::kDynamic : Sm90Schedule::kStatic;
-  }
-}
-
 bool device_is_sm90() {
   constexpr int kMaxDevices = 64;
   static int cached[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
