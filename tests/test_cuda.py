@@ -108,53 +108,45 @@ def gqa_decode_case(dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k, causal,
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads,heads_k",
                          [(1, 5000, 4, 4), (1, 3000, 8, 2), (16, 999, 2, 2), (5, 100, 2, 1)])
 @pytest.mark.parametrize("tile", [2, 3], ids=["one_warp", "key_warps"])
-def test_split_merge_in_cluster(monkeypatch, dtype, head_dim, causal, bottom_right, seqlen_q,
-                                seqlen_k, heads, heads_k, tile):
-    """On sm_90 a split decode tile merges its splits inside a thread-block cluster
-    (no combine kernel); FLASH_ATTN_EXT_SPLIT_MERGE=kernel forces the combine kernel.
-    Both against the reference, with GQA regrouping, padded head dims, and top-left
-    causal rows whose later splits see no key at all; for both decode tiles (the
-    key-warp tile merges its warps first)."""
+def test_split_merge_in_cluster(dtype, head_dim, causal, bottom_right, seqlen_q, seqlen_k, heads,
+                                heads_k, tile):
+    """On sm_90 a decode tile split 2 to 6 ways (kMaxClusterSplits) merges its splits inside
+    a thread-block cluster (no combine kernel); 7 or more splits take the combine kernel
+    (the path every split call takes before sm_90). All against the reference and against
+    each other, with GQA regrouping, padded head dims, and top-left causal rows whose later
+    splits see no key at all; for both decode tiles (the key-warp tile merges its warps
+    first)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("thread-block cluster merge: compute capability 9.0 only")
     q, k, v, ref, base = gqa_decode_case(dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k,
                                          causal, bottom_right)
-    ref_lse = None
 
     def run(splits):
         return torch.ops.flash_attn_ext.fwd(q, k, v, head_dim ** -0.5, causal, bottom_right, splits,
                                             tile)
 
-    # Forced splits stop at one key tile each: a single-tile call runs unsplit.
+    # Forced splits stop at one key tile each: a single-tile call runs unsplit, and 7 or 8
+    # splits of fewer key tiles are a case below 7 again.
     key_tiles = -(-seqlen_k // decode_block_n(tile, head_dim))
-    # Past kMaxClusterSplits (6) the combine kernel takes over.
-    if key_tiles >= 7:
-        monkeypatch.setenv("FLASH_ATTN_EXT_SPLIT_MERGE", "auto")
-        assert any("combine" in n for n in kernel_names(lambda: run(7)))
-    for splits in (2, 5, 6):
-        results = {}
-        for merge in ("auto", "kernel"):
-            monkeypatch.setenv("FLASH_ATTN_EXT_SPLIT_MERGE", merge)
-            combined = any("combine" in n for n in kernel_names(lambda: run(splits)))
-            if merge == "auto" and combined:
-                pytest.skip("this build has no sm_90a target (FLASH_ATTN_EXT_CUDA_ARCHS)")
-            assert combined == (merge == "kernel" and key_tiles > 1)
-            results[merge] = run(splits)
-            assert_fa_rule(results[merge][0], ref, base, 2, what=f"out({merge}, splits={splits})")
-        (out_c, lse_c), (out_k, lse_k) = results["auto"], results["kernel"]
-        # The same fp32 merge up to summation order: outputs within an ulp or so.
-        eps = torch.finfo(dtype).eps
-        torch.testing.assert_close(out_c.float(), out_k.float(), rtol=2 * eps, atol=1e-5)
-        finite = torch.isfinite(lse_k)
-        assert torch.equal(finite, torch.isfinite(lse_c))
-        assert (lse_c - lse_k)[finite].abs().max().item() < 1e-5
-        if ref_lse is None:
-            ref_lse = lse_k
-        assert (lse_c - ref_lse)[finite].abs().max().item() < 1e-3
-    if key_tiles > 1:  # (read only by split calls)
-        monkeypatch.setenv("FLASH_ATTN_EXT_SPLIT_MERGE", "bogus")
-        with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_SPLIT_MERGE"):
-            run(2)
+    eps = torch.finfo(dtype).eps
+    first = None
+    for splits in (2, 5, 6, 7, 8):
+        if splits > 6 and key_tiles < splits:
+            continue
+        combined = any("combine" in n for n in kernel_names(lambda: run(splits)))
+        if splits <= 6 and combined:
+            pytest.skip("this build has no sm_90a target (FLASH_ATTN_EXT_CUDA_ARCHS)")
+        assert combined == (splits > 6)
+        out, lse = run(splits)
+        assert_fa_rule(out, ref, base, 2, what=f"out(splits={splits})")
+        if first is None:
+            first = out, lse
+            continue
+        # The same fp32 sums in another order (split boundaries, merge): within an ulp or so.
+        torch.testing.assert_close(out.float(), first[0].float(), rtol=2 * eps, atol=1e-5)
+        finite = torch.isfinite(first[1])
+        assert torch.equal(finite, torch.isfinite(lse))
+        assert (lse - first[1])[finite].abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

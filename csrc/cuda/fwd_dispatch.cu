@@ -280,7 +280,7 @@ bool fwd_merges_splits_in_cluster(const AttentionFwdParams& params, int num_spli
     return false;
   }
   return kv_bytes(params) * (num_splits - 1) <= kClusterMergeMaxBytesTimesSplits &&
-         split_merge_requested() != SplitMerge::kKernel && device_is_sm90();
+         device_is_sm90();
 #else
   (void)params;
   (void)num_splits;

@@ -10,12 +10,10 @@
 #include <string>
 
 #include "../common/env.h"
-#include "fwd_sm90.h"
 #include "sm90_host.h"
 
 namespace flash_attn_ext {
 namespace cuda {
-
 
 KernelImpl kernel_impl_requested(const char* env_name) {
   switch (env_choice(env_name, {"auto", "mma", "wgmma"})) {
@@ -23,11 +21,6 @@ KernelImpl kernel_impl_requested(const char* env_name) {
     case 2: return KernelImpl::kWgmma;
     default: return KernelImpl::kAuto;
   }
-}
-
-SplitMerge split_merge_requested() {
-  return env_choice("FLASH_ATTN_EXT_SPLIT_MERGE", {"auto", "kernel"}) == 1 ? SplitMerge::kKernel
-                                                                            : SplitMerge::kAuto;
 }
 
 bool device_is_sm90() {
