@@ -125,10 +125,9 @@ def build_extension():
                   "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                   "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
                   "-lineinfo", "--threads", "2"] + defines + _gencode_flags()
-    # Extra nvcc flags, e.g. the tile-tuning defines of bench/tune_tiles.sh.
+    # Extra nvcc flags: the tile-tuning defines of bench/tune_tiles.sh, -Xptxas=-v
+    # (register / spill report per kernel, as bench/gpu_check.sh build passes), ...
     nvcc_flags += os.environ.get("FLASH_ATTN_EXT_NVCC_EXTRA", "").split()
-    if os.environ.get("FLASH_ATTN_EXT_VERBOSE_PTXAS", "0") not in ("", "0"):
-        nvcc_flags.append("-Xptxas=-v")
     print(f"flash_attn_ext: building with CUDA {torch.version.cuda}, nvcc flags {nvcc_flags}")
     return CUDAExtension("flash_attn_ext._C", common_sources + cuda_sources,
                          include_dirs=include_dirs,

@@ -20,7 +20,7 @@ PY=python3
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ " $steps " == *" build "* ]]; then
   start=$(date +%s)
-  FLASH_ATTN_EXT_VERBOSE_PTXAS=1 $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 \
+  FLASH_ATTN_EXT_NVCC_EXTRA="${FLASH_ATTN_EXT_NVCC_EXTRA:-} -Xptxas=-v" $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 \
     || { grep -E "error|Error" "$OUT/build.log" | head -40; echo "BUILD FAILED"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
   grep -E "spill|Used [0-9]+ registers" "$OUT/build.log" | grep -v " 0 bytes spill" | sort | uniq -c | head -20

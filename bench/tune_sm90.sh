@@ -12,8 +12,8 @@ export MAX_JOBS=${MAX_JOBS:-16} FLASH_ATTN_EXT_CUDA_ARCHS=90a FLASH_ATTN_EXT_DTY
 for variant in "$@"; do
   read -r dim block_n stages <<< "$variant"
   tag="d${dim}_bn${block_n}_st${stages}"
-  FLASH_ATTN_EXT_HEAD_DIMS=$dim FLASH_ATTN_EXT_VERBOSE_PTXAS=1 \
-    FLASH_ATTN_EXT_NVCC_EXTRA="-DFAE_SM90_BLOCK_N=$block_n -DFAE_SM90_STAGES=$stages" \
+  FLASH_ATTN_EXT_HEAD_DIMS=$dim \
+    FLASH_ATTN_EXT_NVCC_EXTRA="-DFAE_SM90_BLOCK_N=$block_n -DFAE_SM90_STAGES=$stages -Xptxas=-v" \
     python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build_$tag.log" 2>&1 \
     || { echo "$tag: build failed"; grep -E "error" "$OUT/build_$tag.log" | head -5; continue; }
   grep -A2 "flash_fwd_sm90_kernel" "$OUT/build_$tag.log" | grep -E "spill" | sort | uniq -c
