@@ -266,12 +266,11 @@ def test_forced_tile_family(tile, seqlen_q, seqlen_k):
         assert_fa_rule(out, ref, base, 2, what=f"out(tile={tile}, num_splits={splits})")
 
 
-def test_autotune_caches_a_correct_choice(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_EXT_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
+def test_autotune_caches_a_correct_choice(tmp_path):
     fa.autotune.clear_cache()
     q, k, v = make_qkv(2, 3, 2000, 4, 64, torch.float16, DEVICE, requires_grad=True)
     expected = fa.flash_attn_func(q, k, v, causal=True)
-    with fa.autotune.enabled():
+    with fa.autotune.enabled(cache=tmp_path / "cache.json"):
         out = fa.flash_attn_func(q, k, v, causal=True)
         out.sum().backward()  # autograd still works through a tuned forward
         out2 = fa.flash_attn_func(q, k, v, causal=True)
@@ -282,4 +281,11 @@ def test_autotune_caches_a_correct_choice(tmp_path, monkeypatch):
     assert (tmp_path / "cache.json").exists()
     assert torch.equal(out, out2)
     assert (out.float() - expected.float()).abs().max().item() < 2e-3
+    # A later process (here: a cleared cache) reads the winner back from the file.
+    fa.autotune.clear_cache()
+    with fa.autotune.enabled(cache=tmp_path / "cache.json"):
+        out3 = fa.flash_attn_func(q, k, v, causal=True)
+    info = fa.autotune.cache_info()
+    assert info["tuned"] == 0 and info["hits"] == 1 and info["entries"] == {key: choice}, info
+    assert torch.equal(out3, out)
     fa.autotune.clear_cache()
