@@ -1,18 +1,9 @@
 """Build flash_attn_ext._C with setuptools + torch.utils.cpp_extension.
 
-Environment variables (all optional):
-  FLASH_ATTN_EXT_FORCE_CPU=1        build the CPU-only extension even if CUDA is available
-  FLASH_ATTN_EXT_CUDA_ARCHS="80;90a" GPU targets, ';' or ',' separated. Each entry is
-                                    NN (SASS for sm_NN), NNa (sm_NNa), or compute_NN[a]
-                                    (PTX only: no ptxas, used by CI to prove every .cu
-                                    compiles quickly). Default "80;90a": mma.sync kernels
-                                    for Ampere and newer, plus the Hopper wgmma/TMA forward
-                                    (built only when an entry ends in 90a).
-  FLASH_ATTN_EXT_HEAD_DIMS="64,128" only build these kernel head dims (iteration speed);
-                                    default all of 32,64,96,128,160,192,224,256
-  FLASH_ATTN_EXT_DTYPES="bf16"      only build these 16-bit kernel dtypes (fp16,bf16)
-  FLASH_ATTN_EXT_NVCC_EXTRA="..."   extra nvcc flags (tile-tuning defines, see bench/tune_tiles.sh)
-  MAX_JOBS=N                        parallel compile jobs (ninja), honoured by torch
+Build switches (all optional): FLASH_ATTN_EXT_CUDA_ARCHS, FLASH_ATTN_EXT_HEAD_DIMS,
+FLASH_ATTN_EXT_DTYPES, FLASH_ATTN_EXT_FORCE_CPU, FLASH_ATTN_EXT_NVCC_EXTRA, and torch's
+MAX_JOBS. What each does, with the run-time switches: the "Environment switches" table of
+README.md, the one place they are documented.
 """
 import glob
 import os

@@ -17,7 +17,8 @@ import torch
 
 import flash_attn_ext as fa
 
-parser = argparse.ArgumentParser(description=__doc__)
+parser = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.parse_args()
 torch.manual_seed(0)
 cases = [  # (dtype, seqlen_q, seqlen_k, head_dim, causal, num_splits, deterministic)

@@ -42,8 +42,10 @@ namespace cuda {
 
 // Tile shape per (head dim, causal): kBlockM = 128 always (two consumer
 // warpgroups of 64 rows); kBlockN and the ring depth were measured (H200,
-// bf16, torch 2.11, bench/tune_sm90.sh; TFLOP/s as a fraction of cuDNN in the
-// same run, S = 512 / 2k / 8k, B = 16384 / S, H = 2048 / D):
+// bf16, torch 2.11, one build per row, as bench/tune_tiles.sh "sm90 D BLOCK_N
+// STAGES" makes them; TFLOP/s as a fraction of cuDNN in the same run,
+// S = 512 / 2k / 8k, B = 16384 / S, H = 2048 / D; ping-pong off was a
+// run-time switch then, removed since):
 //
 //   D    kBlockN stages  ping-pong | non-causal          | causal
 //   64   128     4       on        | 0.73 0.85 0.88      | 0.71 0.87 0.92
@@ -78,7 +80,8 @@ namespace cuda {
 // three rotated rounds, as bf16).
 // Shared memory bounds the choice: Q + 2 x stages x kBlockN x D x 2 bytes
 // must fit 227 KB (D = 256, kBlockN = 80: 64 + 160 KB). FAE_SM90_BLOCK_N /
-// FAE_SM90_STAGES override every head dim at once (bench/tune_sm90.sh).
+// FAE_SM90_STAGES / FAE_SM90_Q_RING override every head dim at once
+// (bench/tune_tiles.sh "sm90 ...").
 template <int kHeadDim, bool kIsCausal>
 struct FwdSm90TileConfig {
 #ifdef FAE_SM90_BLOCK_N
