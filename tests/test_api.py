@@ -249,3 +249,21 @@ def test_fwd_op_rejects_bad_tile():
     q, k, v = make_qkv(1, 4, 4, 1, 8, torch.float32, "cpu", requires_grad=False)
     with pytest.raises(RuntimeError, match="tile must be"):
         torch.ops.flash_attn_ext.fwd(q, k, v, 1.0, False, False, 0, 4)
+
+
+def test_public_functions_document_their_shapes():
+    """Every public function of the package has a docstring; those taking or returning
+    tensors give their shapes."""
+    import inspect
+    modules = (fa, fa.autotune, fa.ops, fa.interface, fa.reference)
+    for module in modules:
+        for name, obj in vars(module).items():
+            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            if getattr(obj, "__module__", "").split(".")[0] != "flash_attn_ext":
+                continue
+            assert inspect.getdoc(obj), f"{module.__name__}.{name} has no docstring"
+    for fn in (fa.flash_attn_func, fa.scaled_dot_product_attention, fa.flash_attn_varlen_func,
+               fa.flash_attn_with_kvcache, fa.attention_ref, fa.FlashAttnFunction,
+               fa.FlashAttnVarlenFunction, fa.autotune.choose_forward_config):
+        assert "head_dim]" in inspect.getdoc(fn), fn.__name__
