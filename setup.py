@@ -1,23 +1,20 @@
 """Build flash_attn_ext._C with setuptools + torch.utils.cpp_extension.
 
-Environment variables (all optional):
-  FLASH_ATTN_EXT_FORCE_CPU=1        build the CPU-only extension even if CUDA is available
-  FLASH_ATTN_EXT_CUDA_ARCHS="80;90a" GPU targets, ';' or ',' separated. Each entry is
-                                    NN (SASS for sm_NN), NNa (sm_NNa), or compute_NN[a]
-                                    (PTX only: no ptxas, used by CI to prove every .cu
-                                    compiles quickly). Default "80;90a": mma.sync kernels
-                                    for Ampere and newer, plus the Hopper wgmma/TMA forward
-                                    (built only when an entry ends in 90a).
-  FLASH_ATTN_EXT_HEAD_DIMS="64,128" only build these kernel head dims (iteration speed);
-                                    default all of 32,64,96,128,160,192,224,256
-  FLASH_ATTN_EXT_DTYPES="bf16"      only build these 16-bit kernel dtypes (fp16,bf16)
-  FLASH_ATTN_EXT_NVCC_EXTRA="..."   extra nvcc flags (tile-tuning defines, see bench/tune_tiles.sh)
-  MAX_JOBS=N                        parallel compile jobs (ninja), honoured by torch
+Build switches (all optional): FLASH_ATTN_EXT_CUDA_ARCHS, FLASH_ATTN_EXT_HEAD_DIMS,
+FLASH_ATTN_EXT_DTYPES, FLASH_ATTN_EXT_FORCE_CPU, FLASH_ATTN_EXT_NVCC_EXTRA, and torch's
+MAX_JOBS. What each does, with the run-time switches: the "Environment switches" table of
+README.md, the one place they are documented.
+
+Before compiling, the build checks the C++ compiler (CXX, default c++) against the libstdc++
+that torch loaded into this process, and stops when the compiler's libstdc++ is newer (see
+check_libstdcxx).
 """
 import glob
 import os
 import re
+import shlex
 import shutil
+import subprocess
 import sys
 
 from setuptools import setup
@@ -59,6 +56,101 @@ def _cuda_wanted():
     return True
 
 
+# ---- compiler vs run-time libstdc++ -------------------------------------------------------
+# An extension compiled by a GCC newer than the libstdc++ the process loads (torch's, found by
+# the dynamic loader first) needs symbols or ABI details that library lacks: it fails at
+# import, or worse, runs until a C++ exception is thrown. On the GPU image the default CXX
+# (an /opt/gcc wrapper) built an extension whose every error path segfaulted; /usr/bin/g++
+# (the system libstdc++'s own compiler) works.
+
+_GLIBCXX_VERSION = re.compile(rb"GLIBCXX_(3\.4(?:\.[0-9]+)?)(?![0-9.])")
+
+
+def version_key(version):
+    """"3.4.30" -> (3, 4, 30): numeric order ("3.4.9" < "3.4.10")."""
+    return tuple(int(x) for x in version.split("."))
+
+
+def libstdcxx_mismatch(compiler_lib, compiler_version, runtime_lib, runtime_version,
+                       compiler="c++"):
+    """The message to stop the build with, or None when the build may go on.
+
+    compiler_lib: the libstdc++ the compiler links (`compiler -print-file-name=libstdc++.so.6`,
+    real path), compiler_version: the highest GLIBCXX symbol version it defines ("3.4.33");
+    runtime_lib / runtime_version: the same for the libstdc++ loaded in this process after
+    `import torch`. Stops only when the compiler's library is a different file AND newer: an
+    older or equal one gives an extension the run-time library can serve."""
+    if compiler_lib == runtime_lib or version_key(compiler_version) <= version_key(runtime_version):
+        return None
+    return (
+        f"flash_attn_ext: the C++ compiler '{compiler}' builds against\n"
+        f"  {compiler_lib} (GLIBCXX_{compiler_version}),\n"
+        f"newer than the libstdc++ that torch loads at run time:\n"
+        f"  {runtime_lib} (GLIBCXX_{runtime_version}).\n"
+        "An extension built this way fails at import or crashes in its C++ error paths.\n"
+        "Build with the compiler of the run-time library, e.g.\n"
+        "  CXX=/usr/bin/g++ CC=/usr/bin/gcc pip install --no-build-isolation .")
+
+
+def glibcxx_version(path):
+    """The highest GLIBCXX_3.4[.N] symbol version named in the library file, or None."""
+    try:
+        with open(path, "rb") as f:
+            versions = {v.decode() for v in _GLIBCXX_VERSION.findall(f.read())}
+    except OSError:
+        return None
+    return max(versions, key=version_key) if versions else None
+
+
+def _compiler_libstdcxx(compiler):
+    """Real path of the libstdc++ `compiler` links, or None."""
+    for name in ("libstdc++.so.6", "libstdc++.so"):
+        try:
+            out = subprocess.run(shlex.split(compiler) + [f"-print-file-name={name}"],
+                                 capture_output=True, text=True, timeout=60).stdout.strip()
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return None
+        if os.path.isabs(out) and os.path.exists(out):  # else the bare name: not found
+            return os.path.realpath(out)
+    return None
+
+
+def _loaded_libstdcxx():
+    """Real path of the libstdc++ mapped into this process (torch's), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("libstdc++.so"):
+                    return os.path.realpath(fields[5].strip())
+    except OSError:
+        pass
+    return None
+
+
+def check_libstdcxx():
+    """sys.exit with libstdcxx_mismatch's message when the compiler's libstdc++ is newer
+    than the one loaded with torch; a note, and on with the build, when either library or
+    its version cannot be determined (not Linux, no /proc, a compiler without
+    -print-file-name, a static libstdc++)."""
+    if not sys.platform.startswith("linux"):
+        return
+    compiler = os.environ.get("CXX") or "c++"
+    compiler_lib, runtime_lib = _compiler_libstdcxx(compiler), _loaded_libstdcxx()
+    if compiler_lib is not None and compiler_lib == runtime_lib:
+        return
+    versions = (glibcxx_version(compiler_lib) if compiler_lib else None,
+                glibcxx_version(runtime_lib) if runtime_lib else None)
+    if None in versions:
+        print(f"flash_attn_ext: note: libstdc++ check skipped (compiler '{compiler}': "
+              f"{compiler_lib or 'not found'}, loaded with torch: {runtime_lib or 'not found'})")
+        return
+    message = libstdcxx_mismatch(compiler_lib, versions[0], runtime_lib, versions[1], compiler)
+    if message:
+        sys.exit(message)
+
+
+# ---- CUDA targets and sources ---------------------------------------------------------------
 def _cuda_archs():
     return _env_list("FLASH_ATTN_EXT_CUDA_ARCHS", ["80", "90a"])
 
@@ -108,6 +200,7 @@ def _selected_cuda_sources():
 
 def build_extension():
     os.chdir(HERE)
+    check_libstdcxx()
     common_sources = ["csrc/module.cpp", "csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     # No -std flag: torch.utils.cpp_extension picks the standard its headers need
     # (C++17 for torch <= 2.11, C++20 for newer releases).
@@ -125,10 +218,9 @@ def build_extension():
                   "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                   "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
                   "-lineinfo", "--threads", "2"] + defines + _gencode_flags()
-    # Extra nvcc flags, e.g. the tile-tuning defines of bench/tune_tiles.sh.
+    # Extra nvcc flags: the tile-tuning defines of bench/tune_tiles.sh, -Xptxas=-v
+    # (register / spill report per kernel, as bench/gpu_check.sh build passes), ...
     nvcc_flags += os.environ.get("FLASH_ATTN_EXT_NVCC_EXTRA", "").split()
-    if os.environ.get("FLASH_ATTN_EXT_VERBOSE_PTXAS", "0") not in ("", "0"):
-        nvcc_flags.append("-Xptxas=-v")
     print(f"flash_attn_ext: building with CUDA {torch.version.cuda}, nvcc flags {nvcc_flags}")
     return CUDAExtension("flash_attn_ext._C", common_sources + cuda_sources,
                          include_dirs=include_dirs,
@@ -138,9 +230,11 @@ def build_extension():
                          py_limited_api=True)
 
 
-# Package metadata lives in pyproject.toml; this file only adds the extension.
-setup(
-    ext_modules=[build_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
-)
+# Package metadata lives in pyproject.toml; this file only adds the extension. (pip and
+# setuptools run this file as __main__; tests/test_build.py imports it for its functions.)
+if __name__ == "__main__":
+    setup(
+        ext_modules=[build_extension()],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    )

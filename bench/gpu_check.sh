@@ -1,11 +1,25 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build, GPU tests, benchmark; logs under $OUT.
+# One call on a GPU machine: build, GPU tests, benchmark, sanitizers; logs under $OUT.
 #   bash bench/gpu_check.sh [build] [test] [test_mma] [bench] [sanitize]   (default: build test bench)
-# test_mma reruns the GPU tests with the forward pinned to the mma.sync kernels
-# (FLASH_ATTN_EXT_FWD_IMPL=mma, FLASH_ATTN_EXT_BWD_IMPL=mma): on sm_90 "test" covers the
-# Hopper forward and backward.
-# Iterate faster with FLASH_ATTN_EXT_HEAD_DIMS / FLASH_ATTN_EXT_DTYPES / FLASH_ATTN_EXT_CUDA_ARCHS.
+# build     pip install -e . with MAX_JOBS (default 16) jobs and ptxas's register / spill
+#           report (-Xptxas=-v added to FLASH_ATTN_EXT_NVCC_EXTRA); prints spilling kernels
+#           and ptxas's C75xx notes (serialised wgmma in a Hopper kernel)
+# test      the GPU tests (pytest -m gpu; on sm_90 they cover the Hopper forward and backward)
+# test_mma  the same with both passes pinned to the mma.sync kernels
+#           (FLASH_ATTN_EXT_FWD_IMPL=mma, FLASH_ATTN_EXT_BWD_IMPL=mma)
+# bench     bench/bench_attention.py $BENCH_ARGS (or $BENCH_PY), CSV in $OUT/bench.csv
+# sanitize  compute-sanitizer memcheck, racecheck and synccheck on bench/sanitize_case.py
+# Environment: OUT (default /tmp/fae_out), FLASH_ATTN_EXT_CUDA_ARCHS (default 80;90a),
+# FLASH_ATTN_EXT_HEAD_DIMS / FLASH_ATTN_EXT_DTYPES (faster builds), PYTEST_ARGS,
+# TEST_TIMEOUT (s, default 420), BENCH_ARGS, BENCH_PY, BENCH_TIMEOUT (s, default 300).
 set -uo pipefail
+for step in "$@"; do
+  case $step in
+    build|test|test_mma|bench|sanitize) ;;
+    -h|--help) sed -n '2,/^set /p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_check.sh: unknown step '$step' (see --help)" >&2; exit 2 ;;
+  esac
+done
 OUT=${OUT:-/tmp/fae_out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -20,7 +34,7 @@ PY=python3
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ " $steps " == *" build "* ]]; then
   start=$(date +%s)
-  FLASH_ATTN_EXT_VERBOSE_PTXAS=1 $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 \
+  FLASH_ATTN_EXT_NVCC_EXTRA="${FLASH_ATTN_EXT_NVCC_EXTRA:-} -Xptxas=-v" $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 \
     || { grep -E "error|Error" "$OUT/build.log" | head -40; echo "BUILD FAILED"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
   grep -E "spill|Used [0-9]+ registers" "$OUT/build.log" | grep -v " 0 bytes spill" | sort | uniq -c | head -20

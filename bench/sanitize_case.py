@@ -2,9 +2,9 @@
 forward (full, causal, split-KV + combine), fp32 forward/backward, backward
 (atomic and deterministic dQ), odd lengths and a padded head dim; then the
 variable-sequence instantiations: GQA, varlen (with an empty sequence),
-seqused_k and the KV-cache decode path; last the split-KV merge both ways (on sm_90 the
-16-bit decode-tile splits merge inside a thread-block cluster, FLASH_ATTN_EXT_SPLIT_MERGE=kernel
-forces the combine kernel), also on the 4-key-warp decode tile. On sm_90 the unsplit 16-bit forward cases run
+seqused_k and the KV-cache decode path; last the split-KV merge both ways (on sm_90 up to 6
+16-bit decode-tile splits merge inside a thread-block cluster, more take the combine kernel),
+also on the 4-key-warp decode tile. On sm_90 the unsplit 16-bit forward cases run
 the Hopper kernel (two more cases give its persistent loop several tiles per CTA), and the
 16-bit backward cases with head dim 40, 64, 128 or 256 the Hopper backward (deterministic,
 varlen and seqused_k included).
@@ -12,13 +12,13 @@ varlen and seqused_k included).
   compute-sanitizer --tool memcheck python bench/sanitize_case.py
 """
 import argparse
-import os
 
 import torch
 
 import flash_attn_ext as fa
 
-parser = argparse.ArgumentParser(description=__doc__)
+parser = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.parse_args()
 torch.manual_seed(0)
 cases = [  # (dtype, seqlen_q, seqlen_k, head_dim, causal, num_splits, deterministic)
@@ -96,13 +96,11 @@ fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
                            num_splits=3)
 q = torch.randn(1, 1, 2, 128, device="cuda", dtype=torch.float16)
 k, v = (torch.randn(1, 700, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
-for merge, splits in (("auto", 6), ("kernel", 4), ("kernel", 40)):
-    os.environ["FLASH_ATTN_EXT_SPLIT_MERGE"] = merge
+for splits in (6, 7, 40):  # sm_90: the cluster merge, then the combine kernel (> 6 splits)
     fa.flash_attn_func(q, k, v, causal=True, num_splits=splits)
     # The same on the 4-key-warp decode tile (tile=3): its warps merge in shared memory
     # first (64-key tiles: 700 keys give at most 11 splits).
     torch.ops.flash_attn_ext.fwd(q, k, v, 128 ** -0.5, True, True, min(splits, 11), 3)
-del os.environ["FLASH_ATTN_EXT_SPLIT_MERGE"]
 # Auto on a decode grid that fills the GPU unsplit: the key-warp tile, D = 64 (128-key tiles).
 q = torch.randn(4, 1, 64, 64, device="cuda", dtype=torch.bfloat16)
 k, v = (torch.randn(4, 333, 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -4,13 +4,17 @@ remember the fastest per (GPU arch, dtype, head dim, causal, shape bucket).
 Off by default: the built-in heuristics (tile table + FA2's split-KV rule) are what the
 README's speed tables measure. Turn it on with
 
-    FLASH_ATTN_EXT_AUTOTUNE=1 python train.py            # whole process
-    flash_attn_ext.autotune.enable()                     # from code
-    with flash_attn_ext.autotune.enabled(): ...          # a block
+    FLASH_ATTN_EXT_AUTOTUNE=1 python train.py                 # whole process
+    FLASH_ATTN_EXT_AUTOTUNE=tune.json python train.py         # ... winners kept in tune.json
+    flash_attn_ext.autotune.enable()                          # from code
+    flash_attn_ext.autotune.enable(cache="tune.json")         # ... with a cache file
+    with flash_attn_ext.autotune.enabled(): ...               # a block
 
+FLASH_ATTN_EXT_AUTOTUNE (read at import): unset, "", "0", "false", "off" leave it off;
+"1", "true", "on" turn it on; any other value turns it on with that path as the cache file.
 The first forward call of a new key times every candidate (a few ms to a few hundred ms,
-once); later calls look the winner up. Set FLASH_ATTN_EXT_AUTOTUNE_CACHE=/path.json to
-keep winners across processes.
+once); later calls look the winner up. With a cache file, winners stored there by earlier
+processes are read on first use and every new winner is written back (JSON).
 
 Candidates: the built-in choice (tile=0, which on sm_90 is the Hopper wgmma kernel wherever
 it applies, with the heuristic split count and forced unsplit) and the three tile families
@@ -30,10 +34,25 @@ import threading
 
 import torch
 
+
+def parse_env(value):
+    """(enabled, cache_file) for a FLASH_ATTN_EXT_AUTOTUNE value (None = unset).
+
+    >>> parse_env("1"), parse_env("0"), parse_env("/tmp/tune.json")
+    ((True, None), (False, None), (True, '/tmp/tune.json'))
+    """
+    raw = (value or "").strip()
+    if raw.lower() in ("", "0", "false", "off", "no"):
+        return False, None
+    if raw.lower() in ("1", "true", "on", "yes"):
+        return True, None
+    return True, raw
+
+
 _lock = threading.Lock()
-_enabled = os.environ.get("FLASH_ATTN_EXT_AUTOTUNE", "0") not in ("", "0", "false", "False")
+_enabled, _cache_file = parse_env(os.environ.get("FLASH_ATTN_EXT_AUTOTUNE"))
 _cache = {}            # key -> (num_splits, tile)
-_cache_loaded = False
+_loaded_file = None    # the cache file whose entries _cache holds
 _stats = {"hits": 0, "tuned": 0}
 
 TILE_AUTO, TILE_LARGE, TILE_SMALL_M, TILE_SMALL_M_KEY_WARPS = 0, 1, 2, 3
@@ -43,36 +62,61 @@ CANDIDATES = [(0, TILE_AUTO), (1, TILE_AUTO), (1, TILE_LARGE), (2, TILE_LARGE), 
               (2, TILE_SMALL_M_KEY_WARPS)]
 
 
-def enable(flag: bool = True) -> None:
-    global _enabled
-    _enabled = bool(flag)
+def enable(flag: bool = True, cache=None) -> None:
+    """Turn autotuning on (flag=True) or off for the forward calls that follow.
+
+    cache: a JSON file path (str or os.PathLike) that keeps the winners across processes:
+    read on the next lookup, rewritten after each new winner. None keeps the current file
+    (FLASH_ATTN_EXT_AUTOTUNE's path, or the last one given); "" stops using a file.
+    Applies to flash_attn_func / scaled_dot_product_attention / FlashAttnFunction calls
+    with 16-bit CUDA q [batch, seqlen_q, heads, head_dim] that leave num_splits at 0.
+    """
+    global _enabled, _cache_file
+    with _lock:
+        _enabled = bool(flag)
+        if cache is not None:
+            _cache_file = os.fspath(cache) or None
 
 
 def is_enabled() -> bool:
+    """Whether forward calls are autotuned now."""
     return _enabled
 
 
+def cache_file():
+    """The JSON file that keeps the winners, or None (winners live in this process only)."""
+    return _cache_file
+
+
 @contextlib.contextmanager
-def enabled(flag: bool = True):
-    """Context manager: autotune on (or off) inside the block."""
-    previous = _enabled
-    enable(flag)
+def enabled(flag: bool = True, cache=None):
+    """Context manager: autotune on (or off), optionally with a cache file (as enable()),
+    inside the block; the previous setting and file come back afterwards."""
+    previous = _enabled, _cache_file
+    enable(flag, cache)
     try:
         yield
     finally:
-        enable(previous)
+        enable(previous[0], previous[1] or "")
 
 
 def clear_cache() -> None:
+    """Forget every winner in this process and reset the hit counters (a cache file is
+    left as it is and read again on the next lookup)."""
+    global _loaded_file
     with _lock:
         _cache.clear()
+        _loaded_file = None
         _stats.update(hits=0, tuned=0)
 
 
 def cache_info() -> dict:
-    """{'entries': {key_string: (num_splits, tile)}, 'hits': n, 'tuned': n}."""
+    """{'entries': {key_string: (num_splits, tile)}, 'hits': n, 'tuned': n, 'file': path or
+    None}. A key string is "smXY|dtype|rounded head dim|full or causal_br / causal_tl|
+    seqlen_q bucket|seqlen_k bucket|batch*heads bucket" (powers of two)."""
     with _lock:
-        return {"entries": {_key_str(k): v for k, v in _cache.items()}, **_stats}
+        return {"entries": {_key_str(k): v for k, v in _cache.items()}, **_stats,
+                "file": _cache_file}
 
 
 def _bucket(n: int) -> int:
@@ -92,17 +136,14 @@ def _key_str(key) -> str:
     return "|".join(str(x) for x in key)
 
 
-def _cache_path():
-    return os.environ.get("FLASH_ATTN_EXT_AUTOTUNE_CACHE") or None
-
-
 def _load_cache_file():
-    global _cache_loaded
-    if _cache_loaded:
+    """Merge the cache file's entries into _cache once per file (caller holds _lock)."""
+    global _loaded_file
+    path = _cache_file
+    if not path or path == _loaded_file:
         return
-    _cache_loaded = True
-    path = _cache_path()
-    if not path or not os.path.exists(path):
+    _loaded_file = path
+    if not os.path.exists(path):
         return
     try:
         with open(path) as f:
@@ -117,7 +158,7 @@ def _load_cache_file():
 
 
 def _save_cache_file():
-    path = _cache_path()
+    path = _cache_file
     if not path:
         return
     tmp = f"{path}.tmp{os.getpid()}"
@@ -151,7 +192,11 @@ def _time_ms(fn, reps: int) -> float:
 
 
 def choose_forward_config(q, k, v, softmax_scale, causal, causal_bottom_right):
-    """(num_splits, tile) for this call: cached, or timed now. (0, 0) = built-in defaults."""
+    """(num_splits, tile) for this forward call: cached, or timed now; (0, 0) = the built-in
+    defaults (always for CPU, fp32 and torch.compile tracing).
+
+    q: [batch, seqlen_q, heads, head_dim]; k, v: [batch, seqlen_k, heads_k, head_dim], the
+    operands of torch.ops.flash_attn_ext.fwd, which the candidates are timed with."""
     if not _tunable(q):
         return 0, TILE_AUTO
     key = _key(q, k, causal, causal_bottom_right)

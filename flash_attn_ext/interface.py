@@ -89,7 +89,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     query: [batch, heads, seqlen_q, head_dim]; key, value: [batch, heads_k, seqlen_k,
     head_dim], heads_k == heads unless enable_gqa=True (then heads % heads_k == 0).
     is_causal=True uses torch's top-left alignment (key j visible to query i iff j <= i).
-    Returns [batch, heads, seqlen_q, head_dim].
+    scale defaults to 1/sqrt(head_dim). attn_mask and dropout raise NotImplementedError.
+    Returns [batch, heads, seqlen_q, head_dim] in query's dtype; gradients flow to query,
+    key and value (same shapes as the inputs).
     """
     if attn_mask is not None:
         _not_implemented("an explicit attn_mask (use is_causal=True for causal masking)")

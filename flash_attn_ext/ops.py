@@ -36,7 +36,8 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def has_cuda_kernels() -> bool:
-    """True when this build contains the CUDA kernels."""
+    """True when this build contains the CUDA kernels (False for a CPU-only build, where
+    CUDA tensors raise)."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("flash_attn_ext::fwd", "CUDA")
 
 
@@ -115,14 +116,20 @@ def _last_dim_contiguous(t):
 
 class FlashAttnFunction(torch.autograd.Function):
     """out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, causal_bottom_right,
-    deterministic, num_splits, tile, seqused_k). lse is returned but not differentiable.
+    deterministic, num_splits, tile, seqused_k)
 
+    q [batch, seqlen_q, heads, head_dim], k / v [batch, seqlen_k, heads_k, head_dim]
+    (heads % heads_k == 0; any strides, a non-contiguous last dim is copied) -> out
+    [batch, seqlen_q, heads, head_dim] (q's dtype) and lse float32 [batch, heads, seqlen_q],
+    returned but not differentiable. The backward gives dq, dk, dv shaped like q, k, v.
     num_splits = 0 and tile = 0 mean "choose": by the built-in heuristics, or by timing
     when the autotuner is on (flash_attn_ext.autotune). seqused_k: None or int32 [batch]."""
 
     @staticmethod
     def forward(q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, num_splits,
                 tile, seqused_k):
+        """(out [batch, seqlen_q, heads, head_dim], lse float32 [batch, heads, seqlen_q])
+        from q [batch, seqlen_q, heads, head_dim], k, v [batch, seqlen_k, heads_k, head_dim]."""
         q, k, v = [_last_dim_contiguous(t) for t in (q, k, v)]
         if num_splits == 0 and tile == 0 and seqused_k is None and autotune.is_enabled():
             num_splits, tile = autotune.choose_forward_config(q, k, v, softmax_scale, causal,
@@ -132,6 +139,7 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        """Saves q, k, v, out, lse (and seqused_k) and the flags for the backward."""
         q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, _, _, seqused_k = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, seqused_k)
@@ -143,6 +151,8 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        """dout [batch, seqlen_q, heads, head_dim] -> dq, dk, dv shaped like q, k, v (None for
+        the other inputs); lse's gradient is ignored."""
         q, k, v, out, lse, seqused_k = ctx.saved_tensors
         q, k, v, dout = [_last_dim_contiguous(t) for t in (q, k, v, dout)]
         dq, dk, dv = torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, ctx.softmax_scale,
@@ -153,12 +163,18 @@ class FlashAttnFunction(torch.autograd.Function):
 
 class FlashAttnVarlenFunction(torch.autograd.Function):
     """out, lse = FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, seqused_k) over packed
-    [total, heads, head_dim] sequences; lse [heads, total_q] is not differentiable."""
+    max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, seqused_k)
+
+    Packed sequences: q [total_q, heads, head_dim], k / v [total_k, heads_k, head_dim],
+    cu_seqlens_q / cu_seqlens_k int32 [batch + 1], seqused_k None or int32 [batch] -> out
+    [total_q, heads, head_dim] and lse float32 [heads, total_q] (not differentiable). The
+    backward gives dq, dk, dv shaped like q, k, v."""
 
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                 causal, deterministic, seqused_k):
+        """(out [total_q, heads, head_dim], lse float32 [heads, total_q]) from packed q
+        [total_q, heads, head_dim], k, v [total_k, heads_k, head_dim]."""
         q, k, v = [_last_dim_contiguous(t) for t in (q, k, v)]
         return torch.ops.flash_attn_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                    max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -166,6 +182,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        """Saves q, k, v, out, lse, the cu_seqlens (and seqused_k) and the flags."""
         (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
          deterministic, seqused_k) = inputs
         out, lse = output
@@ -178,6 +195,8 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        """dout [total_q, heads, head_dim] -> dq, dk, dv shaped like q, k, v (None for the
+        other inputs)."""
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k = ctx.saved_tensors
         q, k, v, dout = [_last_dim_contiguous(t) for t in (q, k, v, dout)]
         dq, dk, dv = torch.ops.flash_attn_ext.varlen_bwd(

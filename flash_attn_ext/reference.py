@@ -13,7 +13,13 @@ def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
                   layout: str = "bshd", return_lse: bool = False):
     """O = softmax(scale * Q K^T + causal mask) V, computed the plain way.
 
-    layout "bshd" is [batch, seqlen, heads, head_dim] (flash-attn); "bhsd" is torch SDPA's.
+    layout "bshd": q [batch, seqlen_q, heads, head_dim], k / v [batch, seqlen_k, heads,
+    head_dim] (flash-attn's layout); "bhsd": [batch, heads, seqlen, head_dim] (torch SDPA's).
+    k / v have as many heads as q (repeat them for GQA). softmax_scale defaults to
+    1/sqrt(head_dim); causal_bottom_right aligns the causal mask to the bottom-right corner
+    (flash-attn) instead of the top-left one (SDPA).
+    Returns out, shaped and typed like q; with return_lse=True (out, lse), lse
+    [batch, heads, seqlen_q] in float32 (float64 for float64 inputs).
     upcast=True computes in float32 (or keeps float64 inputs), then casts the result to the
     input dtype: the reference. upcast=False computes in the input dtype, which is how large
     the error of "the same computation in PyTorch at this precision" is.

@@ -1,4 +1,8 @@
 """Operator registration, torch.compile, API behaviour and bad-input errors."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -204,7 +208,62 @@ def test_autotune_is_a_noop_on_cpu():
     assert fa.autotune.cache_info()["entries"] == {}
 
 
+def test_autotune_switch_and_cache_file(tmp_path):
+    parse = fa.autotune.parse_env
+    assert parse(None) == parse("") == parse("0") == parse("false") == (False, None)
+    assert parse("1") == parse("true") == parse(" ON ") == (True, None)
+    assert parse("/tmp/tune.json") == (True, "/tmp/tune.json")
+    path = tmp_path / "tune.json"
+    before = fa.autotune.is_enabled(), fa.autotune.cache_file()
+    with fa.autotune.enabled(cache=path):
+        assert fa.autotune.is_enabled() and fa.autotune.cache_file() == str(path)
+        assert fa.autotune.cache_info()["file"] == str(path)
+        with fa.autotune.enabled(False):  # the file stays
+            assert not fa.autotune.is_enabled() and fa.autotune.cache_file() == str(path)
+    assert (fa.autotune.is_enabled(), fa.autotune.cache_file()) == before
+    # A stored winner is read back from the file (the CUDA test times and writes one).
+    path.write_text('{"sm90|bfloat16|128|full|1|4096|256": [2, 3]}')
+    fa.autotune.clear_cache()
+    try:
+        fa.autotune.enable(False, cache=path)
+        with fa.autotune._lock:
+            fa.autotune._load_cache_file()
+        assert fa.autotune.cache_info()["entries"] == {"sm90|bfloat16|128|full|1|4096|256": (2, 3)}
+    finally:
+        fa.autotune.enable(before[0], cache=before[1] or "")
+        fa.autotune.clear_cache()
+
+
+def test_autotune_env_value_is_the_cache_file(tmp_path):
+    path = str(tmp_path / "tune.json")
+    code = ("import flash_attn_ext as fa; "
+            "print(fa.autotune.is_enabled(), fa.autotune.cache_file())")
+    env = dict(os.environ, FLASH_ATTN_EXT_AUTOTUNE=path)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", path]
+
+
 def test_fwd_op_rejects_bad_tile():
     q, k, v = make_qkv(1, 4, 4, 1, 8, torch.float32, "cpu", requires_grad=False)
     with pytest.raises(RuntimeError, match="tile must be"):
         torch.ops.flash_attn_ext.fwd(q, k, v, 1.0, False, False, 0, 4)
+
+
+def test_public_functions_document_their_shapes():
+    """Every public function of the package has a docstring; those taking or returning
+    tensors give their shapes."""
+    import inspect
+    modules = (fa, fa.autotune, fa.ops, fa.interface, fa.reference)
+    for module in modules:
+        for name, obj in vars(module).items():
+            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            if getattr(obj, "__module__", "").split(".")[0] != "flash_attn_ext":
+                continue
+            assert inspect.getdoc(obj), f"{module.__name__}.{name} has no docstring"
+    for fn in (fa.flash_attn_func, fa.scaled_dot_product_attention, fa.flash_attn_varlen_func,
+               fa.flash_attn_with_kvcache, fa.attention_ref, fa.FlashAttnFunction,
+               fa.FlashAttnVarlenFunction, fa.autotune.choose_forward_config):
+        assert "head_dim]" in inspect.getdoc(fn), fn.__name__

@@ -108,53 +108,45 @@ def gqa_decode_case(dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k, causal,
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads,heads_k",
                          [(1, 5000, 4, 4), (1, 3000, 8, 2), (16, 999, 2, 2), (5, 100, 2, 1)])
 @pytest.mark.parametrize("tile", [2, 3], ids=["one_warp", "key_warps"])
-def test_split_merge_in_cluster(monkeypatch, dtype, head_dim, causal, bottom_right, seqlen_q,
-                                seqlen_k, heads, heads_k, tile):
-    """On sm_90 a split decode tile merges its splits inside a thread-block cluster
-    (no combine kernel); FLASH_ATTN_EXT_SPLIT_MERGE=kernel forces the combine kernel.
-    Both against the reference, with GQA regrouping, padded head dims, and top-left
-    causal rows whose later splits see no key at all; for both decode tiles (the
-    key-warp tile merges its warps first)."""
+def test_split_merge_in_cluster(dtype, head_dim, causal, bottom_right, seqlen_q, seqlen_k, heads,
+                                heads_k, tile):
+    """On sm_90 a decode tile split 2 to 6 ways (kMaxClusterSplits) merges its splits inside
+    a thread-block cluster (no combine kernel); 7 or more splits take the combine kernel
+    (the path every split call takes before sm_90). All against the reference and against
+    each other, with GQA regrouping, padded head dims, and top-left causal rows whose later
+    splits see no key at all; for both decode tiles (the key-warp tile merges its warps
+    first)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("thread-block cluster merge: compute capability 9.0 only")
     q, k, v, ref, base = gqa_decode_case(dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k,
                                          causal, bottom_right)
-    ref_lse = None
 
     def run(splits):
         return torch.ops.flash_attn_ext.fwd(q, k, v, head_dim ** -0.5, causal, bottom_right, splits,
                                             tile)
 
-    # Forced splits stop at one key tile each: a single-tile call runs unsplit.
+    # Forced splits stop at one key tile each: a single-tile call runs unsplit, and 7 or 8
+    # splits of fewer key tiles are a case below 7 again.
     key_tiles = -(-seqlen_k // decode_block_n(tile, head_dim))
-    # Past kMaxClusterSplits (6) the combine kernel takes over.
-    if key_tiles >= 7:
-        monkeypatch.setenv("FLASH_ATTN_EXT_SPLIT_MERGE", "auto")
-        assert any("combine" in n for n in kernel_names(lambda: run(7)))
-    for splits in (2, 5, 6):
-        results = {}
-        for merge in ("auto", "kernel"):
-            monkeypatch.setenv("FLASH_ATTN_EXT_SPLIT_MERGE", merge)
-            combined = any("combine" in n for n in kernel_names(lambda: run(splits)))
-            if merge == "auto" and combined:
-                pytest.skip("this build has no sm_90a target (FLASH_ATTN_EXT_CUDA_ARCHS)")
-            assert combined == (merge == "kernel" and key_tiles > 1)
-            results[merge] = run(splits)
-            assert_fa_rule(results[merge][0], ref, base, 2, what=f"out({merge}, splits={splits})")
-        (out_c, lse_c), (out_k, lse_k) = results["auto"], results["kernel"]
-        # The same fp32 merge up to summation order: outputs within an ulp or so.
-        eps = torch.finfo(dtype).eps
-        torch.testing.assert_close(out_c.float(), out_k.float(), rtol=2 * eps, atol=1e-5)
-        finite = torch.isfinite(lse_k)
-        assert torch.equal(finite, torch.isfinite(lse_c))
-        assert (lse_c - lse_k)[finite].abs().max().item() < 1e-5
-        if ref_lse is None:
-            ref_lse = lse_k
-        assert (lse_c - ref_lse)[finite].abs().max().item() < 1e-3
-    if key_tiles > 1:  # (read only by split calls)
-        monkeypatch.setenv("FLASH_ATTN_EXT_SPLIT_MERGE", "bogus")
-        with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_SPLIT_MERGE"):
-            run(2)
+    eps = torch.finfo(dtype).eps
+    first = None
+    for splits in (2, 5, 6, 7, 8):
+        if splits > 6 and key_tiles < splits:
+            continue
+        combined = any("combine" in n for n in kernel_names(lambda: run(splits)))
+        if splits <= 6 and combined:
+            pytest.skip("this build has no sm_90a target (FLASH_ATTN_EXT_CUDA_ARCHS)")
+        assert combined == (splits > 6)
+        out, lse = run(splits)
+        assert_fa_rule(out, ref, base, 2, what=f"out(splits={splits})")
+        if first is None:
+            first = out, lse
+            continue
+        # The same fp32 sums in another order (split boundaries, merge): within an ulp or so.
+        torch.testing.assert_close(out.float(), first[0].float(), rtol=2 * eps, atol=1e-5)
+        finite = torch.isfinite(first[1])
+        assert torch.equal(finite, torch.isfinite(lse))
+        assert (lse - first[1])[finite].abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -163,29 +155,23 @@ def test_split_merge_in_cluster(monkeypatch, dtype, head_dim, causal, bottom_rig
                          [(1, 4099, 8, 8, 0), (1, 2053, 8, 2, 3), (3, 1027, 4, 4, 1),
                           (7, 517, 4, 2, 2), (20, 300, 2, 2, 1)])
 @pytest.mark.parametrize("tile", [0, 3], ids=["auto", "key_warps"])
-def test_kv_l2_policy(monkeypatch, dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k, splits,
-                      tile):
-    """FLASH_ATTN_EXT_KV_L2_POLICY changes only the L2 cache hint of the decode tile's K/V
-    copies (evict_first where every K/V byte has one reading CTA), never a value: all three
-    settings give bit-identical results, partial last key tiles (zero-filled without the
-    hint) included; any other value raises."""
+def test_decode_kv_evict_first(dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k, splits,
+                               tile):
+    """Decode shapes whose K/V copies carry the L2 evict_first hint (every K/V byte has one
+    reading CTA: MHA or regrouped GQA, K+V small next to L2; fwd_set_kv_l2_policy) and
+    shapes that do not (GQA with seqlen_q > 1, seqlen_q > 16): the hint never changes a
+    value, partial last key tiles (zero-filled, copied without the hint) included, and a
+    second call gives the same bits."""
     q, k, v, ref, base = gqa_decode_case(dtype, head_dim, seqlen_q, seqlen_k, heads, heads_k,
                                          False, True)
 
     def run():
         return torch.ops.flash_attn_ext.fwd(q, k, v, head_dim ** -0.5, False, True, splits, tile)
 
-    results = {}
-    for policy in ("auto", "evict_first", "normal"):
-        monkeypatch.setenv("FLASH_ATTN_EXT_KV_L2_POLICY", policy)
-        results[policy] = run()
-        assert_fa_rule(results[policy][0], ref, base, 2, what=f"out({policy})")
-    for policy in ("auto", "evict_first"):
-        assert torch.equal(results[policy][0], results["normal"][0])
-        assert torch.equal(results[policy][1], results["normal"][1])
-    monkeypatch.setenv("FLASH_ATTN_EXT_KV_L2_POLICY", "evict_last")
-    with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_KV_L2_POLICY"):
-        run()
+    out, lse = run()
+    assert_fa_rule(out, ref, base, 2)
+    out2, lse2 = run()
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
 @pytest.mark.parametrize("seqlen", [16384, 65536])
@@ -280,12 +266,11 @@ def test_forced_tile_family(tile, seqlen_q, seqlen_k):
         assert_fa_rule(out, ref, base, 2, what=f"out(tile={tile}, num_splits={splits})")
 
 
-def test_autotune_caches_a_correct_choice(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_EXT_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
+def test_autotune_caches_a_correct_choice(tmp_path):
     fa.autotune.clear_cache()
     q, k, v = make_qkv(2, 3, 2000, 4, 64, torch.float16, DEVICE, requires_grad=True)
     expected = fa.flash_attn_func(q, k, v, causal=True)
-    with fa.autotune.enabled():
+    with fa.autotune.enabled(cache=tmp_path / "cache.json"):
         out = fa.flash_attn_func(q, k, v, causal=True)
         out.sum().backward()  # autograd still works through a tuned forward
         out2 = fa.flash_attn_func(q, k, v, causal=True)
@@ -296,4 +281,11 @@ def test_autotune_caches_a_correct_choice(tmp_path, monkeypatch):
     assert (tmp_path / "cache.json").exists()
     assert torch.equal(out, out2)
     assert (out.float() - expected.float()).abs().max().item() < 2e-3
+    # A later process (here: a cleared cache) reads the winner back from the file.
+    fa.autotune.clear_cache()
+    with fa.autotune.enabled(cache=tmp_path / "cache.json"):
+        out3 = fa.flash_attn_func(q, k, v, causal=True)
+    info = fa.autotune.cache_info()
+    assert info["tuned"] == 0 and info["hits"] == 1 and info["entries"] == {key: choice}, info
+    assert torch.equal(out3, out)
     fa.autotune.clear_cache()

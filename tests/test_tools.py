@@ -95,6 +95,22 @@ def test_naive_backend_matches_ours():
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("script", sorted(f for f in os.listdir(os.path.join(ROOT, "bench"))
+                                           if f.endswith((".py", ".sh"))))
+def test_bench_script_help(script, tmp_path):
+    """Every entry point in bench/ answers --help (and does nothing else)."""
+    path = os.path.join(ROOT, "bench", script)
+    if script.endswith(".sh"):
+        proc = subprocess.run(["bash", path, "--help"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert f"bash bench/{script}" in proc.stdout
+    else:
+        proc = run([path, "--help"], cwd=tmp_path)
+        assert proc.stdout.startswith("usage:")
+    assert os.listdir(tmp_path) == []
+
+
 def test_profiler_cpu_trace(tmp_path):
     trace = tmp_path / "trace" / "t.json"
     proc = run([os.path.join(ROOT, "bench", "profile_attention.py"), "--device", "cpu", "--hdim", "32",

@@ -30,7 +30,7 @@ int64_t fwd_workspace_floats(const AttentionFwdParams& params, int num_splits);
 void fwd_set_workspace(AttentionFwdParams& params, float* workspace, int num_splits);
 
 // Sets params.kv_evict_first for this call (after GQA regrouping) on a device
-// with `l2_cache_bytes` of L2; FLASH_ATTN_EXT_KV_L2_POLICY overrides the rule.
+// with `l2_cache_bytes` of L2 (the rule and its measurements: fwd_dispatch.cu).
 void fwd_set_kv_l2_policy(AttentionFwdParams& params, int64_t l2_cache_bytes);
 
 // Launches the forward (and the split-KV combine when num_splits > 1).

@@ -5,7 +5,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "common/env.h"
 #include "flash_api.h"
 #include "fwd_kernel_traits.cuh"
 #include "fwd_launch.h"
@@ -281,7 +280,7 @@ bool fwd_merges_splits_in_cluster(const AttentionFwdParams& params, int num_spli
     return false;
   }
   return kv_bytes(params) * (num_splits - 1) <= kClusterMergeMaxBytesTimesSplits &&
-         split_merge_requested() != SplitMerge::kKernel && device_is_sm90();
+         device_is_sm90();
 #else
   (void)params;
   (void)num_splits;
@@ -352,11 +351,9 @@ static bool fwd_reads_kv_once(const AttentionFwdParams& params) {
 constexpr int64_t kEvictFirstMaxL2Multiple = 4;
 
 void fwd_set_kv_l2_policy(AttentionFwdParams& params, int64_t l2_cache_bytes) {
-  const int choice =
-      env_choice("FLASH_ATTN_EXT_KV_L2_POLICY", {"auto", "evict_first", "normal"});
-  const bool small =
+  params.kv_evict_first =
+      fwd_reads_kv_once(params) &&
       kv_bytes(params) <= static_cast<double>(kEvictFirstMaxL2Multiple * l2_cache_bytes);
-  params.kv_evict_first = fwd_reads_kv_once(params) && choice != 2 && (choice == 1 || small);
 }
 
 void run_fwd(AttentionFwdParams& params, cudaStream_t stream) {

@@ -19,8 +19,8 @@ void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream);
 // thread-block cluster (fwd_kernel.cuh, merge_splits_in_cluster) instead of
 // through a global workspace and the combine kernel: sm_90 code on an sm_90
 // device, the small-M decode tile, num_splits <= kMaxClusterSplits (6, see
-// fwd_kernel_traits.cuh), a padded batch, the cost model in fwd_dispatch.cu. FLASH_ATTN_EXT_SPLIT_MERGE=kernel
-// forces the combine kernel (tests and benchmarks compare the two).
+// fwd_kernel_traits.cuh), a padded batch, the cost model in fwd_dispatch.cu.
+// More splits (e.g. a forced num_splits = 7) take the combine kernel.
 bool fwd_merges_splits_in_cluster(const AttentionFwdParams& params, int num_splits);
 
 // fp32 inputs: SIMT kernel with true fp32 accumulation (no tf32), no split-KV.

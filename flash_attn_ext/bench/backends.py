@@ -28,6 +28,8 @@ PASS_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
 
 def flops(cfg, pass_):
+    """FLOPs of one call in FlashAttention's convention: fwd 4*B*H*Sq*Sk*D (halved when
+    causal and Sq == Sk), bwd 2.5x that, fwd_bwd 3.5x; cfg has B, H, Sq, Sk, D, causal."""
     f = 4.0 * cfg["B"] * cfg["H"] * cfg["Sq"] * cfg["Sk"] * cfg["D"]
     if cfg["causal"] and cfg["Sq"] == cfg["Sk"]:
         f /= 2
@@ -35,7 +37,9 @@ def flops(cfg, pass_):
 
 
 def min_bytes(cfg, pass_, elt):
-    """Bytes that any implementation has to move through DRAM at least once."""
+    """Bytes that any implementation has to move through DRAM at least once (elt bytes per
+    element): fwd reads q [B, H, Sq, D], k, v [B, H, Sk, D] and writes o; bwd also reads o
+    and do and writes dq, dk, dv."""
     q_like = cfg["B"] * cfg["H"] * cfg["Sq"] * cfg["D"] * elt  # q, o, do, dq
     k_like = cfg["B"] * cfg["H"] * cfg["Sk"] * cfg["D"] * elt  # k, v, dk, dv
     fwd = 2 * q_like + 2 * k_like                # read q, k, v; write o
@@ -55,6 +59,9 @@ def _causal_mask(Sq, Sk, device):
 
 
 def make_fn(backend, cfg, device, deterministic=False):
+    """fn(q, k, v) -> out for one backend (ALL_BACKENDS) on config cfg (D, Sq, Sk, causal):
+    q [B, H, Sq, D], k, v [B, H, Sk, D] (possibly transposed views, see make_inputs) ->
+    out [B, H, Sq, D]; causal is top-left aligned (SDPA's is_causal) for every backend."""
     causal, Sq, Sk = cfg["causal"], cfg["Sq"], cfg["Sk"]
     scale = 1.0 / math.sqrt(cfg["D"])
     if backend == "ours-mma":

@@ -42,6 +42,7 @@ DEFAULT_BACKENDS = {"cuda": "ours,naive,flash,cudnn,efficient,math,flex",
 
 
 def parse_args(argv=None):
+    """The command line (`python -m flash_attn_ext.bench --help`) as an argparse Namespace."""
     p = argparse.ArgumentParser(prog="python -m flash_attn_ext.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -118,6 +119,8 @@ def resolve(args):
 
 
 def configs(run, args):
+    """The config grid: dicts of layout, D, Sq, Sk, causal, B, H (GPU default: B = 16384/S,
+    H = 2048/D, the FlashAttention paper's grid)."""
     gpu = run["device"] == "cuda"
     for layout in run["layouts"]:
         for D in run["hdims"]:
@@ -183,6 +186,8 @@ def run_bench(args):
 
 
 def main(argv=None):
+    """Runs (or with --merge, loads) the benchmark, writes the requested outputs, prints the
+    table last and returns the rows."""
     args = parse_args(argv)
     rows, meta = load_runs(args.merge) if args.merge else run_bench(args)
     if not rows:

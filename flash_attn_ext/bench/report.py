@@ -23,6 +23,7 @@ def _fmt(v, spec):
 
 
 def csv_row(r):
+    """One result row as the CSV's strings (CSV_FIELDS)."""
     return dict(dtype=r["dtype"], hdim=r["hdim"], B=r["B"], H=r["H"], Sq=r["Sq"], S=r["S"],
                 causal=r["causal"], pass_=r["pass_"], backend=r["backend"], ms=_fmt(r["ms"], ".4g"),
                 tflops=_fmt(r["tflops"], ".4g"), ours_speedup=_fmt(r["ours_speedup"], ".2f"),
@@ -33,6 +34,7 @@ def csv_row(r):
 
 
 def write_csv(rows, path):
+    """Every row to a CSV file (columns CSV_FIELDS)."""
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
@@ -40,6 +42,7 @@ def write_csv(rows, path):
 
 
 def write_json(rows, meta, path):
+    """{"meta": meta, "rows": rows} to a JSON file (what --merge reads back)."""
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
@@ -112,6 +115,8 @@ def _geomean(xs):
 
 
 def print_table(rows, meta):
+    """The summary table on stdout, one line per (pass, layout, D, causal, S), then the
+    "geomean ours/<backend>" lines (their format is grep'ed by bench/tune_tiles.sh)."""
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     others = [b for b in backends if b != "ours"]
     roofline = meta.get("peaks") is not None

@@ -38,6 +38,7 @@ def _cuda_event_time_ms(fn, warmup_ms=50, rep_ms=200):
 
 
 def timer_name(device):
+    """How time_ms measures on this device, for the printed settings."""
     if device != "cuda":
         return "time.perf_counter, median of 5-100 calls after 1 warm-up"
     try:
@@ -48,6 +49,8 @@ def timer_name(device):
 
 
 def time_ms(fn, device):
+    """Median milliseconds of fn() (triton's do_bench with L2 flushes on CUDA, CUDA events
+    without triton, perf_counter calls on the CPU)."""
     if device == "cuda":
         try:
             from triton.testing import do_bench
@@ -212,6 +215,7 @@ class Progress:
             self.bar = None
 
     def step(self, what):
+        """One step done; `what` names it."""
         self.i += 1
         if self.bar is not None:
             self.bar.set_postfix_str(what, refresh=False)
@@ -220,6 +224,7 @@ class Progress:
             print(f"[{self.i}/{self.total}] {what}", file=sys.stderr, flush=True)
 
     def close(self):
+        """Ends the bar (nothing for the plain lines)."""
         if self.bar is not None:
             self.bar.close()
 

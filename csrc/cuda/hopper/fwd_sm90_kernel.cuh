@@ -42,8 +42,10 @@ namespace cuda {
 
 // Tile shape per (head dim, causal): kBlockM = 128 always (two consumer
 // warpgroups of 64 rows); kBlockN and the ring depth were measured (H200,
-// bf16, torch 2.11, bench/tune_sm90.sh; TFLOP/s as a fraction of cuDNN in the
-// same run, S = 512 / 2k / 8k, B = 16384 / S, H = 2048 / D):
+// bf16, torch 2.11, one build per row, as bench/tune_tiles.sh "sm90 D BLOCK_N
+// STAGES" makes them; TFLOP/s as a fraction of cuDNN in the same run,
+// S = 512 / 2k / 8k, B = 16384 / S, H = 2048 / D; ping-pong off was a
+// run-time switch then, removed since):
 //
 //   D    kBlockN stages  ping-pong | non-causal          | causal
 //   64   128     4       on        | 0.73 0.85 0.88      | 0.71 0.87 0.92
@@ -78,7 +80,8 @@ namespace cuda {
 // three rotated rounds, as bf16).
 // Shared memory bounds the choice: Q + 2 x stages x kBlockN x D x 2 bytes
 // must fit 227 KB (D = 256, kBlockN = 80: 64 + 160 KB). FAE_SM90_BLOCK_N /
-// FAE_SM90_STAGES override every head dim at once (bench/tune_sm90.sh).
+// FAE_SM90_STAGES / FAE_SM90_Q_RING override every head dim at once
+// (bench/tune_tiles.sh "sm90 ...").
 template <int kHeadDim, bool kIsCausal>
 struct FwdSm90TileConfig {
 #ifdef FAE_SM90_BLOCK_N
@@ -91,7 +94,6 @@ struct FwdSm90TileConfig {
 #else
   static constexpr int kStages = 2;
 #endif
-  static constexpr bool kPingPong = true;
   // Key tile for short key sequences (seqlen_k <= kShortSeqlenK); 0 = none.
   static constexpr int kBlockNShort = kHeadDim == 256 ? 64 : 0;
   static constexpr int kShortSeqlenK = 512;
@@ -105,8 +107,7 @@ struct FwdSm90TileConfig {
 #endif
 };
 
-template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, int kQRing_ = 2,
-          bool kPingPong_ = true>
+template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, int kQRing_ = 2>
 struct FwdSm90Traits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -137,8 +138,6 @@ struct FwdSm90Traits {
   static constexpr int kSmemBytes =
       kQRing * kQSliceBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
 
-  // Consumer warpgroups alternate their GEMM issue (see the kernel).
-  static constexpr bool kPingPong = kPingPong_;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
@@ -361,13 +360,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // 1 hands out the very first turn; warpgroup 0 takes the one left over
   // after the last tile, so every barrier sees as many arrives as syncs.
   constexpr int kPingPongBarrier = 3;
-  auto gemm_turn_begin = [&]() {
-    if (Traits::kPingPong) named_barrier_sync(kPingPongBarrier + wg, 256);
-  };
-  auto gemm_turn_end = [&]() {
-    if (Traits::kPingPong) named_barrier_arrive(kPingPongBarrier + 1 - wg, 256);
-  };
-  if (Traits::kPingPong && wg == 1) named_barrier_arrive(kPingPongBarrier, 256);
+  auto gemm_turn_begin = [&]() { named_barrier_sync(kPingPongBarrier + wg, 256); };
+  auto gemm_turn_end = [&]() { named_barrier_arrive(kPingPongBarrier + 1 - wg, 256); };
+  if (wg == 1) named_barrier_arrive(kPingPongBarrier, 256);
 
   int kv_count = 0;  // K/V tiles consumed so far (same sequence as the producer)
   for (int tile_count = 0;; ++tile_count) {
@@ -493,7 +488,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       store_accumulator_row<T, kHeadDim>(out_row, o[0], hh, 1.f, 0, params.head_dim, row_ok, lane);
     }
   }
-  if (Traits::kPingPong && wg == 0) gemm_turn_begin();  // the turn left over (see above)
+  if (wg == 0) gemm_turn_begin();  // the turn left over (see above)
 #endif
 }
 

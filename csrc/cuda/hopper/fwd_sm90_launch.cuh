@@ -39,27 +39,24 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   if (num_tiles > 0x7fffffff) {
     throw std::runtime_error("flash_attn_ext: too many query tiles for the Hopper forward");
   }
-  // Causal tiles differ in cost (up to kBlockN-fold). A static round-robin
-  // over them measured 0.56-0.76x cuDNN against 0.71-0.93x for one CTA per
-  // tile (e.g. with 4 query tiles per head and 132 SMs every CTA got the same
-  // m_block over and over); the dynamic scheduler balances like the hardware
-  // and, being persistent, still loads the next tile under this one.
-  Sm90Schedule schedule = fwd_sm90_schedule(kIsCausal);
-  if (schedule == Sm90Schedule::kDynamic && params.tile_counter == nullptr) {
-    schedule = Sm90Schedule::kPerTile;  // no scratch for the counter
-  }
-  int* tile_counter = nullptr;
-  if (schedule == Sm90Schedule::kDynamic) {
-    tile_counter = params.tile_counter;
+  // Persistent grid, one CTA per SM. Non-causal tiles are equal: CTA c takes
+  // tiles c, c + grid, ... (static round-robin). Causal tiles differ in cost
+  // (up to kBlockN-fold): a static round-robin over them measured 0.56-0.76x
+  // cuDNN against 0.71-0.93x for one CTA per tile (e.g. with 4 query tiles per
+  // head and 132 SMs every CTA got the same m_block over and over), so each
+  // CTA claims its next causal tile from an atomic counter (dynamic
+  // scheduler), which balances like the hardware and, being persistent, still
+  // loads the next tile under this one. Without the counter's workspace (not
+  // expected: fwd_workspace_floats asks for it) causal tiles go round-robin.
+  int* tile_counter = kIsCausal ? params.tile_counter : nullptr;
+  if (tile_counter != nullptr) {
     err = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream);
     if (err != cudaSuccess) {
       throw std::runtime_error(std::string("flash_attn_ext: Hopper forward tile counter: ") +
                                cudaGetErrorString(err));
     }
   }
-  const dim3 grid(static_cast<unsigned>(schedule == Sm90Schedule::kPerTile
-                                            ? num_tiles
-                                            : std::min<int64_t>(num_tiles, device_sm_count())));
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, device_sm_count())));
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, params,
                                                                   tile_counter);
   err = cudaGetLastError();
@@ -69,18 +66,12 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   }
 }
 
-// One key tile size; FLASH_ATTN_EXT_SM90_PINGPONG=0 turns the consumer
-// ping-pong off (tuning).
+// One key tile size.
 template <typename T, int kHeadDim, bool kIsCausal, int kBlockN>
 void launch_fwd_sm90_block_n(const AttentionFwdParams& params, cudaStream_t stream) {
   using Config = FwdSm90TileConfig<kHeadDim, kIsCausal>;
-  if (Config::kPingPong && fwd_sm90_pingpong()) {
-    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, Config::kQRing, true>,
-                    kIsCausal>(params, stream);
-  } else {
-    launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, Config::kQRing, false>,
-                    kIsCausal>(params, stream);
-  }
+  launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, Config::kQRing>, kIsCausal>(
+      params, stream);
 }
 
 template <typename T, int kHeadDim, bool kIsCausal>

@@ -10,37 +10,16 @@
 #include <string>
 
 #include "../common/env.h"
-#include "fwd_sm90.h"
 #include "sm90_host.h"
 
 namespace flash_attn_ext {
 namespace cuda {
-
 
 KernelImpl kernel_impl_requested(const char* env_name) {
   switch (env_choice(env_name, {"auto", "mma", "wgmma"})) {
     case 1: return KernelImpl::kMma;
     case 2: return KernelImpl::kWgmma;
     default: return KernelImpl::kAuto;
-  }
-}
-
-SplitMerge split_merge_requested() {
-  return env_choice("FLASH_ATTN_EXT_SPLIT_MERGE", {"auto", "kernel"}) == 1 ? SplitMerge::kKernel
-                                                                            : SplitMerge::kAuto;
-}
-
-bool fwd_sm90_pingpong() {
-  const char* raw = std::getenv("FLASH_ATTN_EXT_SM90_PINGPONG");
-  return raw == nullptr || raw[0] == '\0' || std::strcmp(raw, "0") != 0;
-}
-
-Sm90Schedule fwd_sm90_schedule(bool causal) {
-  switch (env_choice("FLASH_ATTN_EXT_SM90_SCHED", {"auto", "tile", "static", "dynamic"})) {
-    case 1: return Sm90Schedule::kPerTile;
-    case 2: return Sm90Schedule::kStatic;
-    case 3: return Sm90Schedule::kDynamic;
-    default: return causal ? Sm90Schedule::kDynamic : Sm90Schedule::kStatic;
   }
 }
 

@@ -21,13 +21,6 @@ namespace cuda {
 enum class KernelImpl { kAuto, kMma, kWgmma };
 KernelImpl kernel_impl_requested(const char* env_name);  // throws on an unknown value
 
-// How split-KV forward calls merge their splits (FLASH_ATTN_EXT_SPLIT_MERGE):
-//   auto    (default) inside a thread-block cluster where fwd_merges_splits_in_cluster
-//           allows it, else the combine kernel
-//   kernel  always the combine kernel (the sm_80 path)
-enum class SplitMerge { kAuto, kKernel };
-SplitMerge split_merge_requested();  // throws on an unknown value
-
 // Whether the current device is compute capability 9.0 (cached per device).
 bool device_is_sm90();
 // Multiprocessors of the current device (cached per device).
