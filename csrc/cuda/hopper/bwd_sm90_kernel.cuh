@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Consumer w's dQ buffer `buf` staged (dq_full) / read by the TMA (dq_empty).
   auto dq_full = [&](int w, int buf) { return bar0 + 8 * (1 + 2 * kStages + w * kDqBuffers + buf); };
   auto dq_empty = [&](int w, int buf) {
-    return bar0 + 8 * (1 + 2 * kStages + (2 + w) * kDqBuffers + buf);
+    return bar0 + 8 * (1 + 2 * kStages + (Traits::kConsumerWarpgroups + w) * kDqBuffers + buf);
   };
 
   const int h = blockIdx.y, b = blockIdx.z;
