@@ -16,8 +16,7 @@ inline bool bwd_sm90_head_dim(int kernel_dim) {
   return kernel_dim == 64 || kernel_dim == 128 || kernel_dim == 256;
 }
 
-// Keys per CTA tile (BwdSm90Traits::kBlockN; the deterministic split count
-// depends on it).
+// Keys per CTA tile (BwdSm90Traits::kBlockN): the grid has one CTA per tile.
 constexpr int bwd_sm90_block_n(int kernel_dim) { return kernel_dim > 128 ? 64 : 128; }
 
 template <typename T, int kHeadDim, bool kIsCausal>
