@@ -65,9 +65,9 @@ for dtype in (torch.bfloat16, torch.float32):
     out = fa.flash_attn_func(q, k, v, causal=True, seqused_k=used)
     out.backward(torch.randn_like(out))
 # Hopper backward, deterministic (dQ adds handed from CTA to CTA through counters) over
-# 140 heads (several waves of CTAs), then varlen / seqused_k at D = 128 and 256 (rows past
+# 140 heads (several waves of CTAs), then varlen / seqused_k at D = 64, 128 and 256 (rows past
 # a sequence zeroed in shared memory).
-for d, sq, sk in ((128, 300, 300), (256, 200, 150)):
+for d, sq, sk in ((64, 300, 300), (128, 300, 300), (256, 200, 150)):
     q, k, v = (torch.randn(2, s, 70, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for s in (sq, sk, sk))
     out = fa.flash_attn_func(q, k, v, causal=True, deterministic=True)
