@@ -17,7 +17,6 @@
 //       P^T  = exp2(S^T * scale*log2e - lse*log2e), masked   (registers)
 //       dS^T = P^T o (dP^T - D)                              (registers)
 //       dV  += P^T dO_i                  wgmma RS (dO MN-major: read transposed)
-//       dK  += dS^T Q_i                  wgmma RS (Q MN-major)
 //       dS^T -> shared memory, then
 //       dQ_i += dS K                     wgmma SS, both MN-major (dS^T and K
 //                                        read transposed), added into the fp32
@@ -26,6 +25,9 @@
 //                                        shared memory for the dQ writer, so
 //                                        the math warps issue no atomics and
 //                                        never wait for the TMA
+//       dK  += dS^T Q_i                  wgmma RS (Q MN-major), issued after
+//                                        dQ (key split): it runs while dQ is
+//                                        staged
 //   epilogue: dK * softmax_scale and dV from registers to global memory.
 //
 // Varlen (packed rows) and seqused_k (kVarSeq): the tensor maps span all rows
@@ -76,6 +78,9 @@
 //   (the last two rows: 6-12 configs per head dim, S 512-16k)
 //   dS^T by stmatrix (key split; same process,
 //     S 2k-16k, 6 configs): D=64 0.99 -> 1.02, D=128 0.96 -> 0.96
+//   dQ issued before dK, staged under dK's wgmma
+//     (key split; same process, 12 configs per
+//     head dim, S 512-16k):  D=64 1.07 -> 1.10, D=128 1.01 -> 1.04
 //   docs/PERFORMANCE.md has the tables.
 //
 //   deterministic mode: the same kernel, the key tiles' dQ adds into each
@@ -92,6 +97,13 @@
 //   non-causal: each CTA's query walk rotated by
 //     its key tile (dQ adds spread over rows)      no gain beyond +-2% noise
 //   D=256: dS^T by stmatrix / ldmatrix             1-6% slower
+//   key split, 12 configs per head dim, S 512-16k (before "dQ before dK"):
+//   dQ of step i - 1 issued behind step i's S^T /
+//     dP^T (two 32-column halves: all 64 columns
+//     under the softmax spill)   D=64 1.07 -> 1.01, D=128 1.01 -> 0.98
+//   D=128: 3 Q/dO stages, one dQ buffer per
+//     consumer (shared memory)   1.005 -> 0.989; with dQ before dK
+//                                1.043 -> 1.003
 //
 // Shared memory (tiles in 64-column chunks of [rows x 128 B], TMA's 128-byte
 // swizzle; every tile 1024-byte aligned):
@@ -565,12 +577,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     }
   };
-  // Every chunk in turn, then the step's buffer goes to this consumer's dQ
-  // writer (dq_full). The first wait also retires the step's dV / dK
-  // products: the key split releases the Q/dO stage there; the head-dim split
-  // stages dQ in it, so the writer releases it after the TMA read.
-  auto accumulate_dq = [&](uint32_t ds_buf, int stage, int i) {
-    const int buf = i % kDqBuffers;
+  // Staged dQ chunks of step i go to this consumer's dQ writer (dq_full).
+  auto hand_dq_to_writer = [&](int i) {
+    fence_proxy_async_smem();
+    mbar_arrive(dq_full(wg, i % kDqBuffers));
+  };
+  // Head-dim split: every chunk in turn, issued after the step's dK. The
+  // first wait also retires the step's dV / dK products; the chunks are staged
+  // in the step's Q/dO stage, which the writer releases after the TMA read.
+  auto accumulate_dq_in_stage = [&](uint32_t ds_buf, int stage, int i) {
 #pragma unroll
     for (int c = 0; c < Traits::kDqChunks; ++c) {
       float dq[kDqCols / 8][4];
@@ -578,15 +593,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
       fence_grads();
-      if (c == 0) {
-        mbar_arrive(qdo_empty(stage));
-        // The buffer's previous chunk (step i - kDqBuffers) has been read.
-        if (!Traits::kDqInQdoStage) mbar_wait(dq_empty(wg, buf), ((i / kDqBuffers) & 1) ^ 1);
-      }
-      stage_dq(dq_buffer(wg, stage, buf, c), dq);
+      if (c == 0) mbar_arrive(qdo_empty(stage));
+      stage_dq(dq_buffer(wg, stage, 0, c), dq);
     }
-    fence_proxy_async_smem();
-    mbar_arrive(dq_full(wg, buf));
+    hand_dq_to_writer(i);
   };
 
   // Packed sequences and key padding: rows of a tile past the sequence hold
@@ -660,16 +670,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       accumulators_to_a_fragments<T, kBlockM>(s, p_frag);
       accumulators_to_a_fragments<T, kBlockM>(dp, ds_frag);
 
+      // dV, then (once both consumers' dS^T is in shared memory) dQ before
+      // dK: the dQ staging waits only for dQ and runs under dK's wgmma.
       wgmma_fence();
       issue_grad_update(dv, p_frag, do_smem(stage));
-      issue_grad_update(dk, ds_frag, q_smem(stage));
       wgmma_commit();
-
       const uint32_t ds_buf = ds_smem(i % 2);
       store_ds(ds_buf, ds_frag);
       fence_proxy_async_smem();
       named_barrier_sync(kDsBarrier, 256);
-      accumulate_dq(ds_buf, stage, i);
+      float dq[kDqCols / 8][4];
+      issue_dq_chunk(dq, ds_buf, 0);
+      issue_grad_update(dk, ds_frag, q_smem(stage));
+      wgmma_commit();
+      wgmma_wait<1>();  // dV, dQ
+      fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
+      const int buf = i % kDqBuffers;
+      // The buffer's previous chunk (step i - kDqBuffers) has been read.
+      mbar_wait(dq_empty(wg, buf), ((i / kDqBuffers) & 1) ^ 1);
+      stage_dq(dq_buffer(wg, stage, buf, 0), dq);
+      hand_dq_to_writer(i);
+      wgmma_wait<0>();  // dK
+      fence_grads();
+      mbar_arrive(qdo_empty(stage));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
     }
@@ -741,7 +764,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_fence();
       issue_grad_update(dk, ds_frag, q_smem(stage));
       wgmma_commit();
-      accumulate_dq(ds_buf, stage, i);
+      accumulate_dq_in_stage(ds_buf, stage, i);
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
     }
