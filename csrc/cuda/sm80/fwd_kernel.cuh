@@ -18,10 +18,10 @@
 #pragma once
 #include <cmath>
 
-#include "../params.h"
-#include "common/ptx.cuh"
+#include "../../params.h"
+#include "../common/ptx.cuh"
 #include "fwd_kernel_traits.cuh"
-#include "fwd_softmax.cuh"
+#include "../common/fwd_softmax.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {

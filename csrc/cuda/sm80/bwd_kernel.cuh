@@ -16,9 +16,9 @@
 #pragma once
 #include <cmath>
 
-#include "../params.h"
+#include "../../params.h"
 #include "bwd_kernel_traits.cuh"
-#include "common/ptx.cuh"
+#include "../common/ptx.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {

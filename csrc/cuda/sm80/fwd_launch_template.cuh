@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "../params.h"
+#include "../../params.h"
 #include "fwd_kernel.cuh"
 #include "fwd_kernel_traits.cuh"
 #include "fwd_launch.h"

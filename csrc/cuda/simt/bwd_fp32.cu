@@ -15,8 +15,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "../common/bwd_preprocess.cuh"
 #include "bwd_fp32.h"
-#include "bwd_preprocess.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdPa
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int h = blockIdx.y, b = blockIdx.z;
-  const int h_kv = h / (params.heads / params.heads_k);  // GQA: see bwd_kernel.cuh
+  const int h_kv = h / (params.heads / params.heads_k);  // GQA: see sm80/bwd_kernel.cuh
   const SeqBounds seq = seq_bounds(params, b);
   const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = params.head_dim;
   const int num_m_blocks = (seqlen_q + BM - 1) / BM;

@@ -18,10 +18,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "../params.h"
-#include "common/ptx.cuh"
-#include "fwd_launch.h"
-#include "fwd_softmax.cuh"
+#include "../../params.h"
+#include "../common/fwd_softmax.cuh"
+#include "../common/ptx.cuh"
+#include "fwd_fp32.h"
 
 namespace flash_attn_ext {
 namespace cuda {
