@@ -1,5 +1,5 @@
-// FlashAttention-2 style forward kernel (sm_80+ mma.sync) and the split-KV
-// combine kernel.
+// FlashAttention-2 style forward kernel (sm_80+ mma.sync). The merging of
+// key-warp and split-KV partials, and the combine kernel: fwd_merge.cuh.
 //
 // One CTA computes one kBlockM-row query tile of one (batch, head) against a
 // contiguous range of key tiles (all of them unless split-KV is on):
@@ -21,6 +21,7 @@
 #include "../../params.h"
 #include "../common/ptx.cuh"
 #include "fwd_kernel_traits.cuh"
+#include "fwd_merge.cuh"
 #include "../common/fwd_softmax.cuh"
 
 namespace flash_attn_ext {
@@ -175,208 +176,203 @@ FAE_DEVICE void gemm_pv(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
 }
 
 // ---------------------------------------------------------------------------
-// Merging kN partial results of one row (a split's, or a key warp's): each is
-// O_s normalised by its own row sum plus lse_s (natural log; -inf when it saw
-// no key). Returns lse = log(sum_s exp(lse_s)) and sets weight[s] =
-// exp(lse_s - lse), so O = sum_s weight[s] * O_s; when every part is empty,
-// lse = -inf and every weight is 0 (O = 0).
+// What the main kernel below shares with its prologue and epilogue stages: the
+// thread's place in the CTA and the K/V pipeline.
 // ---------------------------------------------------------------------------
-template <int kN>
-FAE_DEVICE float merge_lse(const float (&lse_s)[kN], float (&weight)[kN]) {
-  float max_lse = -INFINITY;
-#pragma unroll
-  for (int s = 0; s < kN; ++s) max_lse = fmaxf(max_lse, lse_s[s]);
-  if (max_lse == -INFINITY) {
-#pragma unroll
-    for (int s = 0; s < kN; ++s) weight[s] = 0.f;
-    return -INFINITY;
-  }
-  float sum = 0.f;
-#pragma unroll
-  for (int s = 0; s < kN; ++s) sum += expf(lse_s[s] - max_lse);  // exp(-inf) = 0
-  const float lse = max_lse + logf(sum);
-#pragma unroll
-  for (int s = 0; s < kN; ++s) weight[s] = expf(lse_s[s] - lse);
-  return lse;
-}
-
-// ---------------------------------------------------------------------------
-// Key-warp merge (Traits::kKeyWarps > 1, the decode tile): the warps of a CTA
-// saw disjoint key slices of every tile, so each holds a partial result (O
-// normalised by its own row sums, lse per row). Warps 1.. park theirs in
-// shared memory in fragment order, value-major and lane-minor (a warp's 32
-// stores of one value hit 32 banks); warp 0 reads them back at its own
-// fragment positions, so no lane needs another lane's data, and merges them
-// (merge_lse) into its registers. Returns whether this warp now holds the CTA's result.
-// ---------------------------------------------------------------------------
+// A thread's mma fragment coordinates and its warp's slice of the tile.
 template <typename Traits>
-struct KeyWarpMergeSmem {
-  static constexpr int kOValues = Traits::kMmaM * Traits::kTilesD * 4;  // per lane
-  static constexpr int kValues = kOValues + Traits::kMmaM * 2;          // + lse per row
-  static constexpr int kBytes = Traits::kNWarps * kValues * 32 * 4;
-  static_assert(kBytes <= Traits::kSmemBytes, "the partials reuse the Q/K/V shared memory");
-  // Warp 0 writes its O tile into the Q region right after reading the others'
-  // partials; with one row group no other warp reads them any more.
-  static_assert(Traits::kKeyWarps == 1 || Traits::kRowWarps == 1,
-                "key warps merge through a buffer that only one row group may use");
+struct FwdThread {
+  int tid, warp, lane;
+  int g;          // mma row group
+  int q;          // lane within the quad
+  int warp_row0;  // the warp's first tile row
+  int warp_key0;  // first key of the warp's slice of every key tile
+
+  FAE_DEVICE FwdThread()
+      : tid(threadIdx.x),
+        warp(tid / 32),
+        lane(tid % 32),
+        g(lane / 4),
+        q(lane % 4),
+        warp_row0(warp / Traits::kKeyWarps * Traits::kRowsPerWarp),
+        warp_key0(warp % Traits::kKeyWarps * Traits::kWarpKeys) {}
 };
 
+// Q A-fragments, loaded once in the prologue when they fit in registers
+// (Traits::kQInRegs); otherwise a placeholder and gemm_qk reads shared memory.
 template <typename Traits>
-FAE_DEVICE bool merge_key_warps(float (&acc_o)[Traits::kMmaM][Traits::kTilesD][4],
-                                float (&lse)[Traits::kMmaM][2], void* smem, int warp, int lane) {
-  if constexpr (Traits::kKeyWarps == 1) {
-    return true;
-  } else {
-    using Smem = KeyWarpMergeSmem<Traits>;
-    constexpr int kMmaM = Traits::kMmaM;
-    constexpr int kTilesD = Traits::kTilesD;
-    float* part = static_cast<float*>(smem) + lane;  // value v of warp w: part[(w*kValues+v)*32]
-    auto o_index = [](int m, int d, int r) { return (m * kTilesD + d) * 4 + r; };
-    auto lse_index = [](int m, int h) { return Smem::kOValues + m * 2 + h; };
+using QFragments = uint32_t[Traits::kQInRegs ? Traits::kMmaM : 1]
+                           [Traits::kQInRegs ? Traits::kStepsD : 1][4];
 
-    __syncthreads();  // every warp is done reading Q/K/V: the partials may overwrite them
-    if (warp != 0) {
-      float* mine = part + warp * Smem::kValues * 32;
-#pragma unroll
-      for (int m = 0; m < kMmaM; ++m) {
-#pragma unroll
-        for (int d = 0; d < kTilesD; ++d)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) mine[o_index(m, d, r) * 32] = acc_o[m][d][r];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) mine[lse_index(m, h) * 32] = lse[m][h];
+// The CTA's K/V tiles (tile t = key tile range_begin + t) into the kStages
+// shared-memory slots, one cp.async commit group for K and one for V.
+template <typename Traits>
+struct KVTileLoader {
+  using T = typename Traits::T;
+  const AttentionFwdParams& params;
+  T* smem_k;  // kStages K tiles
+  T* smem_v;  // kStages V tiles
+  const T* k_head;
+  const T* v_head;
+  int64_t row_stride_k;
+  int64_t row_stride_v;
+  int range_begin;
+  int seqlen_k;
+  int tid;
+
+  // Decode tile: K/V that only this CTA reads stream through L2 as evict_first
+  // (params.kv_evict_first) in every tile that is wholly in range; the
+  // partial last tile and padded head dims take the plain zero-filling copies.
+  FAE_DEVICE void load(T* smem, const T* gmem, int64_t row_stride, int valid_rows) const {
+    if constexpr (Traits::kKVL2Policy) {
+      if (params.kv_evict_first && valid_rows >= Traits::kBlockN &&
+          params.head_dim == Traits::kHeadDim) {
+        load_tile_async<Traits, typename Traits::KVLayout, Traits::kBlockN, /*kFullL2Hint=*/true>(
+            smem, gmem, row_stride, valid_rows, params.head_dim, tid, l2_policy_evict_first());
+        return;
       }
     }
-    __syncthreads();
-    if (warp != 0) return false;
+    load_tile_async<Traits, typename Traits::KVLayout, Traits::kBlockN>(
+        smem, gmem, row_stride, valid_rows, params.head_dim, tid);
+  }
 
+  FAE_DEVICE void load_tile(int tile, int slot) const {
+    const int n_block = range_begin + tile;
+    const int64_t key0 = static_cast<int64_t>(n_block) * Traits::kBlockN;
+    const int valid_rows = seqlen_k - n_block * Traits::kBlockN;
+    load(smem_k + slot * Traits::kSmemKVElems, k_head + key0 * row_stride_k, row_stride_k,
+         valid_rows);
+    cp_async_commit();
+    load(smem_v + slot * Traits::kSmemKVElems, v_head + key0 * row_stride_v, row_stride_v,
+         valid_rows);
+    cp_async_commit();
+  }
+
+  // Keeps the commit-group count uniform past the last tile, so the
+  // cp_async_wait counts of the main loop hold for every iteration.
+  static FAE_DEVICE void commit_empty() {
+    cp_async_commit();
+    cp_async_commit();
+  }
+};
+
+// ---- prologue: Q, then K/V tiles 0 .. kStages-2 -----------------------------
+// Commit groups in flight, oldest first: Q | K0 | V0 | K1 | V1 | ...
+template <typename Traits>
+FAE_DEVICE void fwd_prologue(QFragments<Traits>& q_frags, const KVTileLoader<Traits>& kv,
+                             typename Traits::T* smem_q, const typename Traits::T* q_tile,
+                             int64_t q_row_stride, int q_valid_rows, int head_dim, int n_tiles,
+                             const FwdThread<Traits>& th) {
+  constexpr int kStages = Traits::kStages;
+  load_tile_async<Traits, typename Traits::QLayout, Traits::kBlockM>(smem_q, q_tile, q_row_stride,
+                                                                    q_valid_rows, head_dim, th.tid);
+  cp_async_commit();
 #pragma unroll
-    for (int m = 0; m < kMmaM; ++m)
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_tiles) {
+      kv.load_tile(s, s);
+    } else {
+      kv.commit_empty();
+    }
+  }
+
+  if constexpr (Traits::kQInRegs) {
+    cp_async_wait<2 * (kStages - 1)>();  // all but the K/V groups: Q has landed
+    __syncthreads();                      // ... for every thread's chunks
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float lse_w[Traits::kKeyWarps];
-        lse_w[0] = lse[m][h];
+    for (int m = 0; m < Traits::kMmaM; ++m)
 #pragma unroll
-        for (int w = 1; w < Traits::kKeyWarps; ++w) {
-          lse_w[w] = part[(w * Smem::kValues + lse_index(m, h)) * 32];
-        }
-        float weight[Traits::kKeyWarps];
-        const float lse_row = merge_lse(lse_w, weight);
-#pragma unroll
-        for (int d = 0; d < kTilesD; ++d)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int r = 2 * h + e;
-            float o = weight[0] * acc_o[m][d][r];
-#pragma unroll
-            for (int w = 1; w < Traits::kKeyWarps; ++w) {
-              o += weight[w] * part[(w * Smem::kValues + o_index(m, d, r)) * 32];
-            }
-            acc_o[m][d][r] = o;
-          }
-        lse[m][h] = lse_row;
-      }
-    return true;
+      for (int kk = 0; kk < Traits::kStepsD; ++kk)
+        load_q_frag<Traits>(q_frags[m][kk], smem_q, th.warp_row0, m, kk, th.lane);
   }
 }
 
-// ---------------------------------------------------------------------------
-// Split-KV merge inside a thread-block cluster (sm_90; launch_fwd decides).
-// The num_splits CTAs of one query tile form one cluster (1 x num_splits);
-// each parks its partial in its own shared memory, fp32:
-//   part_o[row][col]  O normalised by this split's row sum
-//   part_lse[row]     this split's lse (-inf: the split saw no key of the row)
-// After a cluster barrier every CTA merges a share of the (row, 8-column
-// chunk) items, reading all splits' partials over distributed shared memory,
-//   lse = log(sum_s exp(lse_s)),  O = sum_s exp(lse_s - lse) * O_s
-// and writes O / lse where the unsplit epilogue would. This replaces the
-// partials' round trip through global memory and the combine kernel (its
-// launch gap and run time were ~4 us of a ~250-us decode step, the whole
-// difference to cuDNN's single kernel).
-// ---------------------------------------------------------------------------
-// Both split merges (in a cluster, and the combine kernel) give each lane 8
-// consecutive head-dim columns of a row: acc += w * O_s[8 columns], then one
-// 16-byte store of the result.
-FAE_DEVICE void add_weighted_8(float (&acc)[8], float w, float4 lo, float4 hi) {
-  acc[0] += w * lo.x; acc[1] += w * lo.y; acc[2] += w * lo.z; acc[3] += w * lo.w;
-  acc[4] += w * hi.x; acc[5] += w * hi.y; acc[6] += w * hi.z; acc[7] += w * hi.w;
-}
-
-template <typename T>
-FAE_DEVICE void store_8(T* dst, const float (&acc)[8]) {
-  *reinterpret_cast<uint4*>(dst) = make_uint4(pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]),
-                                              pack2<T>(acc[4], acc[5]), pack2<T>(acc[6], acc[7]));
-}
-
+// ---- epilogue, unsplit: O -> shared memory -> 16-byte global stores; lse -----
 template <typename Traits>
-struct ClusterMergeSmem {
-  // +8 floats per row: the float2 stores of one accumulator column tile (8
-  // rows g, lanes q) then hit 32 distinct banks per half-warp instead of the
-  // same 8 (rows kHeadDim floats apart all start at bank 0).
-  static constexpr int kRowStride = Traits::kHeadDim + 8;
-  static constexpr int kBytes = (Traits::kBlockM * kRowStride + Traits::kBlockM) * 4;
-  static_assert(kBytes <= Traits::kSmemBytes, "the partials reuse the Q/K/V shared memory");
-};
-
-// holds_output: this warp holds its rows' result (after merge_key_warps).
-template <typename Traits>
-FAE_DEVICE void merge_splits_in_cluster(
-    const float (&acc_o)[Traits::kMmaM][Traits::kTilesD][4], const float (&lse)[Traits::kMmaM][2],
-    bool holds_output, void* smem, int warp_row0, int rows_valid, int head_dim,
-    typename Traits::T* out_tile, int64_t out_row_stride, float* lse_tile) {
+FAE_DEVICE void store_output(const float (&acc_o)[Traits::kMmaM][Traits::kTilesD][4],
+                             const float (&lse)[Traits::kMmaM][2], typename Traits::T* smem_q,
+                             const AttentionFwdParams& params, const SeqBounds& seq, int batch,
+                             int head, int row_in_head0, const FwdThread<Traits>& th) {
   using T = typename Traits::T;
-  using Smem = ClusterMergeSmem<Traits>;
-  const int tid = threadIdx.x;
-  const int lane = tid % 32;
-  const int g = lane / 4;
-  const int q = lane % 4;
-  float* part_o = static_cast<float*>(smem);
-  float* part_lse = part_o + Traits::kBlockM * Smem::kRowStride;
+  using QLayout = typename Traits::QLayout;
+  const int g = th.g, q = th.q, lane = th.lane, warp_row0 = th.warp_row0;
+  // O -> shared memory (the warp's own Q rows: no other warp touches them,
+  // so a warp barrier suffices) -> 16-byte coalesced global stores.
+  T* smem_o = smem_q;
+  __syncwarp();
+#pragma unroll
+  for (int m = 0; m < Traits::kMmaM; ++m)
+#pragma unroll
+    for (int d = 0; d < Traits::kTilesD; ++d)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp_row0 + m * 16 + h * 8 + g;
+        *reinterpret_cast<uint32_t*>(smem_o + QLayout::offset(row, d) + 2 * q) =
+            pack2<T>(acc_o[m][d][2 * h], acc_o[m][d][2 * h + 1]);
+      }
+  __syncwarp();
 
-  __syncthreads();  // every warp is done reading K/V: the partials may overwrite them
-  if (holds_output) {
+  constexpr int kChunks = Traits::kHeadDim / 8;
+  constexpr int kChunksPerLane = Traits::kRowsPerWarp * kChunks / 32;
+  T* out_head = static_cast<T*>(params.out) + batch * params.out_strides.batch +
+                head * params.out_strides.head + seq.row0_q * params.out_strides.row;
+  // A local copy: read through `params` inside the && below, the bound check
+  // compiled to a branch per chunk instead of one predicate (ISETP.OR).
+  const int head_dim = params.head_dim;
+#pragma unroll
+  for (int i = 0; i < kChunksPerLane; ++i) {
+    const int idx = lane + 32 * i;
+    const int r = idx / kChunks;
+    const int c = idx % kChunks;
+    const int row = row_in_head0 + r;
+    if (row < seq.seqlen_q && c * 8 < head_dim) {
+      *reinterpret_cast<uint4*>(out_head + row * params.out_strides.row + c * 8) =
+          *reinterpret_cast<const uint4*>(smem_o + QLayout::offset(warp_row0 + r, c));
+    }
+  }
+  if (q == 0) {
+    float* lse_head = params.lse + seq.lse_index(params, batch, head, 0);
 #pragma unroll
     for (int m = 0; m < Traits::kMmaM; ++m)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = warp_row0 + m * 16 + h * 8 + g;
-#pragma unroll
-        for (int d = 0; d < Traits::kTilesD; ++d) {
-          *reinterpret_cast<float2*>(part_o + row * Smem::kRowStride + d * 8 + 2 * q) =
-              make_float2(acc_o[m][d][2 * h], acc_o[m][d][2 * h + 1]);
-        }
-        if (q == 0) part_lse[row] = lse[m][h];
+        const int row = row_in_head0 + m * 16 + h * 8 + g;
+        if (row < seq.seqlen_q) lse_head[row] = lse[m][h];
       }
   }
-  cluster_sync();  // all partials written and visible cluster-wide
+}
 
-  const int num_splits = gridDim.y;  // == the cluster size
-  const int rank = cluster_cta_rank();
-  const int chunks = head_dim / 8;
-  // Items interleaved over the cluster (item = rank + splits * k), so one row
-  // of a single-row decode tile is spread over every CTA.
-  for (int item = rank + num_splits * tid; item < rows_valid * chunks;
-       item += num_splits * Traits::kNThreads) {
-    const int row = item / chunks;
-    const int col = (item % chunks) * 8;
-    float lse_s[kMaxClusterSplits];
+// ---- epilogue, split-KV through global memory: this split's fp32 partials ---
+//   out_accum[split][lse row][0:kHeadDim], lse_accum[split][lse row]
+// normalised by this split's own row sum (lse rows: params.h; split-KV is
+// never used with varlen), for flash_fwd_combine_kernel. Each quad writes 32
+// contiguous bytes per (row, 8-column tile).
+template <typename Traits>
+FAE_DEVICE void store_split_partials(const float (&acc_o)[Traits::kMmaM][Traits::kTilesD][4],
+                                     const float (&lse)[Traits::kMmaM][2],
+                                     const AttentionFwdParams& params, const SeqBounds& seq,
+                                     int batch, int head, int split, int row_in_head0,
+                                     const FwdThread<Traits>& th) {
+  const int g = th.g, q = th.q;
+  const int64_t split_row0 = split * params.q_rows_total + seq.lse_index(params, batch, head, 0);
+  float* o_accum = params.out_accum + split_row0 * Traits::kHeadDim;
+  float* l_accum = params.lse_accum + split_row0;
 #pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) {
-      lse_s[s] = s < num_splits ? ld_cluster_f32(cluster_map_shared(part_lse + row, s)) : -INFINITY;
-    }
-    float weight[kMaxClusterSplits];
-    const float lse_row = merge_lse(lse_s, weight);
-    float acc[8] = {};
+  for (int m = 0; m < Traits::kMmaM; ++m)
 #pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) {
-      if (lse_s[s] == -INFINITY) continue;  // empty or absent split (weight 0)
-      const uint32_t addr = cluster_map_shared(part_o + row * Smem::kRowStride + col, s);
-      add_weighted_8(acc, weight[s], ld_cluster_f32x4(addr), ld_cluster_f32x4(addr + 16));
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_in_head0 + m * 16 + h * 8 + g;
+      if (row >= seq.seqlen_q) continue;
+#pragma unroll
+      for (int d = 0; d < Traits::kTilesD; ++d) {
+        const int col = d * 8 + 2 * q;
+        if (col < params.head_dim) {
+          *reinterpret_cast<float2*>(o_accum + static_cast<int64_t>(row) * Traits::kHeadDim +
+                                     col) = make_float2(acc_o[m][d][2 * h], acc_o[m][d][2 * h + 1]);
+        }
+      }
+      if (q == 0) l_accum[row] = lse[m][h];
     }
-    store_8(out_tile + row * out_row_stride + col, acc);
-    if (col == 0) lse_tile[row] = lse_row;
-  }
-  cluster_sync();  // no CTA exits (freeing its shared memory) while others still read it
 }
 
 // ---------------------------------------------------------------------------
@@ -390,22 +386,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kMmaM = Traits::kMmaM;
   constexpr int kStages = Traits::kStages;
-  using QLayout = typename Traits::QLayout;
   using KVLayout = typename Traits::KVLayout;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem_q = reinterpret_cast<T*>(smem_raw);
-  T* smem_k = smem_q + Traits::kSmemQElems;          // kStages K tiles
+  T* smem_k = smem_q + Traits::kSmemQElems;                     // kStages K tiles
   T* smem_v = smem_k + kStages * Traits::kSmemKVElems;  // kStages V tiles
-
-  const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int lane = tid % 32;
-  const int g = lane / 4;  // mma row group
-  const int q = lane % 4;  // lane within the quad
-  const int key_warp = warp % Traits::kKeyWarps;       // which key slice of every tile
-  const int warp_row0 = warp / Traits::kKeyWarps * Traits::kRowsPerWarp;  // first tile row
-  const int warp_key0 = key_warp * Traits::kWarpKeys;  // first key of the slice in a tile
+  const FwdThread<Traits> th;
 
   // ---- which tile ----------------------------------------------------------
   const int num_m_blocks = ceil_div_dev(params.seqlen_q, kBlockM);
@@ -437,38 +424,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                     head_k * params.k_strides.head + seq.row0_k * row_stride_k;
   const T* v_head = static_cast<const T*>(params.v) + batch * params.v_strides.batch +
                     head_k * params.v_strides.head + seq.row0_k * row_stride_v;
-
-  // Decode tile: K/V that only this CTA reads stream through L2 as evict_first
-  // (params.kv_evict_first) in every tile that is wholly in range; the
-  // partial last tile and padded head dims take the plain zero-filling copies.
-  auto load_kv = [&](T* smem, const T* gmem, int64_t row_stride, int valid_rows) {
-    if constexpr (Traits::kKVL2Policy) {
-      if (params.kv_evict_first && valid_rows >= kBlockN && params.head_dim == Traits::kHeadDim) {
-        load_tile_async<Traits, KVLayout, kBlockN, /*kFullL2Hint=*/true>(
-            smem, gmem, row_stride, valid_rows, params.head_dim, tid, l2_policy_evict_first());
-        return;
-      }
-    }
-    load_tile_async<Traits, KVLayout, kBlockN>(smem, gmem, row_stride, valid_rows,
-                                               params.head_dim, tid);
-  };
-  auto load_kv_tile = [&](int tile, int slot) {
-    const int n_block = range.begin + tile;
-    const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
-    const int valid_rows = seq.seqlen_k - n_block * kBlockN;
-    load_kv(smem_k + slot * Traits::kSmemKVElems, k_head + key0 * row_stride_k, row_stride_k,
-            valid_rows);
-    cp_async_commit();
-    load_kv(smem_v + slot * Traits::kSmemKVElems, v_head + key0 * row_stride_v, row_stride_v,
-            valid_rows);
-    cp_async_commit();
-  };
-  // Keeps the commit-group count uniform past the last tile, so the
-  // cp_async_wait counts below hold for every iteration.
-  auto commit_empty_kv = [] {
-    cp_async_commit();
-    cp_async_commit();
-  };
+  const KVTileLoader<Traits> kv{params,       smem_k,       smem_v,      k_head, v_head,
+                                row_stride_k, row_stride_v, range.begin, seq.seqlen_k, th.tid};
 
   float acc_o[kMmaM][Traits::kTilesD][4];
 #pragma unroll
@@ -480,40 +437,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   OnlineSoftmax<kMmaM> softmax;
 
   if (n_tiles > 0) {  // CTA-uniform; an empty range writes O = 0, lse = -inf
-    // ---- prologue: Q, then K/V tiles 0 .. kStages-2 -------------------------
-    // Commit groups in flight, oldest first: Q | K0 | V0 | K1 | V1 | ...
-    load_tile_async<Traits, QLayout, kBlockM>(smem_q, q_tile, params.q_strides.row,
-                                              seq.seqlen_q - m_block * kBlockM,
-                                              params.head_dim, tid);
-    cp_async_commit();
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < n_tiles) {
-        load_kv_tile(s, s);
-      } else {
-        commit_empty_kv();
-      }
-    }
+    QFragments<Traits> q_frags;
+    fwd_prologue<Traits>(q_frags, kv, smem_q, q_tile, params.q_strides.row,
+                         seq.seqlen_q - m_block * kBlockM, params.head_dim, n_tiles, th);
 
-    // Q A-fragments, loaded once (only when they fit in registers).
-    uint32_t q_frags[Traits::kQInRegs ? kMmaM : 1][Traits::kQInRegs ? Traits::kStepsD : 1][4];
-    if constexpr (Traits::kQInRegs) {
-      cp_async_wait<2 * (kStages - 1)>();  // all but the K/V groups: Q has landed
-      __syncthreads();                      // ... for every thread's chunks
-#pragma unroll
-      for (int m = 0; m < kMmaM; ++m)
-#pragma unroll
-        for (int kk = 0; kk < Traits::kStepsD; ++kk)
-          load_q_frag<Traits>(q_frags[m][kk], smem_q, warp_row0, m, kk, lane);
-    }
-
-    const int row_base = m_block * kBlockM + warp_row0 + g;  // lane's first global row
     // ---- main loop over key tiles --------------------------------------------
+    // (Inline here: as a device function it cost the D=192 causal varlen kernel
+    // 40 more bytes of spills, same PTX up to register numbering.)
+    const int row_base = m_block * kBlockM + th.warp_row0 + th.g;  // lane's first global row
     for (int tile = 0; tile < n_tiles; ++tile) {
       const int n_block = range.begin + tile;
       const int slot = tile % kStages;
       // The warp's key slice: whole rows, so the swizzle (row % 8) is unchanged.
-      const int slice = slot * Traits::kSmemKVElems + warp_key0 * KVLayout::kRowStride;
+      const int slice = slot * Traits::kSmemKVElems + th.warp_key0 * KVLayout::kRowStride;
       const T* smem_k_tile = smem_k + slice;
       const T* smem_v_tile = smem_v + slice;
 
@@ -524,9 +460,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       __syncthreads();
       const int prefetch = tile + kStages - 1;
       if (prefetch < n_tiles) {
-        load_kv_tile(prefetch, prefetch % kStages);
+        kv.load_tile(prefetch, prefetch % kStages);
       } else {
-        commit_empty_kv();
+        kv.commit_empty();
       }
 
       float acc_s[kMmaM][Traits::kTilesN][4];
@@ -536,9 +472,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int j = 0; j < Traits::kTilesN; ++j)
 #pragma unroll
           for (int r = 0; r < 4; ++r) acc_s[m][j][r] = 0.f;
-      gemm_qk<Traits>(acc_s, q_frags, smem_q, smem_k_tile, warp_row0, lane);
+      gemm_qk<Traits>(acc_s, q_frags, smem_q, smem_k_tile, th.warp_row0, th.lane);
 
-      const int col_base = n_block * kBlockN + warp_key0 + 2 * q;
+      const int col_base = n_block * kBlockN + th.warp_key0 + 2 * th.q;
       if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block)) {
         scale_and_mask<true, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
                                         seq.seqlen_k, seq.causal_offset);
@@ -551,221 +487,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // Groups newer than V_tile: 2 per tile tile+1 .. tile+kStages-1.
       cp_async_wait<2 * kStages - 2>();
       __syncthreads();  // V_tile visible to all threads
-      gemm_pv<Traits>(acc_o, acc_s, smem_v_tile, lane);
+      gemm_pv<Traits>(acc_o, acc_s, smem_v_tile, th.lane);
     }
     cp_async_wait<0>();  // only empty groups remain; keeps the smem reuse below obviously safe
   }
 
-  // ---- epilogue --------------------------------------------------------------
+  // ---- epilogue: normalise, merge key warps / splits, store ------------------
   float lse[kMmaM][2];
   softmax.finalize(acc_o, lse);
-  const bool holds_output = merge_key_warps<Traits>(acc_o, lse, smem_raw, warp, lane);
+  const bool holds_output = merge_key_warps<Traits>(acc_o, lse, smem_raw, th.warp, th.lane);
 
-  const int row_in_head0 = m_block * kBlockM + warp_row0;  // sequence row of warp row 0
+  const int row_in_head0 = m_block * kBlockM + th.warp_row0;  // sequence row of warp row 0
 
   if constexpr (kClusterMerge) {
     T* out_tile = static_cast<T*>(params.out) + batch * params.out_strides.batch +
                   head * params.out_strides.head +
                   (seq.row0_q + static_cast<int64_t>(m_block) * kBlockM) * params.out_strides.row;
     float* lse_tile = params.lse + seq.lse_index(params, batch, head, m_block * kBlockM);
-    merge_splits_in_cluster<Traits>(acc_o, lse, holds_output, smem_raw, warp_row0,
+    merge_splits_in_cluster<Traits>(acc_o, lse, holds_output, smem_raw, th.warp_row0,
                                     min(kBlockM, seq.seqlen_q - m_block * kBlockM),
                                     params.head_dim, out_tile, params.out_strides.row, lse_tile);
     return;
   }
   if (!holds_output) return;  // the key warps' results are merged into warp 0's
   if (num_splits == 1) {
-    // O -> shared memory (the warp's own Q rows: no other warp touches them,
-    // so a warp barrier suffices) -> 16-byte coalesced global stores.
-    T* smem_o = smem_q;
-    __syncwarp();
-#pragma unroll
-    for (int m = 0; m < kMmaM; ++m)
-#pragma unroll
-      for (int d = 0; d < Traits::kTilesD; ++d)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = warp_row0 + m * 16 + h * 8 + g;
-          *reinterpret_cast<uint32_t*>(smem_o + QLayout::offset(row, d) + 2 * q) =
-              pack2<T>(acc_o[m][d][2 * h], acc_o[m][d][2 * h + 1]);
-        }
-    __syncwarp();
-
-    constexpr int kChunks = Traits::kHeadDim / 8;
-    constexpr int kChunksPerLane = Traits::kRowsPerWarp * kChunks / 32;
-    T* out_head = static_cast<T*>(params.out) + batch * params.out_strides.batch +
-                  head * params.out_strides.head + seq.row0_q * params.out_strides.row;
-#pragma unroll
-    for (int i = 0; i < kChunksPerLane; ++i) {
-      const int idx = lane + 32 * i;
-      const int r = idx / kChunks;
-      const int c = idx % kChunks;
-      const int row = row_in_head0 + r;
-      if (row < seq.seqlen_q && c * 8 < params.head_dim) {
-        *reinterpret_cast<uint4*>(out_head + row * params.out_strides.row + c * 8) =
-            *reinterpret_cast<const uint4*>(smem_o + QLayout::offset(warp_row0 + r, c));
-      }
-    }
-    if (q == 0) {
-      float* lse_head = params.lse + seq.lse_index(params, batch, head, 0);
-#pragma unroll
-      for (int m = 0; m < kMmaM; ++m)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = row_in_head0 + m * 16 + h * 8 + g;
-          if (row < seq.seqlen_q) lse_head[row] = lse[m][h];
-        }
-    }
+    store_output<Traits>(acc_o, lse, smem_q, params, seq, batch, head, row_in_head0, th);
   } else {
-    // Split-KV partials, fp32, normalised by this split's own row sum:
-    //   out_accum[split][lse row][0:kHeadDim], lse_accum[split][lse row]
-    // (lse rows: params.h; split-KV is never used with varlen). Each quad
-    // writes 32 contiguous bytes per (row, 8-column tile).
-    const int64_t split_row0 = split * params.q_rows_total + seq.lse_index(params, batch, head, 0);
-    float* o_accum = params.out_accum + split_row0 * Traits::kHeadDim;
-    float* l_accum = params.lse_accum + split_row0;
-#pragma unroll
-    for (int m = 0; m < kMmaM; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row_in_head0 + m * 16 + h * 8 + g;
-        if (row >= seq.seqlen_q) continue;
-#pragma unroll
-        for (int d = 0; d < Traits::kTilesD; ++d) {
-          const int col = d * 8 + 2 * q;
-          if (col < params.head_dim) {
-            *reinterpret_cast<float2*>(o_accum + static_cast<int64_t>(row) * Traits::kHeadDim +
-                                       col) = make_float2(acc_o[m][d][2 * h], acc_o[m][d][2 * h + 1]);
-          }
-        }
-        if (q == 0) l_accum[row] = lse[m][h];
-      }
+    store_split_partials<Traits>(acc_o, lse, params, seq, batch, head, split, row_in_head0, th);
   }
-}
-
-// ---------------------------------------------------------------------------
-// Split-KV combine kernel (wherever the cluster merge above does not apply).
-//   lse   = log(sum_s exp(lse_s))            (-inf when every split is empty)
-//   O     = sum_s exp(lse_s - lse) * O_s     (O_s already normalised per split)
-// Latency-bound (a few hundred rows, up to ~100 splits), so the splits of a
-// row are spread over warps_per_row warps of the CTA (1 for <= 8 splits, up to
-// all 8 for > 32), each warp reads its splits' O_s in batches of independent
-// loads, and the warps' sums meet in shared memory. Lane l owns head-dim
-// columns [8l, 8l+8): 256 columns = 32 lanes x 8, one 16-byte store per lane.
-// (B=1, H=32, H_kv=8, 16k-key decode, ~60 splits: one warp per row with one
-// dependent load chain per split 16.0 us; batched loads 7.2 us; spread over
-// 8 warps 4.1 us.)
-// ---------------------------------------------------------------------------
-constexpr int kCombineWarps = 8;
-constexpr int kCombineBatch = 8;  // splits whose O_s loads are in flight together
-
-// Warps per row for this many splits: a power of two, so rows pack the CTA.
-inline int combine_warps_per_row(int num_splits) {
-  int warps = 1;
-  while (warps < kCombineWarps && warps * kCombineBatch < num_splits) warps *= 2;
-  return warps;
-}
-
-// (max, sum of exp(x - max)) pairs: merging two partial log-sum-exps.
-FAE_DEVICE void merge_lse_pair(float& max_a, float& sum_a, float max_b, float sum_b) {
-  const float m = fmaxf(max_a, max_b);
-  if (m == -INFINITY) return;  // both empty
-  sum_a = sum_a * expf(max_a - m) + sum_b * expf(max_b - m);
-  max_a = m;
-}
-
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kCombineWarps * 32, 1)
-    flash_fwd_combine_kernel(const __grid_constant__ AttentionFwdParams params,
-                             int warps_per_row) {
-  static_assert(kHeadDim <= 32 * 8, "one 8-column chunk per lane");
-  __shared__ float2 warp_lse[kCombineWarps];               // (max, sum) per warp
-  __shared__ float4 warp_acc[kCombineWarps][32][2];        // 8 columns per lane
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  const int part = warp % warps_per_row;  // this warp's share of the row's splits
-  const int warp0 = warp - part;          // first warp of the row
-  // Padded layouts only (the op layer never splits varlen calls): row r of the
-  // lse-shaped arrays is (batch, head, row) = (r / (heads*seqlen_q), ...).
-  const int64_t rows_total = params.q_rows_total;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * (kCombineWarps / warps_per_row) +
-                    warp / warps_per_row;
-  const bool row_ok = r < rows_total;  // no early return: block barriers below
-  const int num_splits = row_ok ? params.num_splits : 0;
-  const int stride = warps_per_row;  // this warp takes splits part, part + stride, ...
-  const float* lse_split = params.lse_accum + r;  // split s at lse_split[s * rows_total]
-
-  float max_lse = -INFINITY, sum = 0.f;
-  for (int s = part + stride * lane; s < num_splits; s += stride * 32) {
-    merge_lse_pair(max_lse, sum, lse_split[s * rows_total], 1.f);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) {
-    const float other_max = __shfl_xor_sync(0xffffffff, max_lse, off);
-    const float other_sum = __shfl_xor_sync(0xffffffff, sum, off);
-    merge_lse_pair(max_lse, sum, other_max, other_sum);
-  }
-  if (lane == 0) warp_lse[warp] = make_float2(max_lse, sum);
-  __syncthreads();
-  max_lse = -INFINITY;
-  sum = 0.f;
-  for (int w = warp0; w < warp0 + warps_per_row; ++w) {
-    merge_lse_pair(max_lse, sum, warp_lse[w].x, warp_lse[w].y);
-  }
-  const float lse = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
-
-  const int col = lane * 8;
-  const bool col_ok = col < params.head_dim;
-  // Lanes past the head dim read column 0 and store nothing: no branch around
-  // the loads, so a batch of them is in flight before the first use.
-  const float* o_row = params.out_accum + r * kHeadDim + (col_ok ? col : 0);
-  const int64_t split_stride = rows_total * kHeadDim;
-  float acc[8] = {};
-  // exp(-inf) = 0: empty splits weigh nothing; their O_s is finite (zeros), so
-  // it is read like any other.
-  auto weight = [&](int s) { return expf(lse_split[s * rows_total] - lse); };
-  if (lse != -INFINITY) {  // warp-uniform
-    int s = part;
-    for (; s + stride * (kCombineBatch - 1) < num_splits; s += stride * kCombineBatch) {
-      float w[kCombineBatch];
-      float4 lo[kCombineBatch], hi[kCombineBatch];
-#pragma unroll
-      for (int i = 0; i < kCombineBatch; ++i) {
-        const float* o_s = o_row + (s + stride * i) * split_stride;
-        w[i] = weight(s + stride * i);
-        lo[i] = *reinterpret_cast<const float4*>(o_s);
-        hi[i] = *reinterpret_cast<const float4*>(o_s + 4);
-      }
-#pragma unroll
-      for (int i = 0; i < kCombineBatch; ++i) add_weighted_8(acc, w[i], lo[i], hi[i]);
-    }
-    for (; s < num_splits; s += stride) {
-      const float* o_s = o_row + s * split_stride;
-      add_weighted_8(acc, weight(s), *reinterpret_cast<const float4*>(o_s),
-                     *reinterpret_cast<const float4*>(o_s + 4));
-    }
-  }
-  if (warps_per_row > 1) {  // CTA-uniform
-    warp_acc[warp][lane][0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    warp_acc[warp][lane][1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-    __syncthreads();
-    if (part == 0) {
-      for (int w = warp0 + 1; w < warp0 + warps_per_row; ++w) {
-        add_weighted_8(acc, 1.f, warp_acc[w][lane][0], warp_acc[w][lane][1]);
-      }
-    }
-  }
-  if (part != 0 || !row_ok) return;
-  if (col_ok) {
-    const int64_t bh = r / params.seqlen_q;
-    const int row = static_cast<int>(r % params.seqlen_q);
-    const int batch = static_cast<int>(bh / params.heads);
-    const int head = static_cast<int>(bh % params.heads);
-    T* dst = static_cast<T*>(params.out) + batch * params.out_strides.batch +
-             row * params.out_strides.row + head * params.out_strides.head + col;
-    store_8(dst, acc);
-  }
-  if (lane == 0) params.lse[r] = lse;
 }
 
 }  // namespace cuda

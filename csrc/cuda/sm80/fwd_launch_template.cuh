@@ -11,6 +11,7 @@
 #include "fwd_kernel.cuh"
 #include "fwd_kernel_traits.cuh"
 #include "fwd_launch.h"
+#include "fwd_merge.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {
