@@ -12,7 +12,7 @@
 #   of FwdSm90TileConfig at once; timed against cuDNN and FA2)
 # fwd / bwd / dec build for FLASH_ATTN_EXT_CUDA_ARCHS (default 90: mma.sync code only), sm90
 # for 90a. The tables these variants were measured for are next to the tile configs in
-# csrc/cuda/fwd_kernel_traits.cuh, bwd_kernel_traits.cuh and hopper/fwd_sm90_kernel.cuh.
+# csrc/cuda/sm80/fwd_kernel_traits.cuh, sm80/bwd_kernel_traits.cuh and hopper/fwd_sm90_kernel.cuh.
 # Environment: OUT (logs, default /tmp/fae_out), TUNE_SEQLENS (fwd/bwd/sm90 key lengths,
 # default 2048,8192), MAX_JOBS, BENCH_PY (default bench/bench_attention.py).
 set -uo pipefail

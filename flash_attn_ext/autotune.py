@@ -19,8 +19,8 @@ processes are read on first use and every new winner is written back (JSON).
 Candidates: the built-in choice (tile=0, which on sm_90 is the Hopper wgmma kernel wherever
 it applies, with the heuristic split count and forced unsplit) and the three tile families
 of the mma.sync kernel (tile=1: the large per-head-dim tiles of
-csrc/cuda/fwd_kernel_traits.cuh, tile=2: the 16-row one-warp tile used for decoding, tile=3:
-the 16-row tile whose 4 warps split each key tile) times a few split-KV counts (0 =
+csrc/cuda/sm80/fwd_kernel_traits.cuh, tile=2: the 16-row one-warp tile used for decoding,
+tile=3: the 16-row tile whose 4 warps split each key tile) times a few split-KV counts (0 =
 heuristic, 1 = off, forced 2..16). fp32, CPU and
 torch.compile tracing keep the defaults (one kernel, or nothing can be timed).
 The cache key includes a shape bucket (powers of two of seqlen_q, seqlen_k and

@@ -18,9 +18,9 @@
 #include <string>
 #include <type_traits>
 
-#include "bwd_fp32.h"
-#include "bwd_kernel_traits.cuh"
 #include "flash_api.h"
+#include "simt/bwd_fp32.h"
+#include "sm80/bwd_kernel_traits.cuh"
 #include "static_switch.h"
 #ifdef FAE_HAS_SM90A
 #include "hopper/bwd_sm90.h"

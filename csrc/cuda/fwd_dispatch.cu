@@ -6,9 +6,10 @@
 #include <string>
 
 #include "flash_api.h"
-#include "fwd_kernel_traits.cuh"
-#include "fwd_launch.h"
 #include "hopper/fwd_sm90.h"
+#include "simt/fwd_fp32.h"
+#include "sm80/fwd_kernel_traits.cuh"
+#include "sm80/fwd_launch.h"
 #include "static_switch.h"
 
 namespace flash_attn_ext {

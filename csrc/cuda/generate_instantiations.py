@@ -12,8 +12,8 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 PASSES = {
     # pass: (header, launcher, params type, head dims)
-    "fwd": ("fwd_launch_template.cuh", "run_fwd_impl", "AttentionFwdParams", HEAD_DIMS),
-    "bwd": ("bwd_launch_template.cuh", "run_bwd_impl", "AttentionBwdParams", HEAD_DIMS),
+    "fwd": ("sm80/fwd_launch_template.cuh", "run_fwd_impl", "AttentionFwdParams", HEAD_DIMS),
+    "bwd": ("sm80/bwd_launch_template.cuh", "run_bwd_impl", "AttentionBwdParams", HEAD_DIMS),
     # Hopper forward (wgmma/TMA): device code only for sm_90a targets.
     "fwd_sm90": ("hopper/fwd_sm90_launch.cuh", "run_fwd_sm90_impl", "AttentionFwdParams",
                  (64, 128, 256)),

@@ -12,7 +12,7 @@
 #include <string>
 #include <type_traits>
 
-#include "../bwd_preprocess.cuh"
+#include "../common/bwd_preprocess.cuh"
 #include "bwd_sm90.h"
 #include "bwd_sm90_kernel.cuh"
 

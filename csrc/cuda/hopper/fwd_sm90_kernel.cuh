@@ -33,7 +33,7 @@
 
 #include "../../params.h"
 #include "../common/ptx.cuh"
-#include "../fwd_softmax.cuh"
+#include "../common/fwd_softmax.cuh"
 #include "sm90_primitives.cuh"
 #include "wgmma_ops.cuh"
 

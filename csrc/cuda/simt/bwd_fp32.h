@@ -1,9 +1,9 @@
 // fp32 backward (SIMT / FFMA, no tensor cores, no tf32): declarations shared
-// by bwd_fp32.cu and bwd_dispatch.cu.
+// by bwd_fp32.cu and ../bwd_dispatch.cu.
 #pragma once
 #include <cuda_runtime.h>
 
-#include "../params.h"
+#include "../../params.h"
 
 namespace flash_attn_ext {
 namespace cuda {

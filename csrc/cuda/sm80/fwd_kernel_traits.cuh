@@ -4,8 +4,8 @@
 // a static_assert for every assumption the kernel makes about it.
 #pragma once
 #include <type_traits>
-#include "../params.h"
-#include "common/ptx.cuh"
+#include "../../params.h"
+#include "../common/ptx.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {

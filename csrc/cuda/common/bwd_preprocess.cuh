@@ -17,8 +17,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "../params.h"
-#include "common/ptx.cuh"
+#include "../../params.h"
+#include "ptx.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {

@@ -1,11 +1,10 @@
-// Declarations shared by the forward dispatcher (fwd_dispatch.cu) and the
+// Declarations shared by the forward dispatcher (../fwd_dispatch.cu) and the
 // translation units that define them: the per-(dtype, head dim, causal)
-// launchers live in instantiations/fwd_*.cu (via fwd_launch_template.cuh),
-// the fp32 path in fwd_fp32.cu.
+// launchers live in ../instantiations/fwd_*.cu (via fwd_launch_template.cuh).
 #pragma once
 #include <cuda_runtime.h>
 
-#include "../params.h"
+#include "../../params.h"
 
 namespace flash_attn_ext {
 namespace cuda {
@@ -22,9 +21,6 @@ void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream);
 // fwd_kernel_traits.cuh), a padded batch, the cost model in fwd_dispatch.cu.
 // More splits (e.g. a forced num_splits = 7) take the combine kernel.
 bool fwd_merges_splits_in_cluster(const AttentionFwdParams& params, int num_splits);
-
-// fp32 inputs: SIMT kernel with true fp32 accumulation (no tf32), no split-KV.
-void run_fwd_fp32(const AttentionFwdParams& params, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace flash_attn_ext

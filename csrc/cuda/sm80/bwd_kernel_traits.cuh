@@ -69,7 +69,7 @@
 #include <type_traits>
 #include <cstdint>
 
-#include "common/ptx.cuh"
+#include "../common/ptx.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {

@@ -11,10 +11,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "../params.h"
+#include "../../params.h"
 #include "bwd_kernel.cuh"
 #include "bwd_kernel_traits.cuh"
-#include "bwd_preprocess.cuh"
+#include "../common/bwd_preprocess.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {

@@ -18,10 +18,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "../params.h"
-#include "common/ptx.cuh"
-#include "fwd_launch.h"
-#include "fwd_softmax.cuh"
+#include "../../params.h"
+#include "../common/fwd_softmax.cuh"
+#include "../common/ptx.cuh"
+#include "fwd_fp32.h"
 
 namespace flash_attn_ext {
 namespace cuda {
@@ -81,6 +81,150 @@ FAE_DEVICE float row_group_sum(float x) {
   return x;
 }
 
+// ---- main-loop stages (one key tile); the kernel below keeps the barriers --
+// S = Q K_n^T over the real head dim (padded columns are zero), for the
+// thread's rows ty + 16*i and keys tx + 16*j.
+template <int kHeadDim>
+FAE_DEVICE void qk_tile(float (&s)[Fp32Tile<kHeadDim>::kRowsPerThread][4], const float* smem_q,
+                        const float* smem_k, int tx, int ty) {
+  constexpr int kRows = Fp32Tile<kHeadDim>::kRowsPerThread;
+  constexpr int kStride = Fp32Tile<kHeadDim>::kRowStride;
+#pragma unroll
+  for (int i = 0; i < kRows; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s[i][j] = 0.f;
+  // Compile-time trip count (padded columns are zero). Unrolled by 4 with 4
+  // rows per thread; with 8 rows not at all: the 128-register cap (two CTAs
+  // per SM) spills otherwise, as does a full unroll at 4 rows.
+#pragma unroll(kRows >= 8 ? 1 : 4)
+  for (int d = 0; d < kHeadDim; d += 4) {
+    float4 qv[kRows], kv[4];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+      qv[i] = *reinterpret_cast<const float4*>(smem_q + (ty + 16 * i) * kStride + d);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      kv[j] = *reinterpret_cast<const float4*>(smem_k + (tx + 16 * j) * kStride + d);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        s[i][j] = fmaf(qv[i].x, kv[j].x, s[i][j]);
+        s[i][j] = fmaf(qv[i].y, kv[j].y, s[i][j]);
+        s[i][j] = fmaf(qv[i].z, kv[j].z, s[i][j]);
+        s[i][j] = fmaf(qv[i].w, kv[j].w, s[i][j]);
+      }
+  }
+}
+
+// Scale, mask, online softmax of key tile n_block: P -> smem_p, O and the
+// row sums rescaled to the new row max (log2 domain, as OnlineSoftmax).
+template <int kHeadDim, bool kIsCausal>
+FAE_DEVICE void softmax_tile(float (&s)[Fp32Tile<kHeadDim>::kRowsPerThread][4],
+                             float (&row_max)[Fp32Tile<kHeadDim>::kRowsPerThread],
+                             float (&row_sum)[Fp32Tile<kHeadDim>::kRowsPerThread],
+                             float (&acc_o)[Fp32Tile<kHeadDim>::kRowsPerThread]
+                                           [Fp32Tile<kHeadDim>::kColGroups][4],
+                             float* smem_p, float scale_log2, bool needs_mask, int n_block,
+                             int row_base, const SeqBounds& seq, int tx, int ty) {
+  using Tile = Fp32Tile<kHeadDim>;
+#pragma unroll
+  for (int i = 0; i < Tile::kRowsPerThread; ++i) {
+    int key_limit = seq.seqlen_k;
+    if (kIsCausal) key_limit = min(key_limit, row_base + 16 * i + seq.causal_offset + 1);
+    float tile_max = row_max[i];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      s[i][j] *= scale_log2;  // before masking: -inf * (scale <= 0) would be NaN
+      if (needs_mask && n_block * kFp32BlockN + tx + 16 * j >= key_limit) s[i][j] = -INFINITY;
+      tile_max = fmaxf(tile_max, s[i][j]);
+    }
+    const float new_max = row_group_max(tile_max);
+    const float base = new_max == -INFINITY ? 0.f : new_max;  // see OnlineSoftmax
+    const float rescale = fast_exp2(row_max[i] - base);
+    row_max[i] = new_max;
+    float tile_sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float p = fast_exp2(s[i][j] - base);
+      tile_sum += p;
+      smem_p[(ty + 16 * i) * Tile::kPStride + tx + 16 * j] = p;
+    }
+    row_sum[i] = row_sum[i] * rescale + tile_sum;
+#pragma unroll
+    for (int c = 0; c < Tile::kColGroups; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[i][c][e] *= rescale;
+  }
+}
+
+// O += P V_n: the thread's rows ty + 16*i, columns 4*tx + 64*c .. +3.
+template <int kHeadDim>
+FAE_DEVICE void pv_tile(float (&acc_o)[Fp32Tile<kHeadDim>::kRowsPerThread]
+                                      [Fp32Tile<kHeadDim>::kColGroups][4],
+                        const float* smem_p, const float* smem_v, int tx, int ty) {
+  using Tile = Fp32Tile<kHeadDim>;
+  constexpr int kRows = Tile::kRowsPerThread;
+#pragma unroll 4
+  for (int j = 0; j < kFp32BlockN; j += 4) {
+    float4 pv[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+      pv[i] = *reinterpret_cast<const float4*>(smem_p + (ty + 16 * i) * Tile::kPStride + j);
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+      for (int c = 0; c < Tile::kColGroups; ++c) {
+        const float4 v = *reinterpret_cast<const float4*>(smem_v + (j + jj) * Tile::kRowStride +
+                                                          4 * tx + 64 * c);
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+          const float p = jj == 0 ? pv[i].x : jj == 1 ? pv[i].y : jj == 2 ? pv[i].z : pv[i].w;
+          acc_o[i][c][0] = fmaf(p, v.x, acc_o[i][c][0]);
+          acc_o[i][c][1] = fmaf(p, v.y, acc_o[i][c][1]);
+          acc_o[i][c][2] = fmaf(p, v.z, acc_o[i][c][2]);
+          acc_o[i][c][3] = fmaf(p, v.w, acc_o[i][c][3]);
+        }
+      }
+    }
+  }
+}
+
+// ---- epilogue: normalise, store O (16-byte stores) and LSE -----------------
+template <int kHeadDim>
+FAE_DEVICE void store_output(const AttentionFwdParams& params,
+                             const float (&acc_o)[Fp32Tile<kHeadDim>::kRowsPerThread]
+                                                 [Fp32Tile<kHeadDim>::kColGroups][4],
+                             const float (&row_max)[Fp32Tile<kHeadDim>::kRowsPerThread],
+                             const float (&row_sum)[Fp32Tile<kHeadDim>::kRowsPerThread],
+                             const SeqBounds& seq, int batch, int head, int row_base, int tx) {
+  using Tile = Fp32Tile<kHeadDim>;
+  constexpr float kLn2 = 0.69314718055994531f;
+  float* out_head = static_cast<float*>(params.out) + batch * params.out_strides.batch +
+                    head * params.out_strides.head + seq.row0_q * params.out_strides.row;
+#pragma unroll
+  for (int i = 0; i < Tile::kRowsPerThread; ++i) {
+    const float sum = row_group_sum(row_sum[i]);
+    const bool empty = !(sum > 0.f);
+    const float inv = empty ? 0.f : 1.f / sum;
+    const int row = row_base + 16 * i;
+    if (row >= seq.seqlen_q) continue;
+#pragma unroll
+    for (int c = 0; c < Tile::kColGroups; ++c) {
+      const int col = 4 * tx + 64 * c;
+      if (col < params.head_dim) {
+        *reinterpret_cast<float4*>(out_head + row * params.out_strides.row + col) =
+            make_float4(acc_o[i][c][0] * inv, acc_o[i][c][1] * inv, acc_o[i][c][2] * inv,
+                        acc_o[i][c][3] * inv);
+      }
+    }
+    if (tx == 0) {
+      params.lse[seq.lse_index(params, batch, head, row)] =
+          empty ? -INFINITY : row_max[i] * kLn2 + logf(sum);
+    }
+  }
+}
+
 // Two CTAs per SM at D <= 64 (<= 128 registers per thread): 16 warps hide the
 // shared-memory latency of the FFMA loops; without the bound ptxas spends ~156
 // registers on unrolled loads and only one CTA fits.
@@ -103,6 +247,7 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
   const int tx = tid % 16;
   const int ty = tid / 16;
 
+  // ---- which tile ----------------------------------------------------------
   const int num_m_blocks = ceil_div_dev(params.seqlen_q, kBlockM);
   const int bh = blockIdx.x / num_m_blocks;
   int m_block = blockIdx.x % num_m_blocks;
@@ -134,6 +279,7 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
       for (int e = 0; e < 4; ++e) acc_o[i][c][e] = 0.f;
   }
 
+  // ---- prologue: Q, K_0, V_0 -----------------------------------------------
   // K and V have one buffer each but separate commit groups, so each load
   // overlaps the other half of the tile's work: K_{n+1} streams in during
   // softmax and P V of tile n, V_{n+1} during Q K_{n+1}^T. (A second buffer
@@ -153,40 +299,15 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
     load_k(range.begin);
     load_v(range.begin);
   }
+
+  // ---- main loop over key tiles --------------------------------------------
   const int row_base = m_block * kBlockM + ty;
   for (int n_block = range.begin; n_block < range.end; ++n_block) {
     const bool has_next = n_block + 1 < range.end;
     cp_async_wait<1>();  // Q and K_n landed (V_n may still be in flight)
     __syncthreads();
-
-    // ---- S = Q K^T over the real head dim (padded columns are zero) --------
     float s[kRows][4];
-#pragma unroll
-    for (int i = 0; i < kRows; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) s[i][j] = 0.f;
-    // Compile-time trip count (padded columns are zero). Unrolled by 4 with 4
-    // rows per thread; with 8 rows not at all: the 128-register cap (two CTAs
-    // per SM) spills otherwise, as does a full unroll at 4 rows.
-#pragma unroll(kRows >= 8 ? 1 : 4)
-    for (int d = 0; d < kHeadDim; d += 4) {
-      float4 qv[kRows], kv[4];
-#pragma unroll
-      for (int i = 0; i < kRows; ++i)
-        qv[i] = *reinterpret_cast<const float4*>(smem_q + (ty + 16 * i) * kStride + d);
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        kv[j] = *reinterpret_cast<const float4*>(smem_k + (tx + 16 * j) * kStride + d);
-#pragma unroll
-      for (int i = 0; i < kRows; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          s[i][j] = fmaf(qv[i].x, kv[j].x, s[i][j]);
-          s[i][j] = fmaf(qv[i].y, kv[j].y, s[i][j]);
-          s[i][j] = fmaf(qv[i].z, kv[j].z, s[i][j]);
-          s[i][j] = fmaf(qv[i].w, kv[j].w, s[i][j]);
-        }
-    }
+    qk_tile<kHeadDim>(s, smem_q, smem_k, tx, ty);
 
     __syncthreads();  // every thread is done with K_n (and with P of tile n-1)
     if (has_next) {
@@ -194,65 +315,15 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
     } else {
       cp_async_commit();  // empty group: keeps the wait counts uniform
     }
-
-    // ---- scale, mask, online softmax; P -> shared memory ------------------
     const bool needs_mask =
         key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block);
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      int key_limit = seq.seqlen_k;
-      if (kIsCausal) key_limit = min(key_limit, row_base + 16 * i + seq.causal_offset + 1);
-      float tile_max = row_max[i];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        s[i][j] *= params.scale_log2;  // before masking: -inf * (scale <= 0) would be NaN
-        if (needs_mask && n_block * kBlockN + tx + 16 * j >= key_limit) s[i][j] = -INFINITY;
-        tile_max = fmaxf(tile_max, s[i][j]);
-      }
-      const float new_max = row_group_max(tile_max);
-      const float base = new_max == -INFINITY ? 0.f : new_max;  // see OnlineSoftmax
-      const float rescale = fast_exp2(row_max[i] - base);
-      row_max[i] = new_max;
-      float tile_sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float p = fast_exp2(s[i][j] - base);
-        tile_sum += p;
-        smem_p[(ty + 16 * i) * Tile::kPStride + tx + 16 * j] = p;
-      }
-      row_sum[i] = row_sum[i] * rescale + tile_sum;
-#pragma unroll
-      for (int c = 0; c < Tile::kColGroups; ++c)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[i][c][e] *= rescale;
-    }
+    softmax_tile<kHeadDim, kIsCausal>(s, row_max, row_sum, acc_o, smem_p, params.scale_log2,
+                                      needs_mask, n_block, row_base, seq, tx, ty);
+
     cp_async_wait<1>();  // V_n landed (K_{n+1} may still be in flight)
     __syncthreads();     // ... for every thread's chunks, and P is complete
+    pv_tile<kHeadDim>(acc_o, smem_p, smem_v, tx, ty);
 
-    // ---- O += P V ----------------------------------------------------------
-#pragma unroll 4
-    for (int j = 0; j < kBlockN; j += 4) {
-      float4 pv[kRows];
-#pragma unroll
-      for (int i = 0; i < kRows; ++i)
-        pv[i] = *reinterpret_cast<const float4*>(smem_p + (ty + 16 * i) * Tile::kPStride + j);
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-#pragma unroll
-        for (int c = 0; c < Tile::kColGroups; ++c) {
-          const float4 v =
-              *reinterpret_cast<const float4*>(smem_v + (j + jj) * kStride + 4 * tx + 64 * c);
-#pragma unroll
-          for (int i = 0; i < kRows; ++i) {
-            const float p = jj == 0 ? pv[i].x : jj == 1 ? pv[i].y : jj == 2 ? pv[i].z : pv[i].w;
-            acc_o[i][c][0] = fmaf(p, v.x, acc_o[i][c][0]);
-            acc_o[i][c][1] = fmaf(p, v.y, acc_o[i][c][1]);
-            acc_o[i][c][2] = fmaf(p, v.z, acc_o[i][c][2]);
-            acc_o[i][c][3] = fmaf(p, v.w, acc_o[i][c][3]);
-          }
-        }
-      }
-    }
     __syncthreads();  // every thread is done with V_n
     if (has_next) {
       load_v(n_block + 1);
@@ -262,31 +333,7 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
   }
   cp_async_wait<0>();
 
-  // ---- epilogue: normalise, store O (16-byte stores) and LSE -----------------
-  constexpr float kLn2 = 0.69314718055994531f;
-  float* out_head = static_cast<float*>(params.out) + batch * params.out_strides.batch +
-                    head * params.out_strides.head + seq.row0_q * params.out_strides.row;
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const float sum = row_group_sum(row_sum[i]);
-    const bool empty = !(sum > 0.f);
-    const float inv = empty ? 0.f : 1.f / sum;
-    const int row = row_base + 16 * i;
-    if (row >= seq.seqlen_q) continue;
-#pragma unroll
-    for (int c = 0; c < Tile::kColGroups; ++c) {
-      const int col = 4 * tx + 64 * c;
-      if (col < params.head_dim) {
-        *reinterpret_cast<float4*>(out_head + row * params.out_strides.row + col) =
-            make_float4(acc_o[i][c][0] * inv, acc_o[i][c][1] * inv, acc_o[i][c][2] * inv,
-                        acc_o[i][c][3] * inv);
-      }
-    }
-    if (tx == 0) {
-      params.lse[seq.lse_index(params, batch, head, row)] =
-          empty ? -INFINITY : row_max[i] * kLn2 + logf(sum);
-    }
-  }
+  store_output<kHeadDim>(params, acc_o, row_max, row_sum, seq, batch, head, row_base, tx);
 }
 
 template <int kHeadDim, bool kIsCausal>

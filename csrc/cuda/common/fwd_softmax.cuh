@@ -2,7 +2,7 @@
 // accumulator fragments: which key tiles a CTA visits, the causal /
 // sequence-end mask, and the online softmax (running max and sum per row).
 //
-// Fragment convention (see fwd_kernel_traits.cuh): s[m][j][e] is the mma
+// Fragment convention (see sm80/fwd_kernel_traits.cuh): s[m][j][e] is the mma
 // accumulator of m-tile m (16 rows) and 8-column n-tile j; with lane = 4g + q,
 //   e = 0,1 -> row g,   columns 8j + 2q + {0,1}
 //   e = 2,3 -> row g+8, columns 8j + 2q + {0,1}
@@ -10,8 +10,8 @@
 #pragma once
 #include <cmath>
 
-#include "../params.h"
-#include "common/ptx.cuh"
+#include "../../params.h"
+#include "ptx.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {

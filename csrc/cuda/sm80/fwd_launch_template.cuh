@@ -7,10 +7,11 @@
 #include <stdexcept>
 #include <string>
 
-#include "../params.h"
+#include "../../params.h"
 #include "fwd_kernel.cuh"
 #include "fwd_kernel_traits.cuh"
 #include "fwd_launch.h"
+#include "fwd_merge.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {

@@ -15,8 +15,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "../common/bwd_preprocess.cuh"
 #include "bwd_fp32.h"
-#include "bwd_preprocess.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {
@@ -74,10 +74,152 @@ __device__ __forceinline__ float dot4(const float4& a, const float4& b, float ac
   return fmaf(a.w, b.w, acc);
 }
 
+// ---- stages of one (key tile, query tile) step; the kernel keeps the barriers
+// Q, dO and the row stats (lse in log2 units, D) of the query tile at query0.
+template <int kD>
+FAE_DEVICE void load_query_tile(float* sQ, float* sdO, float* sLse2, float* sDsum,
+                                const AttentionBwdParams& params, const float* q_bh,
+                                const float* do_bh, const float* lse_bh, const float* dsum_bh,
+                                int query0, int seqlen_q) {
+  constexpr int BM = kBwdFp32BlockM;
+  load_tile<kD>(sQ, q_bh + query0 * params.q_strides.row, params.q_strides.row,
+                min(BM, seqlen_q - query0), params.head_dim);
+  load_tile<kD>(sdO, do_bh + query0 * params.dout_strides.row, params.dout_strides.row,
+                min(BM, seqlen_q - query0), params.head_dim);
+  if (threadIdx.x < BM) {
+    const int row = query0 + threadIdx.x;
+    float lse2 = INFINITY, dsum = 0.f;  // padded rows: P = exp2(-inf) = 0
+    if (row < seqlen_q) {
+      const float lse = lse_bh[row];
+      lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;  // fully masked row: P = 0
+      dsum = dsum_bh[row];
+    }
+    sLse2[threadIdx.x] = lse2;
+    sDsum[threadIdx.x] = dsum;
+  }
+}
+
+// S = Q K^T, dP = dO V^T for query `lane` and keys 4*warp + r; P and
+// dS = P o (dP - D) -> shared memory.
+template <int kD, bool kIsCausal>
+FAE_DEVICE void scores_tile(float* sP, float* sdS, const float* sQ, const float* sdO,
+                            const float* sK, const float* sV, const float* sLse2,
+                            const float* sDsum, float scale_log2, int key0, int query0,
+                            int seqlen_k, int causal_offset, int lane, int warp) {
+  constexpr int kPitch = Fp32Smem<kD>::kPitch, kPP = Fp32Smem<kD>::kPPitch;
+  float s[4] = {0.f, 0.f, 0.f, 0.f}, dp[4] = {0.f, 0.f, 0.f, 0.f};
+  const float* q_row = sQ + lane * kPitch;
+  const float* do_row = sdO + lane * kPitch;
+#pragma unroll 4
+  for (int d = 0; d < kD; d += 4) {
+    const float4 qv = *reinterpret_cast<const float4*>(q_row + d);
+    const float4 dov = *reinterpret_cast<const float4*>(do_row + d);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int key = 4 * warp + r;
+      s[r] = dot4(qv, *reinterpret_cast<const float4*>(sK + key * kPitch + d), s[r]);
+      dp[r] = dot4(dov, *reinterpret_cast<const float4*>(sV + key * kPitch + d), dp[r]);
+    }
+  }
+  const int query = query0 + lane;
+  const float lse2 = sLse2[lane], dsum = sDsum[lane];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int key = key0 + 4 * warp + r;
+    const bool visible = key < seqlen_k && (!kIsCausal || key <= query + causal_offset);
+    const float p = visible ? exp2f(s[r] * scale_log2 - lse2) : 0.f;
+    sP[lane * kPP + 4 * warp + r] = p;
+    sdS[lane * kPP + 4 * warp + r] = p * (dp[r] - dsum);
+  }
+}
+
+// dV += P^T dO, dK += dS^T Q for key `lane`, columns 32c + 4*warp.
+// Summed per query tile first, then added to the running total: a two-level
+// sum keeps fp32 rounding error growing with seqlen_q / BM instead of
+// seqlen_q (a long sequential sum loses ~sqrt(n) ulps).
+template <int kD>
+FAE_DEVICE void accumulate_dk_dv(float4 (&acc_dk)[kD / 32], float4 (&acc_dv)[kD / 32],
+                                 const float* sP, const float* sdS, const float* sQ,
+                                 const float* sdO, int lane, int warp) {
+  constexpr int kPitch = Fp32Smem<kD>::kPitch, kPP = Fp32Smem<kD>::kPPitch;
+#pragma unroll
+  for (int c = 0; c < kD / 32; ++c) {
+    const int col = 32 * c + 4 * warp;
+    float4 tile_dv = make_float4(0.f, 0.f, 0.f, 0.f), tile_dk = tile_dv;
+#pragma unroll 4
+    for (int i = 0; i < kBwdFp32BlockM; ++i) {
+      fma4(tile_dv, sP[i * kPP + lane], *reinterpret_cast<const float4*>(sdO + i * kPitch + col));
+      fma4(tile_dk, sdS[i * kPP + lane], *reinterpret_cast<const float4*>(sQ + i * kPitch + col));
+    }
+    add4(acc_dv[c], tile_dv);
+    add4(acc_dk[c], tile_dk);
+  }
+}
+
+// dQ += dS K for query `lane`, columns 32c + 4*warp, into the fp32
+// accumulator (atomics, or this block's own split when deterministic).
+template <int kD, bool kDeterministic>
+FAE_DEVICE void accumulate_dq(float* dq_bh, const float* sdS, const float* sK, int query0,
+                              int seqlen_q, int head_dim, int lane, int warp) {
+  constexpr int kCols = kD / 32;
+  float4 acc_dq[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) acc_dq[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int j = 0; j < kBwdFp32BlockN; ++j) {
+    const float ds = sdS[lane * Fp32Smem<kD>::kPPitch + j];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c)
+      fma4(acc_dq[c], ds,
+           *reinterpret_cast<const float4*>(sK + j * Fp32Smem<kD>::kPitch + 32 * c + 4 * warp));
+  }
+  const int row = query0 + lane;
+  if (row < seqlen_q) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int col = 32 * c + 4 * warp;
+      if (col >= head_dim) continue;
+      float* dst = dq_bh + static_cast<int64_t>(row) * kD + col;
+      if constexpr (kDeterministic) {
+        // Sole writer of these words (one block per split, fixed map).
+        float4 old = *reinterpret_cast<float4*>(dst);
+        old.x += acc_dq[c].x, old.y += acc_dq[c].y, old.z += acc_dq[c].z, old.w += acc_dq[c].w;
+        *reinterpret_cast<float4*>(dst) = old;
+      } else {
+        atomicAdd(dst + 0, acc_dq[c].x);
+        atomicAdd(dst + 1, acc_dq[c].y);
+        atomicAdd(dst + 2, acc_dq[c].z);
+        atomicAdd(dst + 3, acc_dq[c].w);
+      }
+    }
+  }
+}
+
+// Epilogue of a key tile: dK (scaled), dV straight from registers; keys no
+// query can see get their zeros here too.
+template <int kD>
+FAE_DEVICE void store_dk_dv(const AttentionBwdParams& params, float* dk_bh, float* dv_bh,
+                            const float4 (&acc_dk)[kD / 32], const float4 (&acc_dv)[kD / 32],
+                            int key0, int seqlen_k, int lane, int warp) {
+  const int key = key0 + lane;
+  if (key < seqlen_k) {
+    const float scale = params.softmax_scale;
+#pragma unroll
+    for (int c = 0; c < kD / 32; ++c) {
+      const int col = 32 * c + 4 * warp;
+      if (col >= params.head_dim) continue;
+      const float4 dk = make_float4(acc_dk[c].x * scale, acc_dk[c].y * scale,
+                                    acc_dk[c].z * scale, acc_dk[c].w * scale);
+      *reinterpret_cast<float4*>(dk_bh + key * params.dk_strides.row + col) = dk;
+      *reinterpret_cast<float4*>(dv_bh + key * params.dv_strides.row + col) = acc_dv[c];
+    }
+  }
+}
+
 template <int kD, bool kIsCausal, bool kDeterministic>
 __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdParams params) {
   using L = Fp32Smem<kD>;
-  constexpr int BM = kBwdFp32BlockM, BN = kBwdFp32BlockN, kPitch = L::kPitch, kPP = L::kPPitch;
+  constexpr int BM = kBwdFp32BlockM, BN = kBwdFp32BlockN;
   constexpr int kCols = kD / 32;  // float4 column groups per thread
   extern __shared__ __align__(16) float smem_f[];
   float* sQ = smem_f + L::kOffQ;
@@ -91,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdPa
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int h = blockIdx.y, b = blockIdx.z;
-  const int h_kv = h / (params.heads / params.heads_k);  // GQA: see bwd_kernel.cuh
+  const int h_kv = h / (params.heads / params.heads_k);  // GQA: see sm80/bwd_kernel.cuh
   const SeqBounds seq = seq_bounds(params, b);
   const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = params.head_dim;
   const int num_m_blocks = (seqlen_q + BM - 1) / BM;
@@ -112,6 +254,7 @@ __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdPa
   float* dq_bh = params.dq_accum + (split * params.q_rows_total + stats_row0) * kD;
 
   for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
+    // ---- prologue: this key tile's K / V, the first query tile it meets ------
     const int key0 = n_block * BN;
     int m_begin = 0;
     if (kIsCausal) {
@@ -129,121 +272,22 @@ __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdPa
     for (int c = 0; c < kCols; ++c)
       acc_dk[c] = acc_dv[c] = make_float4(0.f, 0.f, 0.f, 0.f);
 
+    // ---- main loop over query tiles -----------------------------------------
     for (int m_block = m_begin; m_block < num_m_blocks; ++m_block) {
       const int query0 = m_block * BM;
       __syncthreads();  // previous tile done with sQ / sdO / sP / sdS
-      load_tile<kD>(sQ, q_bh + query0 * params.q_strides.row, params.q_strides.row,
-                    min(BM, seqlen_q - query0), head_dim);
-      load_tile<kD>(sdO, do_bh + query0 * params.dout_strides.row, params.dout_strides.row,
-                    min(BM, seqlen_q - query0), head_dim);
-      if (threadIdx.x < BM) {
-        const int row = query0 + threadIdx.x;
-        float lse2 = INFINITY, dsum = 0.f;  // padded rows: P = exp2(-inf) = 0
-        if (row < seqlen_q) {
-          const float lse = lse_bh[row];
-          lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;  // fully masked row: P = 0
-          dsum = dsum_bh[row];
-        }
-        sLse2[threadIdx.x] = lse2;
-        sDsum[threadIdx.x] = dsum;
-      }
+      load_query_tile<kD>(sQ, sdO, sLse2, sDsum, params, q_bh, do_bh, lse_bh, dsum_bh, query0,
+                          seqlen_q);
       __syncthreads();
-
-      // ---- S = Q K^T, dP = dO V^T: query `lane`, keys 4*warp + r -------------
-      {
-        float s[4] = {0.f, 0.f, 0.f, 0.f}, dp[4] = {0.f, 0.f, 0.f, 0.f};
-        const float* q_row = sQ + lane * kPitch;
-        const float* do_row = sdO + lane * kPitch;
-#pragma unroll 4
-        for (int d = 0; d < kD; d += 4) {
-          const float4 qv = *reinterpret_cast<const float4*>(q_row + d);
-          const float4 dov = *reinterpret_cast<const float4*>(do_row + d);
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int key = 4 * warp + r;
-            s[r] = dot4(qv, *reinterpret_cast<const float4*>(sK + key * kPitch + d), s[r]);
-            dp[r] = dot4(dov, *reinterpret_cast<const float4*>(sV + key * kPitch + d), dp[r]);
-          }
-        }
-        const int query = query0 + lane;
-        const float lse2 = sLse2[lane], dsum = sDsum[lane];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int key = key0 + 4 * warp + r;
-          const bool visible = key < seqlen_k && (!kIsCausal || key <= query + seq.causal_offset);
-          const float p = visible ? exp2f(s[r] * params.scale_log2 - lse2) : 0.f;
-          sP[lane * kPP + 4 * warp + r] = p;
-          sdS[lane * kPP + 4 * warp + r] = p * (dp[r] - dsum);
-        }
-      }
+      scores_tile<kD, kIsCausal>(sP, sdS, sQ, sdO, sK, sV, sLse2, sDsum, params.scale_log2, key0,
+                                 query0, seqlen_k, seq.causal_offset, lane, warp);
       __syncthreads();
-
-      // ---- dV += P^T dO, dK += dS^T Q: key `lane`, columns 32c + 4*warp ------
-      // Summed per query tile first, then added to the running total: a
-      // two-level sum keeps fp32 rounding error growing with seqlen_q / BM
-      // instead of seqlen_q (a long sequential sum loses ~sqrt(n) ulps).
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int col = 32 * c + 4 * warp;
-        float4 tile_dv = make_float4(0.f, 0.f, 0.f, 0.f), tile_dk = tile_dv;
-#pragma unroll 4
-        for (int i = 0; i < BM; ++i) {
-          fma4(tile_dv, sP[i * kPP + lane], *reinterpret_cast<const float4*>(sdO + i * kPitch + col));
-          fma4(tile_dk, sdS[i * kPP + lane], *reinterpret_cast<const float4*>(sQ + i * kPitch + col));
-        }
-        add4(acc_dv[c], tile_dv);
-        add4(acc_dk[c], tile_dk);
-      }
-
-      // ---- dQ += dS K: query `lane`, columns 32c + 4*warp ---------------------
-      {
-        float4 acc_dq[kCols];
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) acc_dq[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-        for (int j = 0; j < BN; ++j) {
-          const float ds = sdS[lane * kPP + j];
-#pragma unroll
-          for (int c = 0; c < kCols; ++c)
-            fma4(acc_dq[c], ds, *reinterpret_cast<const float4*>(sK + j * kPitch + 32 * c + 4 * warp));
-        }
-        const int row = query0 + lane;
-        if (row < seqlen_q) {
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) {
-            const int col = 32 * c + 4 * warp;
-            if (col >= head_dim) continue;
-            float* dst = dq_bh + static_cast<int64_t>(row) * kD + col;
-            if constexpr (kDeterministic) {
-              // Sole writer of these words (one block per split, fixed map).
-              float4 old = *reinterpret_cast<float4*>(dst);
-              old.x += acc_dq[c].x, old.y += acc_dq[c].y, old.z += acc_dq[c].z, old.w += acc_dq[c].w;
-              *reinterpret_cast<float4*>(dst) = old;
-            } else {
-              atomicAdd(dst + 0, acc_dq[c].x);
-              atomicAdd(dst + 1, acc_dq[c].y);
-              atomicAdd(dst + 2, acc_dq[c].z);
-              atomicAdd(dst + 3, acc_dq[c].w);
-            }
-          }
-        }
-      }
+      accumulate_dk_dv<kD>(acc_dk, acc_dv, sP, sdS, sQ, sdO, lane, warp);
+      accumulate_dq<kD, kDeterministic>(dq_bh, sdS, sK, query0, seqlen_q, head_dim, lane, warp);
     }
 
-    // ---- dK (scaled), dV straight from registers; invisible keys get zeros ----
-    const int key = key0 + lane;
-    if (key < seqlen_k) {
-      const float scale = params.softmax_scale;
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int col = 32 * c + 4 * warp;
-        if (col >= head_dim) continue;
-        const float4 dk = make_float4(acc_dk[c].x * scale, acc_dk[c].y * scale,
-                                      acc_dk[c].z * scale, acc_dk[c].w * scale);
-        *reinterpret_cast<float4*>(dk_bh + key * params.dk_strides.row + col) = dk;
-        *reinterpret_cast<float4*>(dv_bh + key * params.dv_strides.row + col) = acc_dv[c];
-      }
-    }
+    // ---- epilogue -------------------------------------------------------------
+    store_dk_dv<kD>(params, dk_bh, dv_bh, acc_dk, acc_dv, key0, seqlen_k, lane, warp);
   }
 }
 

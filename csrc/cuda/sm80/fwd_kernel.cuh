@@ -1,0 +1,521 @@
+// FlashAttention-2 style forward kernel (sm_80+ mma.sync). The merging of
+// key-warp and split-KV partials, and the combine kernel: fwd_merge.cuh.
+//
+// One CTA computes one kBlockM-row query tile of one (batch, head) against a
+// contiguous range of key tiles (all of them unless split-KV is on):
+//
+//   prologue   cp.async Q and the first kStages-1 K/V tiles into shared memory
+//              (Q -> registers when Traits::kQInRegs)
+//   main loop  for each key tile n:
+//                wait K_n; prefetch K/V tile n+kStages-1
+//                S = Q K_n^T                       (fp32, in registers)
+//                scale to log2 domain, mask        (only on boundary tiles)
+//                online softmax: P = exp2(S - m), rescale O and row sums
+//                wait V_n;  O += P V_n             (P straight from registers)
+//   epilogue   O /= row_sum, lse = m*ln2 + ln(row_sum);
+//              O -> shared memory -> 16-byte global stores (or fp32 partials
+//              to out_accum / lse_accum when split-KV is on)
+#pragma once
+#include <cmath>
+
+#include "../../params.h"
+#include "../common/ptx.cuh"
+#include "fwd_kernel_traits.cuh"
+#include "fwd_merge.cuh"
+#include "../common/fwd_softmax.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+// ---------------------------------------------------------------------------
+// Global -> shared copy of a [kRows x kHeadDim] tile with 16-byte cp.async.
+// Consecutive threads take consecutive 16-byte chunks of a row (coalesced).
+// Rows >= valid_rows and columns >= head_dim are zero-filled, which is what
+// makes partial tiles and padded head dims safe: zero Q/K columns leave Q K^T
+// unchanged, zero V rows keep 0 * garbage out of P V.
+// `gmem` points at row 0 of the tile, which is always in bounds.
+// kFullL2Hint: the caller knows the whole tile is in range (valid_rows >=
+// kRows, head_dim == kHeadDim); every copy then carries `l2_policy` (ptx.cuh)
+// and none is predicated (zero-fills cannot carry a policy: cp_async_16_l2).
+// ---------------------------------------------------------------------------
+template <bool kFullL2Hint>
+FAE_DEVICE void copy_16(void* smem, const void* gmem, bool valid, uint64_t l2_policy) {
+  if constexpr (kFullL2Hint) {
+    cp_async_16_l2(smem, gmem, l2_policy);
+  } else {
+    cp_async_16(smem, gmem, valid);
+  }
+}
+
+template <typename Traits, typename Layout, int kRows, bool kFullL2Hint = false>
+FAE_DEVICE void load_tile_async(typename Traits::T* smem, const typename Traits::T* gmem,
+                                int64_t row_stride, int valid_rows, int head_dim, int tid,
+                                uint64_t l2_policy = 0) {
+  constexpr int kChunks = Traits::kHeadDim / 8;
+  constexpr int kThreads = Traits::kNThreads;
+  if constexpr (kThreads % kChunks == 0 && kRows % (kThreads / kChunks) == 0) {
+    // Each thread keeps one column chunk and walks rows kRowsPerIter apart:
+    // one base address per thread plus compile-time row increments.
+    constexpr int kRowsPerIter = kThreads / kChunks;
+    const int chunk = tid % kChunks;
+    const int row0 = tid / kChunks;
+    const bool col_valid = kFullL2Hint || chunk * 8 < head_dim;
+    // Stepping the pointer (rather than base + i * stride) keeps the compiler
+    // from hoisting one 64-bit offset per row out of the main loop.
+    const auto* src = gmem + row0 * row_stride + chunk * 8;
+    const int64_t step = kRowsPerIter * row_stride;
+#pragma unroll
+    for (int i = 0; i < kRows / kRowsPerIter; ++i) {
+      const int row = row0 + i * kRowsPerIter;
+      const bool valid = kFullL2Hint || (col_valid && row < valid_rows);
+      copy_16<kFullL2Hint>(smem + Layout::offset(row, chunk), valid ? src : gmem, valid, l2_policy);
+      src += step;
+    }
+  } else {
+    constexpr int kTotal = kRows * kChunks;
+    constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
+    // Partial unroll when one warp copies a wide tile (decode tile, D=224: 28
+    // copies per row group): fully unrolled, ptxas kept every address live
+    // and spilled ~850 bytes.
+#pragma unroll(kIters <= 8 ? kIters : 4)
+    for (int i = 0; i < kIters; ++i) {
+      const int idx = tid + i * kThreads;
+      if (kTotal % kThreads != 0 && idx >= kTotal) break;
+      const int row = idx / kChunks;
+      const int chunk = idx % kChunks;
+      const bool valid = kFullL2Hint || (row < valid_rows && chunk * 8 < head_dim);
+      copy_16<kFullL2Hint>(smem + Layout::offset(row, chunk),
+                         valid ? gmem + row * row_stride + chunk * 8 : gmem, valid, l2_policy);
+    }
+  }
+}
+
+// A-fragments of the warp's Q rows for head-dim k-step kk (16 columns).
+// ldmatrix.x4: lanes 0-15 address rows 0-15 at chunk 2kk, lanes 16-31 rows
+// 0-15 at chunk 2kk+1, giving a[0..3] = (g,lo) (g+8,lo) (g,hi) (g+8,hi).
+template <typename Traits>
+FAE_DEVICE void load_q_frag(uint32_t (&a)[4], const typename Traits::T* smem_q, int warp_row0,
+                            int m, int kk, int lane) {
+  const int row = warp_row0 + m * 16 + (lane & 15);
+  ldmatrix_x4(a, smem_q + Traits::QLayout::offset(row, 2 * kk + (lane >> 4)));
+}
+
+// S[m] += Q[m] K^T over the whole head dim, for the warp's kWarpKeys keys of
+// the tile (smem_k points at the warp's first key row).
+template <typename Traits, typename QFrags>
+FAE_DEVICE void gemm_qk(float (&s)[Traits::kMmaM][Traits::kTilesN][4], const QFrags& q_frags,
+                        const typename Traits::T* smem_q, const typename Traits::T* smem_k,
+                        int warp_row0, int lane) {
+  using T = typename Traits::T;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kStepsD; ++kk) {
+    uint32_t a[Traits::kMmaM][4];
+#pragma unroll
+    for (int m = 0; m < Traits::kMmaM; ++m) {
+      if constexpr (Traits::kQInRegs) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[m][r] = q_frags[m][kk][r];
+      } else {
+        load_q_frag<Traits>(a[m], smem_q, warp_row0, m, kk, lane);
+      }
+    }
+#pragma unroll
+    for (int jn = 0; jn < Traits::kWarpKeys / 16; ++jn) {
+      // K is [key][dim] = the "col" B operand as stored: no transpose.
+      // Matrices: (keys 0-7, dims lo) (keys 0-7, dims hi) (keys 8-15, lo) (keys 8-15, hi)
+      // = b0/b1 of n-tile 2jn, then b0/b1 of n-tile 2jn+1.
+      uint32_t b[4];
+      const int key = jn * 16 + ((lane >> 4) << 3) + (lane & 7);
+      ldmatrix_x4(b, smem_k + Traits::KVLayout::offset(key, 2 * kk + ((lane >> 3) & 1)));
+      const uint32_t b_lo[2] = {b[0], b[1]};
+      const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+      for (int m = 0; m < Traits::kMmaM; ++m) {
+        mma_16816<T>(s[m][2 * jn], a[m], b_lo);
+        mma_16816<T>(s[m][2 * jn + 1], a[m], b_hi);
+      }
+    }
+  }
+}
+
+// O[m] += P[m] V. The accumulator layout of S for n-tiles (2kk, 2kk+1) is
+// exactly the A-fragment layout of a 16x16 operand, so P is only converted
+// to 16 bits and re-packed, never staged through shared memory.
+template <typename Traits>
+FAE_DEVICE void gemm_pv(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
+                        const float (&p)[Traits::kMmaM][Traits::kTilesN][4],
+                        const typename Traits::T* smem_v, int lane) {
+  using T = typename Traits::T;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kStepsN; ++kk) {
+    uint32_t a[Traits::kMmaM][4];
+#pragma unroll
+    for (int m = 0; m < Traits::kMmaM; ++m) {
+      a[m][0] = pack2<T>(p[m][2 * kk][0], p[m][2 * kk][1]);          // row g,   keys lo
+      a[m][1] = pack2<T>(p[m][2 * kk][2], p[m][2 * kk][3]);          // row g+8, keys lo
+      a[m][2] = pack2<T>(p[m][2 * kk + 1][0], p[m][2 * kk + 1][1]);  // row g,   keys hi
+      a[m][3] = pack2<T>(p[m][2 * kk + 1][2], p[m][2 * kk + 1][3]);  // row g+8, keys hi
+    }
+#pragma unroll
+    for (int jd = 0; jd < Traits::kHeadDim / 16; ++jd) {
+      // V is [key][dim]; the B operand wants (k = key, n = dim) pairs along k,
+      // hence ldmatrix.trans. Matrices: (keys 0-7, dims lo) (keys 8-15, dims lo)
+      // (keys 0-7, dims hi) (keys 8-15, dims hi) = b0/b1 of d-tile 2jd, 2jd+1.
+      uint32_t b[4];
+      const int key = kk * 16 + (lane & 15);
+      ldmatrix_x4_trans(b, smem_v + Traits::KVLayout::offset(key, 2 * jd + (lane >> 4)));
+      const uint32_t b_lo[2] = {b[0], b[1]};
+      const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+      for (int m = 0; m < Traits::kMmaM; ++m) {
+        mma_16816<T>(o[m][2 * jd], a[m], b_lo);
+        mma_16816<T>(o[m][2 * jd + 1], a[m], b_hi);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// What the main kernel below shares with its prologue and epilogue stages: the
+// thread's place in the CTA and the K/V pipeline.
+// ---------------------------------------------------------------------------
+// A thread's mma fragment coordinates and its warp's slice of the tile.
+template <typename Traits>
+struct FwdThread {
+  int tid, warp, lane;
+  int g;          // mma row group
+  int q;          // lane within the quad
+  int warp_row0;  // the warp's first tile row
+  int warp_key0;  // first key of the warp's slice of every key tile
+
+  FAE_DEVICE FwdThread()
+      : tid(threadIdx.x),
+        warp(tid / 32),
+        lane(tid % 32),
+        g(lane / 4),
+        q(lane % 4),
+        warp_row0(warp / Traits::kKeyWarps * Traits::kRowsPerWarp),
+        warp_key0(warp % Traits::kKeyWarps * Traits::kWarpKeys) {}
+};
+
+// Q A-fragments, loaded once in the prologue when they fit in registers
+// (Traits::kQInRegs); otherwise a placeholder and gemm_qk reads shared memory.
+template <typename Traits>
+using QFragments = uint32_t[Traits::kQInRegs ? Traits::kMmaM : 1]
+                           [Traits::kQInRegs ? Traits::kStepsD : 1][4];
+
+// The CTA's K/V tiles (tile t = key tile range_begin + t) into the kStages
+// shared-memory slots, one cp.async commit group for K and one for V.
+template <typename Traits>
+struct KVTileLoader {
+  using T = typename Traits::T;
+  const AttentionFwdParams& params;
+  T* smem_k;  // kStages K tiles
+  T* smem_v;  // kStages V tiles
+  const T* k_head;
+  const T* v_head;
+  int64_t row_stride_k;
+  int64_t row_stride_v;
+  int range_begin;
+  int seqlen_k;
+  int tid;
+
+  // Decode tile: K/V that only this CTA reads stream through L2 as evict_first
+  // (params.kv_evict_first) in every tile that is wholly in range; the
+  // partial last tile and padded head dims take the plain zero-filling copies.
+  FAE_DEVICE void load(T* smem, const T* gmem, int64_t row_stride, int valid_rows) const {
+    if constexpr (Traits::kKVL2Policy) {
+      if (params.kv_evict_first && valid_rows >= Traits::kBlockN &&
+          params.head_dim == Traits::kHeadDim) {
+        load_tile_async<Traits, typename Traits::KVLayout, Traits::kBlockN, /*kFullL2Hint=*/true>(
+            smem, gmem, row_stride, valid_rows, params.head_dim, tid, l2_policy_evict_first());
+        return;
+      }
+    }
+    load_tile_async<Traits, typename Traits::KVLayout, Traits::kBlockN>(
+        smem, gmem, row_stride, valid_rows, params.head_dim, tid);
+  }
+
+  FAE_DEVICE void load_tile(int tile, int slot) const {
+    const int n_block = range_begin + tile;
+    const int64_t key0 = static_cast<int64_t>(n_block) * Traits::kBlockN;
+    const int valid_rows = seqlen_k - n_block * Traits::kBlockN;
+    load(smem_k + slot * Traits::kSmemKVElems, k_head + key0 * row_stride_k, row_stride_k,
+         valid_rows);
+    cp_async_commit();
+    load(smem_v + slot * Traits::kSmemKVElems, v_head + key0 * row_stride_v, row_stride_v,
+         valid_rows);
+    cp_async_commit();
+  }
+
+  // Keeps the commit-group count uniform past the last tile, so the
+  // cp_async_wait counts of the main loop hold for every iteration.
+  static FAE_DEVICE void commit_empty() {
+    cp_async_commit();
+    cp_async_commit();
+  }
+};
+
+// ---- prologue: Q, then K/V tiles 0 .. kStages-2 -----------------------------
+// Commit groups in flight, oldest first: Q | K0 | V0 | K1 | V1 | ...
+template <typename Traits>
+FAE_DEVICE void fwd_prologue(QFragments<Traits>& q_frags, const KVTileLoader<Traits>& kv,
+                             typename Traits::T* smem_q, const typename Traits::T* q_tile,
+                             int64_t q_row_stride, int q_valid_rows, int head_dim, int n_tiles,
+                             const FwdThread<Traits>& th) {
+  constexpr int kStages = Traits::kStages;
+  load_tile_async<Traits, typename Traits::QLayout, Traits::kBlockM>(smem_q, q_tile, q_row_stride,
+                                                                    q_valid_rows, head_dim, th.tid);
+  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_tiles) {
+      kv.load_tile(s, s);
+    } else {
+      kv.commit_empty();
+    }
+  }
+
+  if constexpr (Traits::kQInRegs) {
+    cp_async_wait<2 * (kStages - 1)>();  // all but the K/V groups: Q has landed
+    __syncthreads();                      // ... for every thread's chunks
+#pragma unroll
+    for (int m = 0; m < Traits::kMmaM; ++m)
+#pragma unroll
+      for (int kk = 0; kk < Traits::kStepsD; ++kk)
+        load_q_frag<Traits>(q_frags[m][kk], smem_q, th.warp_row0, m, kk, th.lane);
+  }
+}
+
+// ---- epilogue, unsplit: O -> shared memory -> 16-byte global stores; lse -----
+template <typename Traits>
+FAE_DEVICE void store_output(const float (&acc_o)[Traits::kMmaM][Traits::kTilesD][4],
+                             const float (&lse)[Traits::kMmaM][2], typename Traits::T* smem_q,
+                             const AttentionFwdParams& params, const SeqBounds& seq, int batch,
+                             int head, int row_in_head0, const FwdThread<Traits>& th) {
+  using T = typename Traits::T;
+  using QLayout = typename Traits::QLayout;
+  const int g = th.g, q = th.q, lane = th.lane, warp_row0 = th.warp_row0;
+  // O -> shared memory (the warp's own Q rows: no other warp touches them,
+  // so a warp barrier suffices) -> 16-byte coalesced global stores.
+  T* smem_o = smem_q;
+  __syncwarp();
+#pragma unroll
+  for (int m = 0; m < Traits::kMmaM; ++m)
+#pragma unroll
+    for (int d = 0; d < Traits::kTilesD; ++d)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp_row0 + m * 16 + h * 8 + g;
+        *reinterpret_cast<uint32_t*>(smem_o + QLayout::offset(row, d) + 2 * q) =
+            pack2<T>(acc_o[m][d][2 * h], acc_o[m][d][2 * h + 1]);
+      }
+  __syncwarp();
+
+  constexpr int kChunks = Traits::kHeadDim / 8;
+  constexpr int kChunksPerLane = Traits::kRowsPerWarp * kChunks / 32;
+  T* out_head = static_cast<T*>(params.out) + batch * params.out_strides.batch +
+                head * params.out_strides.head + seq.row0_q * params.out_strides.row;
+  // A local copy: read through `params` inside the && below, the bound check
+  // compiled to a branch per chunk instead of one predicate (ISETP.OR).
+  const int head_dim = params.head_dim;
+#pragma unroll
+  for (int i = 0; i < kChunksPerLane; ++i) {
+    const int idx = lane + 32 * i;
+    const int r = idx / kChunks;
+    const int c = idx % kChunks;
+    const int row = row_in_head0 + r;
+    if (row < seq.seqlen_q && c * 8 < head_dim) {
+      *reinterpret_cast<uint4*>(out_head + row * params.out_strides.row + c * 8) =
+          *reinterpret_cast<const uint4*>(smem_o + QLayout::offset(warp_row0 + r, c));
+    }
+  }
+  if (q == 0) {
+    float* lse_head = params.lse + seq.lse_index(params, batch, head, 0);
+#pragma unroll
+    for (int m = 0; m < Traits::kMmaM; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row_in_head0 + m * 16 + h * 8 + g;
+        if (row < seq.seqlen_q) lse_head[row] = lse[m][h];
+      }
+  }
+}
+
+// ---- epilogue, split-KV through global memory: this split's fp32 partials ---
+//   out_accum[split][lse row][0:kHeadDim], lse_accum[split][lse row]
+// normalised by this split's own row sum (lse rows: params.h; split-KV is
+// never used with varlen), for flash_fwd_combine_kernel. Each quad writes 32
+// contiguous bytes per (row, 8-column tile).
+template <typename Traits>
+FAE_DEVICE void store_split_partials(const float (&acc_o)[Traits::kMmaM][Traits::kTilesD][4],
+                                     const float (&lse)[Traits::kMmaM][2],
+                                     const AttentionFwdParams& params, const SeqBounds& seq,
+                                     int batch, int head, int split, int row_in_head0,
+                                     const FwdThread<Traits>& th) {
+  const int g = th.g, q = th.q;
+  const int64_t split_row0 = split * params.q_rows_total + seq.lse_index(params, batch, head, 0);
+  float* o_accum = params.out_accum + split_row0 * Traits::kHeadDim;
+  float* l_accum = params.lse_accum + split_row0;
+#pragma unroll
+  for (int m = 0; m < Traits::kMmaM; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_in_head0 + m * 16 + h * 8 + g;
+      if (row >= seq.seqlen_q) continue;
+#pragma unroll
+      for (int d = 0; d < Traits::kTilesD; ++d) {
+        const int col = d * 8 + 2 * q;
+        if (col < params.head_dim) {
+          *reinterpret_cast<float2*>(o_accum + static_cast<int64_t>(row) * Traits::kHeadDim +
+                                     col) = make_float2(acc_o[m][d][2 * h], acc_o[m][d][2 * h + 1]);
+        }
+      }
+      if (q == 0) l_accum[row] = lse[m][h];
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Main kernel. Grid: x = m-tile + num_m_blocks * (batch*heads + head), y = KV split.
+// ---------------------------------------------------------------------------
+template <typename Traits, bool kIsCausal, bool kVarSeq, bool kClusterMerge = false>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_fwd_kernel(const __grid_constant__ AttentionFwdParams params) {
+  using T = typename Traits::T;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kMmaM = Traits::kMmaM;
+  constexpr int kStages = Traits::kStages;
+  using KVLayout = typename Traits::KVLayout;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem_q = reinterpret_cast<T*>(smem_raw);
+  T* smem_k = smem_q + Traits::kSmemQElems;                     // kStages K tiles
+  T* smem_v = smem_k + kStages * Traits::kSmemKVElems;  // kStages V tiles
+  const FwdThread<Traits> th;
+
+  // ---- which tile ----------------------------------------------------------
+  const int num_m_blocks = ceil_div_dev(params.seqlen_q, kBlockM);
+  const int bh = blockIdx.x / num_m_blocks;
+  int m_block = blockIdx.x % num_m_blocks;
+  // Causal tiles further down see more keys; start those first so the short
+  // ones fill the tail of the wave (the x order keeps a head's tiles adjacent
+  // for L2 reuse of its K/V).
+  if (kIsCausal) m_block = num_m_blocks - 1 - m_block;
+  const int batch = bh / params.heads;
+  const int head = bh % params.heads;
+  const int head_k = head / (params.heads / params.heads_k);
+  const int split = blockIdx.y;
+  const int num_splits = gridDim.y;
+  // This sequence's lengths / first rows / causal offset (varlen, seqused_k).
+  const SeqBounds seq = seq_bounds<kVarSeq>(params, batch);
+  if (m_block * kBlockM >= seq.seqlen_q) return;  // varlen: past this sequence (CTA-uniform)
+
+  const KeyTileRange range =
+      key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, m_block, split, num_splits);
+  const int n_tiles = range.end - range.begin;
+
+  const int64_t row_stride_k = params.k_strides.row;
+  const int64_t row_stride_v = params.v_strides.row;
+  const T* q_tile = static_cast<const T*>(params.q) + batch * params.q_strides.batch +
+                    head * params.q_strides.head +
+                    (seq.row0_q + static_cast<int64_t>(m_block) * kBlockM) * params.q_strides.row;
+  const T* k_head = static_cast<const T*>(params.k) + batch * params.k_strides.batch +
+                    head_k * params.k_strides.head + seq.row0_k * row_stride_k;
+  const T* v_head = static_cast<const T*>(params.v) + batch * params.v_strides.batch +
+                    head_k * params.v_strides.head + seq.row0_k * row_stride_v;
+  const KVTileLoader<Traits> kv{params,       smem_k,       smem_v,      k_head, v_head,
+                                row_stride_k, row_stride_v, range.begin, seq.seqlen_k, th.tid};
+
+  float acc_o[kMmaM][Traits::kTilesD][4];
+#pragma unroll
+  for (int m = 0; m < kMmaM; ++m)
+#pragma unroll
+    for (int d = 0; d < Traits::kTilesD; ++d)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc_o[m][d][r] = 0.f;
+  OnlineSoftmax<kMmaM> softmax;
+
+  if (n_tiles > 0) {  // CTA-uniform; an empty range writes O = 0, lse = -inf
+    QFragments<Traits> q_frags;
+    fwd_prologue<Traits>(q_frags, kv, smem_q, q_tile, params.q_strides.row,
+                         seq.seqlen_q - m_block * kBlockM, params.head_dim, n_tiles, th);
+
+    // ---- main loop over key tiles --------------------------------------------
+    // (Inline here: as a device function it cost the D=192 causal varlen kernel
+    // 40 more bytes of spills, same PTX up to register numbering.)
+    const int row_base = m_block * kBlockM + th.warp_row0 + th.g;  // lane's first global row
+    for (int tile = 0; tile < n_tiles; ++tile) {
+      const int n_block = range.begin + tile;
+      const int slot = tile % kStages;
+      // The warp's key slice: whole rows, so the swizzle (row % 8) is unchanged.
+      const int slice = slot * Traits::kSmemKVElems + th.warp_key0 * KVLayout::kRowStride;
+      const T* smem_k_tile = smem_k + slice;
+      const T* smem_v_tile = smem_v + slice;
+
+      // Groups newer than K_tile: V_tile and 2 per tile tile+1 .. tile+kStages-2.
+      cp_async_wait<2 * kStages - 3>();
+      // K_tile is visible to all threads, and every warp has finished tile-1,
+      // so its slot ((tile-1) % kStages) can be refilled.
+      __syncthreads();
+      const int prefetch = tile + kStages - 1;
+      if (prefetch < n_tiles) {
+        kv.load_tile(prefetch, prefetch % kStages);
+      } else {
+        kv.commit_empty();
+      }
+
+      float acc_s[kMmaM][Traits::kTilesN][4];
+#pragma unroll
+      for (int m = 0; m < kMmaM; ++m)
+#pragma unroll
+        for (int j = 0; j < Traits::kTilesN; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc_s[m][j][r] = 0.f;
+      gemm_qk<Traits>(acc_s, q_frags, smem_q, smem_k_tile, th.warp_row0, th.lane);
+
+      const int col_base = n_block * kBlockN + th.warp_key0 + 2 * th.q;
+      if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block)) {
+        scale_and_mask<true, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
+                                        seq.seqlen_k, seq.causal_offset);
+      } else {
+        scale_and_mask<false, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
+                                         seq.seqlen_k, seq.causal_offset);
+      }
+      softmax.update(acc_s, acc_o);
+
+      // Groups newer than V_tile: 2 per tile tile+1 .. tile+kStages-1.
+      cp_async_wait<2 * kStages - 2>();
+      __syncthreads();  // V_tile visible to all threads
+      gemm_pv<Traits>(acc_o, acc_s, smem_v_tile, th.lane);
+    }
+    cp_async_wait<0>();  // only empty groups remain; keeps the smem reuse below obviously safe
+  }
+
+  // ---- epilogue: normalise, merge key warps / splits, store ------------------
+  float lse[kMmaM][2];
+  softmax.finalize(acc_o, lse);
+  const bool holds_output = merge_key_warps<Traits>(acc_o, lse, smem_raw, th.warp, th.lane);
+
+  const int row_in_head0 = m_block * kBlockM + th.warp_row0;  // sequence row of warp row 0
+
+  if constexpr (kClusterMerge) {
+    T* out_tile = static_cast<T*>(params.out) + batch * params.out_strides.batch +
+                  head * params.out_strides.head +
+                  (seq.row0_q + static_cast<int64_t>(m_block) * kBlockM) * params.out_strides.row;
+    float* lse_tile = params.lse + seq.lse_index(params, batch, head, m_block * kBlockM);
+    merge_splits_in_cluster<Traits>(acc_o, lse, holds_output, smem_raw, th.warp_row0,
+                                    min(kBlockM, seq.seqlen_q - m_block * kBlockM),
+                                    params.head_dim, out_tile, params.out_strides.row, lse_tile);
+    return;
+  }
+  if (!holds_output) return;  // the key warps' results are merged into warp 0's
+  if (num_splits == 1) {
+    store_output<Traits>(acc_o, lse, smem_q, params, seq, batch, head, row_in_head0, th);
+  } else {
+    store_split_partials<Traits>(acc_o, lse, params, seq, batch, head, split, row_in_head0, th);
+  }
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext
