@@ -116,6 +116,16 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+# The variants' defaults (window_left, window_right, softcap, alibi_slopes): off.
+_NO_VARIANTS = (-1, -1, 0.0, None)
+
+
+def _with_variant_defaults(inputs, n_before):
+    """apply()'s inputs with the variants' defaults filled in (torch.compile passes only the
+    arguments given)."""
+    return tuple(inputs) + _NO_VARIANTS[len(inputs) - n_before:]
+
+
 def _has_variants(window_left, window_right, softcap, alibi_slopes):
     return (window_left, window_right, softcap) != (-1, -1, 0.0) or alibi_slopes is not None
 
@@ -156,7 +166,7 @@ class FlashAttnFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         """Saves q, k, v, out, lse (and seqused_k) and the flags for the backward."""
         (q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, _, _, seqused_k,
-         window_left, window_right, softcap, alibi_slopes) = inputs
+         window_left, window_right, softcap, alibi_slopes) = _with_variant_defaults(inputs, 10)
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, seqused_k, alibi_slopes)
         ctx.variants = (window_left, window_right, softcap)
@@ -205,7 +215,8 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         """Saves q, k, v, out, lse, the cu_seqlens (and seqused_k) and the flags."""
         (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-         deterministic, seqused_k, window_left, window_right, softcap, alibi_slopes) = inputs
+         deterministic, seqused_k, window_left, window_right, softcap,
+         alibi_slopes) = _with_variant_defaults(inputs, 11)
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                               alibi_slopes)
