@@ -342,7 +342,8 @@ def test_sdpa_keeps_torch_signature():
 
 
 # ---- CUDA: not implemented yet --------------------------------------------------------------
-CUDA_VARIANTS = [dict(window_size=(16, 0)), dict(window_size=(-1, 4)), dict(softcap=30.0),
+# Each stays active in every call below (a window bound that no row reaches is dropped).
+CUDA_VARIANTS = [dict(window_size=(16, 0)), dict(window_size=(8, 4)), dict(softcap=30.0),
                  dict(alibi_slopes="head")]
 
 
@@ -354,19 +355,33 @@ def test_cuda_not_implemented(kwargs):
     match = "window_size/softcap/alibi_slopes on CUDA are not implemented yet"
     q, k, v = (randn((2, 64, HEADS, 64), torch.float16, "cuda", s) for s in (1, 2, 3))
     with pytest.raises(NotImplementedError, match=match):
-        fa.flash_attn_func(q, k, v, causal=True, **kwargs)
+        fa.flash_attn_func(q, k, v, **kwargs)
     with pytest.raises(NotImplementedError, match=match):
         fa.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=40, **kwargs)
     qv, kv, vv, cu_q, cu_k, max_q, max_k = make_varlen([7, 30], [40, 9], HEADS, KV_HEADS, 64,
                                                        torch.float16, "cuda")
     with pytest.raises(NotImplementedError, match=match):
         fa.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, max_q, max_k, **kwargs)
-    # the backward operator checks too
-    out, lse = torch.ops.flash_attn_ext.fwd(q, k, v, 0.125, True, True)
+    # the backward operators check too
+    out, lse = torch.ops.flash_attn_ext.fwd(q, k, v, 0.125, False, True)
     var = (*kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0),
            kwargs.get("alibi_slopes"))
     with pytest.raises(NotImplementedError, match=match):
-        torch.ops.flash_attn_ext.bwd(out, q, k, v, out, lse, 0.125, True, True, False, None, *var)
+        torch.ops.flash_attn_ext.bwd(out, q, k, v, out, lse, 0.125, False, True, False, None, *var)
+    out, lse = torch.ops.flash_attn_ext.varlen_fwd(qv, kv, vv, cu_q, cu_k, max_q, max_k, 0.125,
+                                                   False)
+    if var[3] is not None:
+        var = (*var[:3], var[3].expand(2, HEADS))  # one row per sequence
+    with pytest.raises(NotImplementedError, match=match):
+        torch.ops.flash_attn_ext.varlen_bwd(out, qv, kv, vv, out, lse, cu_q, cu_k, max_q, max_k,
+                                            0.125, False, False, None, *var)
+
+
+@pytest.mark.gpu
+def test_cuda_alibi_on_another_device():
+    q, k, v = (randn((2, 64, HEADS, 64), torch.float16, "cuda", s) for s in (1, 2, 3))
+    with pytest.raises(RuntimeError, match="alibi_slopes must be on the device of q"):
+        fa.flash_attn_func(q, k, v, alibi_slopes=_slopes("head"))
 
 
 @pytest.mark.gpu
@@ -374,8 +389,7 @@ def test_cuda_windows_equal_to_plain_calls_run():
     """Windows that are exactly causal or wider than the sequences are no variant: CUDA runs."""
     q, k, v = (randn((2, 64, HEADS, 64), torch.float16, "cuda", s) for s in (1, 2, 3))
     causal = fa.flash_attn_func(q, k, v, causal=True)
-    torch.testing.assert_close(fa.flash_attn_func(q, k, v, window_size=(-1, 0)), causal)
-    torch.testing.assert_close(fa.flash_attn_func(q, k, v, causal=True, window_size=(63, 5)),
-                               causal)
-    torch.testing.assert_close(fa.flash_attn_func(q, k, v, window_size=(1000, 1000)),
-                               fa.flash_attn_func(q, k, v))
+    assert torch.equal(fa.flash_attn_func(q, k, v, window_size=(-1, 0)), causal)
+    assert torch.equal(fa.flash_attn_func(q, k, v, causal=True, window_size=(63, 5)), causal)
+    assert torch.equal(fa.flash_attn_func(q, k, v, window_size=(1000, 1000)),
+                       fa.flash_attn_func(q, k, v))
