@@ -1,9 +1,11 @@
 // Operator schemas (TORCH_LIBRARY) and the CPU implementations.
 //
 //   flash_attn_ext::fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits, tile,
-//                       seqused_k) -> (out, lse)
+//                       seqused_k, window_left, window_right, softcap, alibi_slopes)
+//                       -> (out, lse)
 //   flash_attn_ext::bwd(dout, q, k, v, out, lse, softmax_scale, causal,
-//                       causal_bottom_right, deterministic, seqused_k) -> (dq, dk, dv)
+//                       causal_bottom_right, deterministic, seqused_k, window_left,
+//                       window_right, softcap, alibi_slopes) -> (dq, dk, dv)
 //   flash_attn_ext::varlen_fwd / varlen_bwd: the same over packed sequences
 //       (cu_seqlens_q / cu_seqlens_k, max_seqlen_q / max_seqlen_k; causal is
 //       bottom-right per sequence, as flash-attn's varlen API).
@@ -12,8 +14,11 @@
 // seqlen and head strides and a contiguous last dim; lse is [batch, heads,
 // seqlen_q] float32. k/v may have fewer heads than q (GQA / MQA). Varlen:
 // [total, heads, head_dim] and lse [heads, total_q]. seqused_k (int32
-// [batch]) limits the keys of each sequence. The CUDA implementations live
-// in csrc/cuda/ops_cuda.cpp.
+// [batch]) limits the keys of each sequence. window_left / window_right
+// (-1 = unbounded), softcap (0 = off) and alibi_slopes (float32 [heads] or
+// [batch, heads]) are flash-attn's variants, aligned like causal (see
+// csrc/params.h, csrc/mask.h). The CUDA implementations live in
+// csrc/cuda/ops_cuda.cpp.
 #include <torch/library.h>
 
 #include <limits>
@@ -64,9 +69,13 @@ static std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at:
                                                   const at::Tensor& v, double softmax_scale,
                                                   bool causal, bool causal_bottom_right,
                                                   int64_t num_splits, int64_t tile,
-                                                  const std::optional<at::Tensor>& seqused_k) {
+                                                  const std::optional<at::Tensor>& seqused_k,
+                                                  int64_t window_left, int64_t window_right,
+                                                  double softcap,
+                                                  const std::optional<at::Tensor>& alibi_slopes) {
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
   const AttentionFwdParams p =
-      make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k);
+      make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k, &var);
   check_fwd_tuning_args(num_splits, tile);  // accepted and ignored: one CPU kernel
   return run_fwd_cpu(p, q);
 }
@@ -74,19 +83,25 @@ static std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at:
 static std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    double softmax_scale, bool causal, const std::optional<at::Tensor>& seqused_k) {
+    double softmax_scale, bool causal, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
   const AttentionFwdParams p = make_varlen_fwd_params(
       q, k, v, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k}, softmax_scale, causal,
-      seqused_k);
+      seqused_k, &var);
   return run_fwd_cpu(p, q);
 }
 
 static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
-    bool causal_bottom_right, bool deterministic, const std::optional<at::Tensor>& seqused_k) {
+    bool causal_bottom_right, bool deterministic, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
   const AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
-                                               causal_bottom_right, deterministic, seqused_k);
+                                               causal_bottom_right, deterministic, seqused_k, &var);
   return run_bwd_cpu(p, q, k, v);
 }
 
@@ -95,32 +110,40 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double softmax_scale, bool causal, bool deterministic,
-    const std::optional<at::Tensor>& seqused_k) {
+    const std::optional<at::Tensor>& seqused_k, int64_t window_left, int64_t window_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
   const AttentionBwdParams p = make_varlen_bwd_params(
       dout, q, k, v, out, lse, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k},
-      softmax_scale, causal, deterministic, seqused_k);
+      softmax_scale, causal, deterministic, seqused_k, &var);
   return run_bwd_cpu(p, q, k, v);
 }
+
+// The attention variants (flash-attn's window_size, softcap, alibi_slopes),
+// the last arguments of every operator; their defaults turn them off.
+#define FAE_VARIANT_ARGS \
+  "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None"
 
 TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
-      "bool causal_bottom_right, int num_splits=0, int tile=0, Tensor? seqused_k=None) "
-      "-> (Tensor out, Tensor lse)");
+      "bool causal_bottom_right, int num_splits=0, int tile=0, Tensor? seqused_k=None, "
+      FAE_VARIANT_ARGS ") -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float softmax_scale, bool causal, bool causal_bottom_right, bool deterministic=False, "
-      "Tensor? seqused_k=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? seqused_k=None, " FAE_VARIANT_ARGS ") -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
-      "Tensor? seqused_k=None) -> (Tensor out, Tensor lse)");
+      "Tensor? seqused_k=None, " FAE_VARIANT_ARGS ") -> (Tensor out, Tensor lse)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
-      "float softmax_scale, bool causal, bool deterministic=False, Tensor? seqused_k=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "float softmax_scale, bool causal, bool deterministic=False, Tensor? seqused_k=None, "
+      FAE_VARIANT_ARGS ") -> (Tensor dq, Tensor dk, Tensor dv)");
 }
+#undef FAE_VARIANT_ARGS
 
 TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
   m.impl("fwd", &fwd_cpu);

@@ -85,13 +85,72 @@ inline void check_seq_tensor(const at::Tensor& t, const char* name, const at::Te
   TORCH_CHECK(t.is_contiguous(), "flash_attn_ext: ", name, " must be contiguous");
 }
 
+// flash-attn's window_size / softcap / alibi_slopes as the operators receive
+// them (defaults: off).
+struct VariantArgs {
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  double softcap = 0.0;
+  std::optional<at::Tensor> alibi_slopes;
+};
+
+// Validates the variants and stores them in canonical form (params.h): after
+// p.batch / p.heads / p.seqlen_q / p.seqlen_k (the longest sequences for
+// varlen) and p.causal are set. bottom_right: the alignment of the diagonal
+// that windows and ALiBi share with causal.
+inline void apply_variants(AttentionFwdParams& p, const VariantArgs& va, const at::Tensor& q,
+                           bool bottom_right) {
+  TORCH_CHECK(va.window_left >= -1 && va.window_right >= -1,
+              "flash_attn_ext: window_size entries must be >= 0, or -1 for unbounded, got (",
+              va.window_left, ", ", va.window_right, ")");
+  TORCH_CHECK(std::isfinite(va.softcap) && va.softcap >= 0.0,
+              "flash_attn_ext: softcap must be a finite number >= 0 (0 = off), got ", va.softcap);
+  // Causal: right bound 0 whatever window_size says (flash-attn's rule).
+  int64_t left = va.window_left, right = p.causal ? -1 : va.window_right;
+  // Bounds that every row already satisfies are dropped (exactly equivalent):
+  // bottom-right, row i's window starts at i + seqlen_k - seqlen_q - left <= 0
+  // for every row once left >= seqlen_k - 1, and ends at or after its last
+  // key once right >= seqlen_q - 1; top-left, the other way round.
+  const int64_t full_left = (bottom_right ? p.seqlen_k : p.seqlen_q) - 1;
+  const int64_t full_right = (bottom_right ? p.seqlen_q : p.seqlen_k) - 1;
+  if (left >= full_left) left = -1;
+  if (right >= full_right) right = -1;
+  if (!p.causal && left < 0 && right == 0) {  // window (-1, 0) is causal
+    p.causal = true;
+    right = -1;
+  }
+  p.window_left = static_cast<int>(left);
+  p.window_right = static_cast<int>(right);
+  p.softcap = static_cast<float>(va.softcap);
+  if (va.alibi_slopes.has_value()) {
+    const at::Tensor& a = *va.alibi_slopes;
+    TORCH_CHECK(a.scalar_type() == at::kFloat, "flash_attn_ext: alibi_slopes must be float32, got ",
+                a.scalar_type());
+    TORCH_CHECK(a.device() == q.device(), "flash_attn_ext: alibi_slopes must be on the device of q (",
+                q.device(), "), got ", a.device());
+    const bool per_head = a.dim() == 1 && a.size(0) == p.heads;
+    const bool per_batch = a.dim() == 2 && a.size(0) == p.batch && a.size(1) == p.heads;
+    TORCH_CHECK(per_head || per_batch, "flash_attn_ext: alibi_slopes must have shape [heads] = [",
+                p.heads, "] or [batch, heads] = [", p.batch, ", ", p.heads, "], got ", a.sizes());
+    TORCH_CHECK(a.stride(-1) == 1 || a.size(-1) == 1,
+                "flash_attn_ext: alibi_slopes must have a contiguous last dimension");
+    p.alibi_slopes = a.data_ptr<float>();
+    p.alibi_slopes_batch_stride = per_batch && a.size(0) > 1 ? a.stride(0) : 0;
+  }
+  if (p.causal || has_window(p) || p.alibi_slopes != nullptr) {  // the diagonal matters
+    p.causal_bottom_right = bottom_right;
+    p.causal_offset = bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+  }
+}
+
 // Validates q/k/v ([batch, seqlen, heads, head_dim]) and fills everything of
 // AttentionFwdParams except the output pointers (which the device
 // implementation allocates). seqused_k: optional int32 [batch] key counts.
 inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, double softmax_scale,
                                           bool causal, bool causal_bottom_right,
-                                          const std::optional<at::Tensor>& seqused_k = {}) {
+                                          const std::optional<at::Tensor>& seqused_k = {},
+                                          const VariantArgs* variants = nullptr) {
   check_bshd(q, "q");
   check_bshd(k, "k");
   check_bshd(v, "v");
@@ -134,6 +193,7 @@ inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor&
     check_seq_tensor(*seqused_k, "seqused_k", q, q.size(0));
     p.seqused_k = seqused_k->data_ptr<int>();
   }
+  if (variants != nullptr) apply_variants(p, *variants, q, causal_bottom_right);
   return p;
 }
 
@@ -176,7 +236,8 @@ inline void check_varlen_3d(const at::Tensor& t, const char* name) {
 inline AttentionFwdParams make_varlen_fwd_params(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v, const VarlenArgs& va,
                                                  double softmax_scale, bool causal,
-                                                 const std::optional<at::Tensor>& seqused_k) {
+                                                 const std::optional<at::Tensor>& seqused_k,
+                                                 const VariantArgs* variants = nullptr) {
   check_varlen_3d(q, "q");
   check_varlen_3d(k, "k");
   check_varlen_3d(v, "v");
@@ -209,6 +270,7 @@ inline AttentionFwdParams make_varlen_fwd_params(const at::Tensor& q, const at::
     check_seq_tensor(*seqused_k, "seqused_k", q, batch);
     p.seqused_k = seqused_k->data_ptr<int>();
   }
+  if (variants != nullptr) apply_variants(p, *variants, q, /*bottom_right=*/true);
   return p;
 }
 
@@ -279,9 +341,10 @@ inline AttentionBwdParams make_bwd_params(const at::Tensor& dout, const at::Tens
                                           const at::Tensor& out, const at::Tensor& lse,
                                           double softmax_scale, bool causal,
                                           bool causal_bottom_right, bool deterministic,
-                                          const std::optional<at::Tensor>& seqused_k = {}) {
+                                          const std::optional<at::Tensor>& seqused_k = {},
+                                          const VariantArgs* variants = nullptr) {
   const AttentionFwdParams fwd =
-      make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k);
+      make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k, variants);
   return add_bwd_inputs(fwd, q, dout, out, lse, {q.size(0), q.size(2), q.size(1)}, deterministic);
 }
 
@@ -290,8 +353,10 @@ inline AttentionBwdParams make_varlen_bwd_params(const at::Tensor& dout, const a
                                                  const at::Tensor& out, const at::Tensor& lse,
                                                  const VarlenArgs& va, double softmax_scale,
                                                  bool causal, bool deterministic,
-                                                 const std::optional<at::Tensor>& seqused_k) {
-  const AttentionFwdParams fwd = make_varlen_fwd_params(q, k, v, va, softmax_scale, causal, seqused_k);
+                                                 const std::optional<at::Tensor>& seqused_k,
+                                                 const VariantArgs* variants = nullptr) {
+  const AttentionFwdParams fwd =
+      make_varlen_fwd_params(q, k, v, va, softmax_scale, causal, seqused_k, variants);
   check_varlen_3d(out, "out");
   check_varlen_3d(dout, "dout");
   AttentionBwdParams p = add_bwd_inputs(fwd, q.unsqueeze(0), dout.unsqueeze(0), out.unsqueeze(0),

@@ -76,6 +76,28 @@ struct AttentionFwdParams {
   // seqlen_k - seqlen_q when bottom-right, else 0.
   int causal_offset = 0;
 
+  // ---- attention variants (flash-attn's window_size, softcap, alibi_slopes) --
+  // All are relative to the same diagonal as causal: query i of a sequence
+  // "is at" key  i + causal_offset  (SeqBounds; bottom-right alignment gives
+  // offset seqlen_k - seqlen_q, and causal_bottom_right is set whenever a
+  // window or ALiBi is active, not only with causal).
+  // Sliding window: key j is visible to query i iff
+  //   i + offset - window_left <= j <= i + offset + window_right,
+  // -1 = unbounded on that side. csrc/ops_common.h canonicalises: causal keeps
+  // `causal` (its right bound is 0, window_right stays -1), window (-1, 0)
+  // becomes causal, and bounds that no row can reach become -1, so
+  // has_window() is false for a window wider than the sequences.
+  int window_left = -1;
+  int window_right = -1;
+  // Logit softcapping: a scaled score s = softmax_scale * q.k becomes
+  // softcap * tanh(s / softcap) before the softmax; 0 = off.
+  float softcap = 0.f;
+  // ALiBi: fp32 slopes, slope(b, h) = alibi_slopes[b * alibi_slopes_batch_stride
+  // + h] (batch stride 0 for [heads] slopes); the bias
+  // -slope * |i + offset - j| is added after the softcap. nullptr = off.
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_slopes_batch_stride = 0;
+
   // ---- variable-length batches and key padding (all optional) -------------
   // Varlen: cu_seqlens_q / cu_seqlens_k (int32 [batch + 1], on the kernels'
   // device) hold the first row of each sequence in packed [total, heads, dim]
@@ -130,7 +152,8 @@ struct SeqBounds {
   int seqlen_k;      // keys it may attend to (after seqused_k)
   int64_t row0_q;    // first row in the (packed) row dimension
   int64_t row0_k;
-  int causal_offset; // key j visible to query i iff j <= i + causal_offset (when causal)
+  int causal_offset; // key j visible to query i iff j <= i + causal_offset (when causal);
+                     // also the diagonal of windows and ALiBi (csrc/mask.h)
 
   FAE_HOST_DEVICE int64_t lse_index(const AttentionFwdParams& p, int b, int h, int row) const {
     return b * p.lse_batch_stride + h * p.lse_head_stride + row0_q + row;
@@ -168,6 +191,17 @@ FAE_HOST_DEVICE SeqBounds seq_bounds(const AttentionFwdParams& p, int b) {
   }
   s.causal_offset = p.causal_bottom_right ? s.seqlen_k - s.seqlen_q : 0;
   return s;
+}
+
+// Whether a window bound is active (after canonicalisation, see above).
+FAE_HOST_DEVICE bool has_window(const AttentionFwdParams& p) {
+  return p.window_left >= 0 || p.window_right >= 0;
+}
+
+// Whether any of window / softcap / ALiBi is active: kernels that do not
+// implement them yet must reject such params (csrc/mask.h has their semantics).
+FAE_HOST_DEVICE bool has_variants(const AttentionFwdParams& p) {
+  return has_window(p) || p.softcap > 0.f || p.alibi_slopes != nullptr;
 }
 
 // Whether sequences differ (varlen or key padding): picks seq_bounds<true>.

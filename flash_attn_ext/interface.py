@@ -11,6 +11,8 @@ All reach the same kernels through strides: no copy when the last dim is contigu
 may have fewer heads than q (grouped-query / multi-query attention) everywhere.
 """
 import math
+import numbers
+import operator
 from typing import Optional, Tuple
 
 import torch
@@ -34,15 +36,32 @@ def _default_scale(head_dim):
     return 1.0 / math.sqrt(head_dim)
 
 
-def _reject_unsupported(dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+def _reject_dropout(dropout_p):
     if dropout_p != 0.0:
         _not_implemented(f"dropout (dropout_p={dropout_p})")
-    if tuple(window_size) != (-1, -1):
-        _not_implemented(f"sliding-window attention (window_size={tuple(window_size)})")
-    if softcap != 0.0:
-        _not_implemented(f"softcap (softcap={softcap})")
-    if alibi_slopes is not None:
-        _not_implemented("ALiBi (alibi_slopes)")
+
+
+def _variant_args(window_size, softcap, alibi_slopes):
+    """flash-attn's window_size / softcap / alibi_slopes -> the operators' (window_left,
+    window_right, softcap, alibi_slopes), checked. The tensor's dtype, shape and device are
+    checked by the operators."""
+    try:
+        left, right = (operator.index(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError("flash_attn_ext: window_size must be a pair of ints (left, right), got "
+                        f"{window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError("flash_attn_ext: window_size entries must be >= 0, or -1 for unbounded, "
+                         f"got {(left, right)}")
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"flash_attn_ext: softcap must be a float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"flash_attn_ext: softcap must be a finite number >= 0 (0 = off), got "
+                         f"{softcap}")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError("flash_attn_ext: alibi_slopes must be None or a float32 tensor [heads] or "
+                        f"[batch, heads], got {type(alibi_slopes).__name__}")
+    return left, right, float(softcap), alibi_slopes
 
 
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
@@ -57,6 +76,12 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     h // (heads // heads_k)); float16, bfloat16 or float32, on CPU or CUDA. softmax_scale
     defaults to 1/sqrt(head_dim). causal=True masks key j for query i unless
     j <= i + seqlen_k - seqlen_q (bottom-right alignment, as flash-attn >= 2.1).
+    window_size=(left, right): sliding window, key j visible to query i iff
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1 = unbounded;
+    causal=True sets right = 0). softcap > 0: scores s (already scaled by softmax_scale)
+    become softcap * tanh(s / softcap). alibi_slopes: float32 [heads] or [batch, heads], adds
+    -slope * |i + seqlen_k - seqlen_q - j| to the scores (after the softcap). The three work
+    on the CPU; on CUDA they raise NotImplementedError for now.
     deterministic=True makes the backward bit-reproducible.
     num_splits: split-KV for the CUDA forward (0 = heuristic, 1 = off, n = force n).
     seqused_k: optional int32 tensor [batch] on q's device: batch b only attends to keys
@@ -68,12 +93,13 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     (natural log; -inf for rows that see no key). There is no dropout, so no probability
     mask is returned.
     """
-    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    _reject_dropout(dropout_p)
+    variants = _variant_args(window_size, softcap, alibi_slopes)
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_rank(t, name, "[batch, seqlen, heads, head_dim]")
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, lse = FlashAttnFunction.apply(q, k, v, scale, bool(causal), True, bool(deterministic),
-                                       int(num_splits), 0, seqused_k)
+                                       int(num_splits), 0, seqused_k, *variants)
     if return_attn_probs:
         return out, lse, None
     if return_lse:
@@ -125,11 +151,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     are allowed). max_seqlen_q / max_seqlen_k: at least the longest sequence. causal is
     aligned bottom-right within each sequence. seqused_k (int32 [batch]) further limits the
     keys of each sequence. The cu_seqlens values are checked on the host (a small copy).
+    window_size, softcap and alibi_slopes as in flash_attn_func, per sequence (alibi_slopes
+    [batch, heads] has one row per sequence).
 
     Returns out [total_q, heads, head_dim]; with return_lse (or return_attn_probs) also
     lse float32 [heads, total_q] (and None for the probabilities).
     """
-    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    _reject_dropout(dropout_p)
+    variants = _variant_args(window_size, softcap, alibi_slopes)
     if block_table is not None:
         _not_implemented("paged KV (block_table)")
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
@@ -141,7 +170,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, lse = FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                              int(max_seqlen_q), int(max_seqlen_k), scale,
-                                             bool(causal), bool(deterministic), seqused_k)
+                                             bool(causal), bool(deterministic), seqused_k,
+                                             *variants)
     if return_attn_probs:
         return out, lse, None
     if return_lse:
@@ -181,12 +211,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     heads_k, head_dim]) are given they are written into the caches in place at positions
     cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (checked against cache_size), and
     attention runs over the first cache_seqlens[b] + seqlen_new keys. causal=True aligns the
-    queries with the end of that prefix. num_splits: split-KV (0 = heuristic).
+    queries with the end of that prefix, and so do window_size and alibi_slopes (softcap as in
+    flash_attn_func). num_splits: split-KV (0 = heuristic).
 
     Returns out [batch, seqlen_q, heads, head_dim] (and lse [batch, heads, seqlen_q] with
     return_softmax_lse=True).
     """
-    _reject_unsupported(0.0, window_size, softcap, alibi_slopes)
+    variants = _variant_args(window_size, softcap, alibi_slopes)
     for arg, what in ((rotary_cos, "rotary embedding (rotary_cos / rotary_sin)"),
                       (rotary_sin, "rotary embedding (rotary_cos / rotary_sin)"),
                       (cache_batch_idx, "cache_batch_idx"), (cache_leftpad, "cache_leftpad"),
@@ -226,5 +257,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q, k_c, v_c = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache)]
     with torch.no_grad():
         out, lse = torch.ops.flash_attn_ext.fwd(q, k_c, v_c, scale, bool(causal), True,
-                                                int(num_splits), 0, lengths)
+                                                int(num_splits), 0, lengths, *variants)
     return (out, lse) if return_softmax_lse else out

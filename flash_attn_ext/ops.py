@@ -1,16 +1,19 @@
 """Loads the native operators and makes them autograd- and compile-friendly.
 
 torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0,
-                             tile=0, seqused_k=None) -> (out, lse)
+                             tile=0, seqused_k=None, *variants) -> (out, lse)
 torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, softmax_scale, causal,
-                             causal_bottom_right, deterministic=False, seqused_k=None)
-                             -> (dq, dk, dv)
+                             causal_bottom_right, deterministic=False, seqused_k=None,
+                             *variants) -> (dq, dk, dv)
 torch.ops.flash_attn_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, softmax_scale, causal, seqused_k=None)
-                                    -> (out, lse)
+                                    max_seqlen_k, softmax_scale, causal, seqused_k=None,
+                                    *variants) -> (out, lse)
 torch.ops.flash_attn_ext.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                                    deterministic=False, seqused_k=None) -> (dq, dk, dv)
+                                    deterministic=False, seqused_k=None, *variants)
+                                    -> (dq, dk, dv)
+with *variants = window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None (flash-attn's
+window_size, softcap and alibi_slopes; the defaults turn them off; CPU only for now).
 
 Padded tensors are [batch, seqlen, heads, head_dim] with a contiguous last dim and lse is
 float32 [batch, heads, seqlen_q]; varlen tensors are packed [total, heads, head_dim] and
@@ -80,7 +83,7 @@ def _check_qkv(q, k, v, varlen=False):
 
 @torch.library.register_fake("flash_attn_ext::fwd")
 def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0, tile=0,
-              seqused_k=None):
+              seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     _check_qkv(q, k, v)
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
@@ -89,14 +92,16 @@ def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0,
 
 @torch.library.register_fake("flash_attn_ext::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
-              deterministic=False, seqused_k=None):
+              deterministic=False, seqused_k=None, window_left=-1, window_right=-1, softcap=0.0,
+              alibi_slopes=None):
     _check_qkv(q, k, v)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @torch.library.register_fake("flash_attn_ext::varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, seqused_k=None):
+                     softmax_scale, causal, seqused_k=None, window_left=-1, window_right=-1,
+                     softcap=0.0, alibi_slopes=None):
     _check_qkv(q, k, v, varlen=True)
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -105,9 +110,24 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 @torch.library.register_fake("flash_attn_ext::varlen_bwd")
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, deterministic=False, seqused_k=None):
+                     max_seqlen_k, softmax_scale, causal, deterministic=False, seqused_k=None,
+                     window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     _check_qkv(q, k, v, varlen=True)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# The variants' defaults (window_left, window_right, softcap, alibi_slopes): off.
+_NO_VARIANTS = (-1, -1, 0.0, None)
+
+
+def _with_variant_defaults(inputs, n_before):
+    """apply()'s inputs with the variants' defaults filled in (torch.compile passes only the
+    arguments given)."""
+    return tuple(inputs) + _NO_VARIANTS[len(inputs) - n_before:]
+
+
+def _has_variants(window_left, window_right, softcap, alibi_slopes):
+    return (window_left, window_right, softcap) != (-1, -1, 0.0) or alibi_slopes is not None
 
 
 def _last_dim_contiguous(t):
@@ -116,33 +136,40 @@ def _last_dim_contiguous(t):
 
 class FlashAttnFunction(torch.autograd.Function):
     """out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, causal_bottom_right,
-    deterministic, num_splits, tile, seqused_k)
+    deterministic, num_splits, tile, seqused_k, window_left=-1, window_right=-1, softcap=0.0,
+    alibi_slopes=None)
 
     q [batch, seqlen_q, heads, head_dim], k / v [batch, seqlen_k, heads_k, head_dim]
     (heads % heads_k == 0; any strides, a non-contiguous last dim is copied) -> out
     [batch, seqlen_q, heads, head_dim] (q's dtype) and lse float32 [batch, heads, seqlen_q],
     returned but not differentiable. The backward gives dq, dk, dv shaped like q, k, v.
     num_splits = 0 and tile = 0 mean "choose": by the built-in heuristics, or by timing
-    when the autotuner is on (flash_attn_ext.autotune). seqused_k: None or int32 [batch]."""
+    when the autotuner is on (flash_attn_ext.autotune). seqused_k: None or int32 [batch].
+    window_left / window_right / softcap / alibi_slopes: flash-attn's variants (interface.py),
+    aligned like causal (causal_bottom_right)."""
 
     @staticmethod
     def forward(q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, num_splits,
-                tile, seqused_k):
+                tile, seqused_k, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
         """(out [batch, seqlen_q, heads, head_dim], lse float32 [batch, heads, seqlen_q])
         from q [batch, seqlen_q, heads, head_dim], k, v [batch, seqlen_k, heads_k, head_dim]."""
         q, k, v = [_last_dim_contiguous(t) for t in (q, k, v)]
-        if num_splits == 0 and tile == 0 and seqused_k is None and autotune.is_enabled():
+        variants = (window_left, window_right, softcap, alibi_slopes)
+        if (num_splits == 0 and tile == 0 and seqused_k is None and autotune.is_enabled()
+                and not _has_variants(*variants)):
             num_splits, tile = autotune.choose_forward_config(q, k, v, softmax_scale, causal,
                                                               causal_bottom_right)
         return torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right,
-                                            num_splits, tile, seqused_k)
+                                            num_splits, tile, seqused_k, *variants)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         """Saves q, k, v, out, lse (and seqused_k) and the flags for the backward."""
-        q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, _, _, seqused_k = inputs
+        (q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, _, _, seqused_k,
+         window_left, window_right, softcap, alibi_slopes) = _with_variant_defaults(inputs, 10)
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, seqused_k)
+        ctx.save_for_backward(q, k, v, out, lse, seqused_k, alibi_slopes)
+        ctx.variants = (window_left, window_right, softcap)
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
         ctx.causal_bottom_right = causal_bottom_right
@@ -153,17 +180,19 @@ class FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         """dout [batch, seqlen_q, heads, head_dim] -> dq, dk, dv shaped like q, k, v (None for
         the other inputs); lse's gradient is ignored."""
-        q, k, v, out, lse, seqused_k = ctx.saved_tensors
+        q, k, v, out, lse, seqused_k, alibi_slopes = ctx.saved_tensors
         q, k, v, dout = [_last_dim_contiguous(t) for t in (q, k, v, dout)]
         dq, dk, dv = torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, ctx.softmax_scale,
                                                   ctx.causal, ctx.causal_bottom_right,
-                                                  ctx.deterministic, seqused_k)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                                  ctx.deterministic, seqused_k, *ctx.variants,
+                                                  alibi_slopes)
+        return (dq, dk, dv) + (None,) * 11
 
 
 class FlashAttnVarlenFunction(torch.autograd.Function):
     """out, lse = FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, seqused_k)
+    max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, seqused_k,
+    window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None)
 
     Packed sequences: q [total_q, heads, head_dim], k / v [total_k, heads_k, head_dim],
     cu_seqlens_q / cu_seqlens_k int32 [batch + 1], seqused_k None or int32 [batch] -> out
@@ -172,21 +201,26 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                causal, deterministic, seqused_k):
+                causal, deterministic, seqused_k, window_left=-1, window_right=-1, softcap=0.0,
+                alibi_slopes=None):
         """(out [total_q, heads, head_dim], lse float32 [heads, total_q]) from packed q
         [total_q, heads, head_dim], k, v [total_k, heads_k, head_dim]."""
         q, k, v = [_last_dim_contiguous(t) for t in (q, k, v)]
         return torch.ops.flash_attn_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                    max_seqlen_q, max_seqlen_k, softmax_scale,
-                                                   causal, seqused_k)
+                                                   causal, seqused_k, window_left, window_right,
+                                                   softcap, alibi_slopes)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         """Saves q, k, v, out, lse, the cu_seqlens (and seqused_k) and the flags."""
         (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-         deterministic, seqused_k) = inputs
+         deterministic, seqused_k, window_left, window_right, softcap,
+         alibi_slopes) = _with_variant_defaults(inputs, 11)
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                              alibi_slopes)
+        ctx.variants = (window_left, window_right, softcap)
         ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
@@ -197,12 +231,13 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         """dout [total_q, heads, head_dim] -> dq, dk, dv shaped like q, k, v (None for the
         other inputs)."""
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes = ctx.saved_tensors
         q, k, v, dout = [_last_dim_contiguous(t) for t in (q, k, v, dout)]
         dq, dk, dv = torch.ops.flash_attn_ext.varlen_bwd(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
-            ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic, seqused_k)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+            ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic, seqused_k,
+            *ctx.variants, alibi_slopes)
+        return (dq, dk, dv) + (None,) * 12
 
 
 # torch.autograd.Function.apply binds the call's arguments to forward's signature with

@@ -3,21 +3,28 @@
 It materialises the [seqlen_q, seqlen_k] score matrix, so use it on small inputs.
 """
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 
 def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
                   causal_bottom_right: bool = True, upcast: bool = True,
-                  layout: str = "bshd", return_lse: bool = False):
-    """O = softmax(scale * Q K^T + causal mask) V, computed the plain way.
+                  layout: str = "bshd", return_lse: bool = False,
+                  window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                  alibi_slopes: Optional[torch.Tensor] = None):
+    """O = softmax(f(scale * Q K^T) + mask) V, computed the plain way.
 
     layout "bshd": q [batch, seqlen_q, heads, head_dim], k / v [batch, seqlen_k, heads,
     head_dim] (flash-attn's layout); "bhsd": [batch, heads, seqlen, head_dim] (torch SDPA's).
     k / v have as many heads as q (repeat them for GQA). softmax_scale defaults to
     1/sqrt(head_dim); causal_bottom_right aligns the causal mask to the bottom-right corner
-    (flash-attn) instead of the top-left one (SDPA).
+    (flash-attn) instead of the top-left one (SDPA): query i sits at key i + offset, offset
+    = seqlen_k - seqlen_q (bottom-right) or 0. The variants use the same diagonal:
+    window_size=(left, right) keeps key j for query i iff
+    i + offset - left <= j <= i + offset + right (-1 = unbounded); softcap > 0 maps a scaled
+    score s to softcap * tanh(s / softcap); alibi_slopes ([heads] or [batch, heads]) then adds
+    -slope * |i + offset - j|.
     Returns out, shaped and typed like q; with return_lse=True (out, lse), lse
     [batch, heads, seqlen_q] in float32 (float64 for float64 inputs).
     upcast=True computes in float32 (or keeps float64 inputs), then casts the result to the
@@ -35,11 +42,24 @@ def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     scores = torch.matmul(q * scale, k.transpose(-2, -1))
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    offset = seqlen_k - seqlen_q if causal_bottom_right else 0
+    i = torch.arange(seqlen_q, device=q.device).view(-1, 1)
+    j = torch.arange(seqlen_k, device=q.device).view(1, -1)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=q.device, dtype=scores.dtype)
+        slopes = slopes.view(-1 if slopes.dim() == 2 else 1, slopes.shape[-1], 1, 1)
+        scores = scores - slopes * (i + offset - j).abs().to(scores.dtype)
+    left, right = window_size
+    masked = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
     if causal:
-        offset = seqlen_k - seqlen_q if causal_bottom_right else 0
-        i = torch.arange(seqlen_q, device=q.device).view(-1, 1)
-        j = torch.arange(seqlen_k, device=q.device).view(1, -1)
-        scores = scores.masked_fill(j > i + offset, float("-inf"))
+        masked |= j > i + offset
+    if right >= 0:
+        masked |= j > i + offset + right
+    if left >= 0:
+        masked |= j < i + offset - left
+    scores = scores.masked_fill(masked, float("-inf"))
     lse = torch.logsumexp(scores.float() if scores.dtype != torch.float64 else scores, dim=-1)
     # A row that sees no key would be softmax(all -inf) = NaN: give it zero probabilities
     # instead (and finite, zero gradients), as the kernels do.

@@ -61,41 +61,54 @@ def randn(shape, dtype, device, seed, requires_grad=False):
     return t.requires_grad_(requires_grad)
 
 
-def gqa_attention(q, k, v, causal, bottom_right=True, layout="bshd", scale=None):
+def gqa_attention(q, k, v, causal, bottom_right=True, layout="bshd", scale=None, **variant):
     """attention_ref at the inputs' precision, with k/v heads repeated over their query-head
-    group (query head h uses kv head h // (H // H_kv)). Returns (out, lse)."""
+    group (query head h uses kv head h // (H // H_kv)). `variant`: attention_ref's
+    window_size / softcap / alibi_slopes. Returns (out, lse)."""
     head_axis = 2 if layout == "bshd" else 1
     groups = q.shape[head_axis] // k.shape[head_axis]
     k = k.repeat_interleave(groups, dim=head_axis)
     v = v.repeat_interleave(groups, dim=head_axis)
     return attention_ref(q, k, v, softmax_scale=scale, causal=causal,
                          causal_bottom_right=bottom_right, upcast=False, layout=layout,
-                         return_lse=True)
+                         return_lse=True, **variant)
 
 
-def padded_attention(q, k, v, causal, seqused_k=None, scale=None):
-    """[B, S, H, D] attention where batch b only sees keys [0, seqused_k[b]); causal is
-    bottom-right relative to seqused_k[b]. Returns (out, lse [B, H, Sq])."""
+def batch_entry(variant, b):
+    """`variant` for batch entry b alone: [batch, heads] ALiBi slopes keep their row b."""
+    slopes = variant.get("alibi_slopes")
+    if slopes is None or slopes.dim() == 1:
+        return variant
+    return dict(variant, alibi_slopes=slopes[b:b + 1])
+
+
+def padded_attention(q, k, v, causal, seqused_k=None, scale=None, **variant):
+    """[B, S, H, D] attention where batch b only sees keys [0, seqused_k[b]); causal (and the
+    variant's window / ALiBi) is bottom-right relative to seqused_k[b]. Returns (out, lse
+    [B, H, Sq])."""
     if seqused_k is None:
-        return gqa_attention(q, k, v, causal, scale=scale)
+        return gqa_attention(q, k, v, causal, scale=scale, **variant)
     outs, lses = [], []
     for b, n in enumerate(seqused_k.tolist()):
-        o, l = gqa_attention(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal, scale=scale)
+        o, l = gqa_attention(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal, scale=scale,
+                             **batch_entry(variant, b))
         outs.append(o)
         lses.append(l)
     return torch.cat(outs), torch.cat(lses)
 
 
-def varlen_attention(q, k, v, cu_q, cu_k, causal, seqused_k=None, scale=None):
-    """Packed [total, H, D] attention, one sequence at a time (causal bottom-right per
-    sequence). Rows past cu_q[-1] get zeros. Returns (out [total_q, H, D], lse [H, cu_q[-1]])."""
+def varlen_attention(q, k, v, cu_q, cu_k, causal, seqused_k=None, scale=None, **variant):
+    """Packed [total, H, D] attention, one sequence at a time (causal and the variant's window
+    / ALiBi bottom-right per sequence). Rows past cu_q[-1] get zeros. Returns (out [total_q, H,
+    D], lse [H, cu_q[-1]])."""
     cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
     used = None if seqused_k is None else seqused_k.tolist()
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
         k_end = cu_k[b + 1] if used is None else cu_k[b] + used[b]
         o, l = gqa_attention(q[cu_q[b]:cu_q[b + 1]].unsqueeze(0), k[cu_k[b]:k_end].unsqueeze(0),
-                             v[cu_k[b]:k_end].unsqueeze(0), causal, scale=scale)
+                             v[cu_k[b]:k_end].unsqueeze(0), causal, scale=scale,
+                             **batch_entry(variant, b))
         outs.append(o[0])
         lses.append(l[0])
     outs.append(q.new_zeros((q.shape[0] - cu_q[-1], q.shape[1], v.shape[-1])))

@@ -2,8 +2,9 @@
 // [seqlen_q, seqlen_k] matrix.
 //
 // Forward (per task = one batch, head and block of kBlockM query rows):
-//   load Q_i once; for each visible key tile j:
-//     S = scale * Q_i K_j^T                     (BLAS tile GEMM, fp32)
+//   load Q_i once; for each visible key tile j (csrc/mask.h: causal, window and
+//   key padding bound the keys a row sees; tiles no row sees are skipped):
+//     S = f(scale * Q_i K_j^T)                  (BLAS tile GEMM, fp32; f: softcap, ALiBi)
 //     m_new = max(m, rowmax(S)); P = exp(S - m_new); l = l*exp(m - m_new) + rowsum(P)
 //     O = O*exp(m - m_new) + P V_j              (BLAS tile GEMM)
 //   O /= l; lse = m + log(l)
@@ -12,13 +13,16 @@
 //   pass 1, task = (batch, head, key tile j):   dV_j = sum_i P_ij^T dO_i,
 //                                                dK_j = scale * sum_i dS_ij^T Q_i
 //   pass 2, task = (batch, head, query tile i): dQ_i = scale * sum_j dS_ij K_j
-//   with P_ij = exp(S_ij - lse_i) and dS_ij = P_ij * (dO_i V_j^T - D_i).
+//   with P_ij = exp(S_ij - lse_i) and dS_ij = P_ij * (dO_i V_j^T - D_i) * f'(.)
+//   (f' = 1 - tanh^2 with softcap, else 1).
 // Memory beyond inputs/outputs: O(batch*heads*seqlen_q) for lse/D plus a few
 // tiles per thread.
 //
 // Tiles are fp32: 16-bit inputs are widened on load (so all arithmetic is
 // fp32), fp32 inputs are used in place through their row stride.
 #include "attention_cpu.h"
+
+#include "../mask.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -202,39 +206,58 @@ T* at_row(void* base, const TensorStrides& st, int b, int h, int64_t row) {
   return static_cast<T*>(base) + row_offset(st, b, h, row);
 }
 
-// ---- masking ---------------------------------------------------------------
+// ---- masking and score modifiers ---------------------------------------------
 // Rows and keys below are numbered within one sequence (SeqBounds, params.h:
-// varlen offsets, seqused_k and the causal alignment are all in there).
-// Number of leading keys of the sequence that query row i may see.
-int visible_keys(const AttentionFwdParams& p, const SeqBounds& s, int i) {
-  if (!p.causal) return s.seqlen_k;
-  return std::clamp(i + s.causal_offset + 1, 0, s.seqlen_k);
+// varlen offsets, seqused_k and the causal alignment are all in there); Mask
+// (csrc/mask.h) says which keys a row sees and modifies the scores (softcap,
+// ALiBi). A row's visible keys are one contiguous range, so a tile row is
+// split into [0, lo) masked, [lo, hi) visible, [hi, cols) masked.
+struct RowRange {
+  int lo, hi;  // visible columns of the tile row; lo >= hi: none
+};
+
+RowRange visible_cols(const Mask& mask, int i, int n0, int cols) {
+  return {std::clamp(mask.key_begin(i) - n0, 0, cols), std::clamp(mask.key_end(i) - n0, 0, cols)};
 }
 
-// Key tiles [n_begin, n_end) that some row of query block [m0, m0+rows) sees.
-int key_end_for_rows(const AttentionFwdParams& p, const SeqBounds& s, int m0, int rows) {
-  return visible_keys(p, s, m0 + rows - 1);
-}
-// First query row that sees key j (== seqlen_q when none does).
-int first_query_seeing(const AttentionFwdParams& p, const SeqBounds& s, int j) {
-  if (!p.causal) return 0;
-  return std::clamp(j - s.causal_offset, 0, s.seqlen_q);
+// Applies the score modifier to the visible columns [lo, hi) of row i of a
+// tile starting at key n0; with dfds, stores the derivative factor there too.
+void modify_scores(const Mask& mask, float* row, int i, int n0, RowRange r, float* dfds) {
+  if (!mask.has_score_mod()) return;
+  for (int c = r.lo; c < r.hi; ++c) {
+    row[c] = mask.score(row[c], i, n0 + c, dfds != nullptr ? dfds + c : nullptr);
+  }
 }
 
-// Computes P = exp(scale * Q K^T - lse) for a [rows, cols] tile (masked -> 0).
+// Key range [begin, end) that some row of query block [m0, m0+rows) sees
+// (Mask's bounds are non-decreasing in the row); end <= begin: none.
+RowRange keys_for_rows(const Mask& mask, int m0, int rows) {
+  return {mask.key_begin(m0), mask.key_end(m0 + rows - 1)};
+}
+// Query rows [begin, end) that see some key of [n0, n0 + cols).
+RowRange rows_for_keys(const Mask& mask, int n0, int cols) {
+  return {mask.query_begin(n0), mask.query_end(n0 + cols - 1)};
+}
+
+// Computes P = exp(f(scale * Q K^T) - lse) for a [rows, cols] tile (masked -> 0),
+// f being the score modifier; its derivative goes to dfds when softcapped.
 // `scores` is overwritten. Used by both backward passes.
-void recompute_probs(const AttentionFwdParams& p, const SeqBounds& s, const Tile& q, const Tile& k,
-                     int m0, int rows, int n0, int cols, const float* lse, float* scores) {
+void recompute_probs(const AttentionFwdParams& p, const Mask& mask, const Tile& q, const Tile& k,
+                     int m0, int rows, int n0, int cols, const float* lse, float* scores,
+                     float* dfds) {
   gemm_nt(rows, cols, p.head_dim, p.softmax_scale, q.data, q.ld, k.data, k.ld, 0.f, scores, cols);
   for (int r = 0; r < rows; ++r) {
     float* row = scores + static_cast<size_t>(r) * cols;
-    const int valid = std::clamp(visible_keys(p, s, m0 + r) - n0, 0, cols);
-    if (lse[r] == kNegInf) {  // fully masked row: no probability mass anywhere
+    const RowRange vis = visible_cols(mask, m0 + r, n0, cols);
+    if (lse[r] == kNegInf || vis.hi <= vis.lo) {  // no probability mass in this tile row
       std::fill(row, row + cols, 0.f);
       continue;
     }
-    exp_shifted_sum(row, valid, lse[r]);
-    std::fill(row + valid, row + cols, 0.f);
+    modify_scores(mask, row, m0 + r, n0, vis,
+                  mask.has_softcap() ? dfds + static_cast<size_t>(r) * cols : nullptr);
+    exp_shifted_sum(row + vis.lo, vis.hi - vis.lo, lse[r]);
+    std::fill(row, row + vis.lo, 0.f);
+    std::fill(row + vis.hi, row + cols, 0.f);
   }
 }
 
@@ -265,24 +288,28 @@ void fwd_impl(const AttentionFwdParams& p) {
       std::fill(row_max, row_max + rows, kNegInf);
       std::fill(row_sum, row_sum + rows, 0.f);
 
-      const int n_end = key_end_for_rows(p, s, m0, rows);
-      for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
-        const int cols = std::min(kBlockN, n_end - n0);
+      const Mask mask = make_mask(p, s, b, h);
+      const RowRange keys = keys_for_rows(mask, m0, rows);
+      for (int n0 = keys.lo; n0 < keys.hi; n0 += kBlockN) {
+        const int cols = std::min(kBlockN, keys.hi - n0);
         const int64_t k_row = s.row0_k + n0;
         const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, k_row), p.k_strides.row, cols, D, k_buf);
         const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols, D, v_buf);
         gemm_nt(rows, cols, D, p.softmax_scale, q.data, q.ld, k.data, k.ld, 0.f, scores.data(), cols);
         for (int r = 0; r < rows; ++r) {
           float* sc = scores.data() + static_cast<size_t>(r) * cols;
-          const int valid = std::clamp(visible_keys(p, s, m0 + r) - n0, 0, cols);
-          if (valid == 0) {  // this tile is entirely masked for this row
+          const RowRange vis = visible_cols(mask, m0 + r, n0, cols);
+          if (vis.hi <= vis.lo) {  // this tile is entirely masked for this row
             std::fill(sc, sc + cols, 0.f);
             continue;
           }
-          const float new_max = std::max(row_max[r], row_max_of(sc, valid));
+          modify_scores(mask, sc, m0 + r, n0, vis, nullptr);
+          const int n = vis.hi - vis.lo;
+          const float new_max = std::max(row_max[r], row_max_of(sc + vis.lo, n));
           const float correction = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - new_max);
-          const float tile_sum = exp_shifted_sum(sc, valid, new_max);
-          std::fill(sc + valid, sc + cols, 0.f);
+          const float tile_sum = exp_shifted_sum(sc + vis.lo, n, new_max);
+          std::fill(sc, sc + vis.lo, 0.f);
+          std::fill(sc + vis.hi, sc + cols, 0.f);
           row_sum[r] = row_sum[r] * correction + tile_sum;
           row_max[r] = new_max;
           float* o = acc.data() + static_cast<size_t>(r) * D;
@@ -337,12 +364,16 @@ void bwd_impl(const AttentionBwdParams& p) {
     }
   });
 
-  // dS = P * (dP - D_i), in place over dP.
-  auto softmax_grad = [](float* dp, const float* probs, const float* dsum, int rows, int cols) {
+  // dS = P * (dP - D_i) (times df/ds of the softcap, when given), in place over dP.
+  auto softmax_grad = [](float* dp, const float* probs, const float* dsum, int rows, int cols,
+                         const float* dfds) {
     for (int r = 0; r < rows; ++r) {
       float* g = dp + static_cast<size_t>(r) * cols;
       const float* pr = probs + static_cast<size_t>(r) * cols;
       for (int c = 0; c < cols; ++c) g[c] = pr[c] * (g[c] - dsum[r]);
+      if (dfds == nullptr) continue;
+      const float* f = dfds + static_cast<size_t>(r) * cols;
+      for (int c = 0; c < cols; ++c) g[c] *= f[c];
     }
   };
 
@@ -351,6 +382,7 @@ void bwd_impl(const AttentionBwdParams& p) {
   at::parallel_for(0, kv_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_buf, k_buf, v_buf, do_buf;
     std::vector<float> probs(static_cast<size_t>(kBlockM) * kBlockN), dprobs(probs.size());
+    std::vector<float> dfds(p.softcap > 0.f ? probs.size() : 0);
     std::vector<float> dk_acc(static_cast<size_t>(kBlockN) * D), dv_acc(dk_acc.size());
     for (int64_t task = begin; task < end; ++task) {
       const int n_block = static_cast<int>(task % n_blocks);
@@ -365,18 +397,21 @@ void bwd_impl(const AttentionBwdParams& p) {
       const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols, D, v_buf);
       std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
       std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
-      const int m_begin = first_query_seeing(p, s, n0) / kBlockM * kBlockM;
       for (int h = kh * kv_group; h < (kh + 1) * kv_group; ++h) {
-        for (int m0 = m_begin; m0 < s.seqlen_q; m0 += kBlockM) {
-          const int rows = std::min(kBlockM, s.seqlen_q - m0);
+        const Mask mask = make_mask(p, s, b, h);
+        const RowRange queries = rows_for_keys(mask, n0, cols);
+        for (int m0 = queries.lo; m0 < queries.hi; m0 += kBlockM) {
+          const int rows = std::min(kBlockM, queries.hi - m0);
           const int64_t q_row = s.row0_q + m0;
           const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, q_row), p.q_strides.row, rows, D, q_buf);
           const Tile dout = load_tile(at_row<T>(p.dout, p.dout_strides, b, h, q_row), p.dout_strides.row,
                                       rows, D, do_buf);
-          recompute_probs(p, s, q, k, m0, rows, n0, cols, lse_row(s, b, h) + m0, probs.data());
+          recompute_probs(p, mask, q, k, m0, rows, n0, cols, lse_row(s, b, h) + m0, probs.data(),
+                          dfds.data());
           gemm_tn(cols, D, rows, 1.f, probs.data(), cols, dout.data, dout.ld, 1.f, dv_acc.data(), D);
           gemm_nt(rows, cols, D, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, dprobs.data(), cols);
-          softmax_grad(dprobs.data(), probs.data(), dsum_row(s, b, h) + m0, rows, cols);
+          softmax_grad(dprobs.data(), probs.data(), dsum_row(s, b, h) + m0, rows, cols,
+                       mask.has_softcap() ? dfds.data() : nullptr);
           gemm_tn(cols, D, rows, p.softmax_scale, dprobs.data(), cols, q.data, q.ld, 1.f, dk_acc.data(), D);
         }
       }
@@ -390,6 +425,7 @@ void bwd_impl(const AttentionBwdParams& p) {
   at::parallel_for(0, q_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_buf, k_buf, v_buf, do_buf;
     std::vector<float> probs(static_cast<size_t>(kBlockM) * kBlockN), dprobs(probs.size());
+    std::vector<float> dfds(p.softcap > 0.f ? probs.size() : 0);
     std::vector<float> dq_acc(static_cast<size_t>(kBlockM) * D);
     for (int64_t task = begin; task < end; ++task) {
       const int m_block = static_cast<int>(task % m_blocks);
@@ -405,15 +441,18 @@ void bwd_impl(const AttentionBwdParams& p) {
       const Tile dout = load_tile(at_row<T>(p.dout, p.dout_strides, b, h, q_row), p.dout_strides.row, rows,
                                   D, do_buf);
       std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
-      const int n_end = key_end_for_rows(p, s, m0, rows);
-      for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
-        const int cols = std::min(kBlockN, n_end - n0);
+      const Mask mask = make_mask(p, s, b, h);
+      const RowRange keys = keys_for_rows(mask, m0, rows);
+      for (int n0 = keys.lo; n0 < keys.hi; n0 += kBlockN) {
+        const int cols = std::min(kBlockN, keys.hi - n0);
         const int64_t k_row = s.row0_k + n0;
         const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, k_row), p.k_strides.row, cols, D, k_buf);
         const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols, D, v_buf);
-        recompute_probs(p, s, q, k, m0, rows, n0, cols, lse_row(s, b, h) + m0, probs.data());
+        recompute_probs(p, mask, q, k, m0, rows, n0, cols, lse_row(s, b, h) + m0, probs.data(),
+                        dfds.data());
         gemm_nt(rows, cols, D, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, dprobs.data(), cols);
-        softmax_grad(dprobs.data(), probs.data(), dsum_row(s, b, h) + m0, rows, cols);
+        softmax_grad(dprobs.data(), probs.data(), dsum_row(s, b, h) + m0, rows, cols,
+                     mask.has_softcap() ? dfds.data() : nullptr);
         gemm_nn(rows, D, cols, p.softmax_scale, dprobs.data(), cols, k.data, k.ld, 1.f, dq_acc.data(), D);
       }
       store_rows(at_row<T>(p.dq, p.dq_strides, b, h, q_row), p.dq_strides.row, dq_acc.data(), rows, D, 1.f);

@@ -54,6 +54,11 @@ void check_cuda_inputs(const at::Tensor& q) {
 
 int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
+void check_no_variants(const AttentionFwdParams& p) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!has_variants(p), "flash_attn_ext: window_size/softcap/alibi_slopes "
+                              "on CUDA are not implemented yet (they run on the CPU)");
+}
+
 template <typename F>
 void call_kernels(F&& f) {
   try {
@@ -112,6 +117,7 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
                                                 const at::Tensor& k_in, const at::Tensor& v_in,
                                                 int64_t num_splits, int64_t tile) {
   check_cuda_inputs(q_in);
+  check_no_variants(p);
   check_fwd_tuning_args(num_splits, tile);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool varlen = p.cu_seqlens_q != nullptr;
@@ -165,21 +171,28 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& v, double softmax_scale,
                                             bool causal, bool causal_bottom_right,
                                             int64_t num_splits, int64_t tile,
-                                            const std::optional<at::Tensor>& seqused_k) {
+                                            const std::optional<at::Tensor>& seqused_k,
+                                            int64_t window_left, int64_t window_right,
+                                            double softcap,
+                                            const std::optional<at::Tensor>& alibi_slopes) {
   // Validate the user's tensors first so messages name their shapes.
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
   const AttentionFwdParams p =
-      make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k);
+      make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k, &var);
   return run_fwd_cuda(p, q, k, v, num_splits, tile);
 }
 
 std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    double softmax_scale, bool causal, const std::optional<at::Tensor>& seqused_k) {
+    double softmax_scale, bool causal, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
   check_cuda_inputs(q);
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
   const AttentionFwdParams p = make_varlen_fwd_params(
       q, k, v, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k}, softmax_scale, causal,
-      seqused_k);
+      seqused_k, &var);
   return run_fwd_cuda(p, q, k, v, /*num_splits=*/1, /*tile=*/0);
 }
 
@@ -191,6 +204,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     AttentionBwdParams p, const at::Tensor& dout_in, const at::Tensor& q_in,
     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in) {
   check_cuda_inputs(q_in);
+  check_no_variants(p);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool partial = has_var_seqs(p);
   const int group = p.heads / p.heads_k;
@@ -257,9 +271,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
-    bool causal_bottom_right, bool deterministic, const std::optional<at::Tensor>& seqused_k) {
+    bool causal_bottom_right, bool deterministic, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
   const AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
-                                               causal_bottom_right, deterministic, seqused_k);
+                                               causal_bottom_right, deterministic, seqused_k, &var);
   return run_bwd_cuda(p, dout, q, k, v, out);
 }
 
@@ -268,11 +285,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double softmax_scale, bool causal, bool deterministic,
-    const std::optional<at::Tensor>& seqused_k) {
+    const std::optional<at::Tensor>& seqused_k, int64_t window_left, int64_t window_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   check_cuda_inputs(q);
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
   const AttentionBwdParams p = make_varlen_bwd_params(
       dout, q, k, v, out, lse, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k},
-      softmax_scale, causal, deterministic, seqused_k);
+      softmax_scale, causal, deterministic, seqused_k, &var);
   return run_bwd_cuda(p, dout, q, k, v, out);
 }
 

@@ -1,0 +1,395 @@
+"""Attention variants (flash-attn's window_size, softcap, alibi_slopes): values and gradients
+against the float64 reference (attention_ref) with FlashAttention's accuracy rule
+(tests/helpers.py) on the CPU, through every entry point that takes them (flash_attn_func,
+flash_attn_varlen_func, flash_attn_with_kvcache, the raw operators); the bad-value errors;
+and, marked gpu, the CUDA paths' NotImplementedError."""
+import time
+
+import pytest
+import torch
+
+import flash_attn_ext as fa
+from flash_attn_ext.ops import FlashAttnFunction
+from helpers import (check_lse, check_out_and_grads, gqa_attention, make_varlen,
+                     padded_attention, randn, ref_and_base, varlen_attention)
+
+HEADS, KV_HEADS = 4, 2  # every test below is grouped-query
+
+
+def _slopes(kind, batch=2, heads=HEADS, device="cpu"):
+    """ALiBi slopes: None, per head ([heads], the geometric ALiBi series) or per batch entry
+    ([batch, heads], random)."""
+    if kind is None:
+        return None
+    if kind == "head":
+        return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)],
+                            device=device)
+    gen = torch.Generator().manual_seed(7)
+    return (torch.rand((batch, heads), generator=gen) * 0.5).to(device)
+
+
+# (causal, window_size, softcap, alibi kind): each variant alone, with causal, and combined.
+CASES = {
+    "window_0_0": (False, (0, 0), 0.0, None),
+    "window_1_1": (False, (1, 1), 0.0, None),
+    "window_left_only": (False, (17, -1), 0.0, None),
+    "window_right_only": (False, (-1, 5), 0.0, None),
+    "window_huge": (False, (100000, 100000), 0.0, None),
+    "causal_window": (True, (33, -1), 0.0, None),
+    "causal_window_0": (True, (0, 0), 0.0, None),
+    "softcap30": (False, (-1, -1), 30.0, None),
+    "softcap50_causal": (True, (-1, -1), 50.0, None),
+    "softcap_strong": (False, (-1, -1), 1.5, None),
+    "alibi_head": (False, (-1, -1), 0.0, "head"),
+    "alibi_batch_causal": (True, (-1, -1), 0.0, "batch"),
+    "all_three": (False, (40, 8), 30.0, "batch"),
+    "all_three_causal": (True, (20, -1), 2.0, "head"),
+}
+
+
+def _variant(case, batch=2, device="cpu"):
+    causal, window, softcap, alibi = CASES[case]
+    return causal, dict(window_size=window, softcap=softcap,
+                        alibi_slopes=_slopes(alibi, batch, device=device))
+
+
+def _ops_variant(variant):
+    """attention_ref's keyword arguments -> FlashAttnFunction's trailing arguments."""
+    return (*variant["window_size"], variant["softcap"], variant["alibi_slopes"])
+
+
+def _spread(cases, combos):
+    """(case, *combo) pairs: every case with combos[0], and the other combos in turn, so each
+    case meets more than one dtype / shape without the full cross product."""
+    out = []
+    for i, case in enumerate(cases):
+        out.append((case, *combos[0]))
+        out.append((case, *combos[1 + i % (len(combos) - 1)]))
+    return out
+
+
+SHAPES = [(113, 300), (300, 113)]
+FUNC_PARAMS = _spread(list(CASES), [(torch.float32, *SHAPES[0]), (torch.float32, *SHAPES[1]),
+                                    (torch.bfloat16, *SHAPES[0]), (torch.float16, *SHAPES[1]),
+                                    (torch.bfloat16, *SHAPES[1]), (torch.float16, *SHAPES[0])])
+
+
+@pytest.mark.parametrize("case,dtype,seqlen_q,seqlen_k", FUNC_PARAMS, ids=str)
+def test_flash_attn_func(case, dtype, seqlen_q, seqlen_k):
+    """Odd lengths across the CPU tiles (64 query rows, 256 keys), Sq < Sk and Sq > Sk (where
+    bottom-right windows leave the first rows without keys: zeros, lse = -inf)."""
+    batch, head_dim = 2, 32
+    causal, variant = _variant(case)
+    q = randn((batch, seqlen_q, HEADS, head_dim), dtype, "cpu", 1, True)
+    k = randn((batch, seqlen_k, KV_HEADS, head_dim), dtype, "cpu", 2, True)
+    v = randn((batch, seqlen_k, KV_HEADS, head_dim), dtype, "cpu", 3, True)
+    scale = 0.5  # larger scores than 1/sqrt(d): the softcap bends them
+    out, lse = fa.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_lse=True,
+                                  **variant)
+    dout = randn(out.shape, dtype, "cpu", 4)
+    ref, base = ref_and_base(lambda q, k, v: gqa_attention(q, k, v, causal, scale=scale,
+                                                           **variant), (q, k, v), dout)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_out_and_grads(out, grads, ref, base, dtype)
+    check_lse(lse, ref[1], dtype)
+
+
+@pytest.mark.parametrize("case", ["window_1_1", "causal_window", "all_three", "all_three_causal"])
+def test_top_left_alignment(case):
+    """The operators also align windows and ALiBi top-left (causal_bottom_right=False), like
+    causal in the SDPA entry point."""
+    causal, variant = _variant(case)
+    q = randn((2, 70, HEADS, 16), torch.float32, "cpu", 1, True)
+    k = randn((2, 45, KV_HEADS, 16), torch.float32, "cpu", 2, True)
+    v = randn((2, 45, KV_HEADS, 16), torch.float32, "cpu", 3, True)
+    out, lse = FlashAttnFunction.apply(q, k, v, 0.25, causal, False, False, 0, 0, None,
+                                       *_ops_variant(variant))
+    dout = randn(out.shape, torch.float32, "cpu", 4)
+    ref, base = ref_and_base(lambda q, k, v: gqa_attention(q, k, v, causal, bottom_right=False,
+                                                           scale=0.25, **variant), (q, k, v), dout)
+    check_out_and_grads(out, torch.autograd.grad(out, (q, k, v), dout), ref, base, torch.float32)
+    check_lse(lse, ref[1], torch.float32)
+
+
+def test_fully_masked_rows():
+    """A window that excludes every key of some rows: those rows are zeros with lse = -inf,
+    and every gradient is finite (the rows contribute nothing)."""
+    q = randn((1, 40, 2, 16), torch.float32, "cpu", 1, True)
+    k = randn((1, 10, 2, 16), torch.float32, "cpu", 2, True)
+    v = randn((1, 10, 2, 16), torch.float32, "cpu", 3, True)
+    # row i sees keys [i - 32, i - 28]: rows 0..27 see none
+    out, lse = fa.flash_attn_func(q, k, v, window_size=(2, 2), softcap=5.0,
+                                  alibi_slopes=torch.tensor([0.1, 0.3]), return_lse=True)
+    assert torch.equal(out[:, :28], torch.zeros_like(out[:, :28]))
+    assert (lse[..., :28] == float("-inf")).all() and torch.isfinite(lse[..., 28:]).all()
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(grads[0][:, :28], torch.zeros_like(grads[0][:, :28]))
+
+
+def test_equivalences():
+    """Window (-1, 0) is causal; with causal the right bound is 0 whatever window_size says
+    (flash-attn's rule); a window wider than the sequences and softcap 0 are no-ops: all
+    bit-identical to the plain call."""
+    q, k, v = (randn((2, n, HEADS, 32), torch.bfloat16, "cpu", s) for n, s in ((50, 1), (77, 2), (77, 3)))
+    causal = fa.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(fa.flash_attn_func(q, k, v, window_size=(-1, 0)), causal)
+    assert torch.equal(fa.flash_attn_func(q, k, v, causal=True, window_size=(-1, 7)), causal)
+    assert torch.equal(fa.flash_attn_func(q, k, v, causal=True, window_size=(9, 7)),
+                       fa.flash_attn_func(q, k, v, window_size=(9, 0)))
+    plain = fa.flash_attn_func(q, k, v)
+    assert torch.equal(fa.flash_attn_func(q, k, v, window_size=(76, 49), softcap=0.0), plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["window_1_1", "causal_window", "softcap_strong",
+                                  "alibi_batch_causal", "all_three", "all_three_causal"])
+def test_seqused_k(case, dtype):
+    """Windows and ALiBi align to each batch entry's used keys."""
+    causal, variant = _variant(case)
+    q = randn((2, 37, HEADS, 32), dtype, "cpu", 1, True)
+    k = randn((2, 90, KV_HEADS, 32), dtype, "cpu", 2, True)
+    v = randn((2, 90, KV_HEADS, 32), dtype, "cpu", 3, True)
+    used = torch.tensor([61, 20], dtype=torch.int32)
+    out, lse = fa.flash_attn_func(q, k, v, causal=causal, seqused_k=used, return_lse=True,
+                                  **variant)
+    dout = randn(out.shape, dtype, "cpu", 4)
+    ref, base = ref_and_base(lambda q, k, v: padded_attention(q, k, v, causal, used, **variant),
+                             (q, k, v), dout)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_out_and_grads(out, grads, ref, base, dtype)
+    check_lse(lse, ref[1], dtype)
+    assert torch.equal(grads[1][1, 20:], torch.zeros_like(k[1, 20:]))  # unused keys: dk = 0
+
+
+VARLEN_CASES = ["window_1_1", "window_left_only", "causal_window", "softcap30",
+                "alibi_batch_causal", "all_three", "all_three_causal"]
+
+
+@pytest.mark.parametrize("case,dtype,with_seqused_k", _spread(
+    VARLEN_CASES, [(torch.float32, False), (torch.bfloat16, True), (torch.float16, False),
+                   (torch.float32, True)]), ids=str)
+def test_varlen(case, dtype, with_seqused_k):
+    """Per sequence: bottom-right windows, ALiBi slopes per sequence ([batch, heads])."""
+    lens_q, lens_k = [7, 0, 130, 300, 1], [300, 5, 130, 77, 0]
+    causal, variant = _variant(case, batch=len(lens_q))
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, HEADS, KV_HEADS, 32, dtype,
+                                                    "cpu", pad_q=3, pad_k=2)
+    used = torch.tensor([250, 5, 64, 77, 0], dtype=torch.int32) if with_seqused_k else None
+    out, lse = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                         seqused_k=used, return_lse=True, **variant)
+    dout = randn(out.shape, dtype, "cpu", 9)
+    ref, base = ref_and_base(
+        lambda q, k, v: varlen_attention(q, k, v, cu_q, cu_k, causal, used, **variant),
+        (q, k, v), dout)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_out_and_grads(out, grads, ref, base, dtype)
+    check_lse(lse[:, :int(cu_q[-1])], ref[1], dtype)
+
+
+KVCACHE_CASES = ["window_0_0", "window_left_only", "causal_window", "softcap50_causal",
+                 "alibi_head", "all_three", "all_three_causal"]
+
+
+@pytest.mark.parametrize("case,dtype,seqlen_q", _spread(
+    KVCACHE_CASES, [(torch.float32, 1), (torch.bfloat16, 3), (torch.float16, 1),
+                    (torch.float32, 3), (torch.float16, 3), (torch.bfloat16, 1)]), ids=str)
+def test_kvcache(case, dtype, seqlen_q):
+    """Decoding against a KV cache (with an in-place append): windows and ALiBi align to the
+    end of each batch entry's valid prefix."""
+    batch, cache_len = 3, 40
+    causal, variant = _variant(case, batch=batch)
+    q = randn((batch, seqlen_q, HEADS, 32), dtype, "cpu", 31)
+    k_cache = randn((batch, cache_len, KV_HEADS, 32), dtype, "cpu", 32)
+    v_cache = randn((batch, cache_len, KV_HEADS, 32), dtype, "cpu", 33)
+    k_new = randn((batch, 2, KV_HEADS, 32), dtype, "cpu", 34)
+    v_new = randn((batch, 2, KV_HEADS, 32), dtype, "cpu", 35)
+    seqlens = torch.tensor([0, 17, cache_len - 2], dtype=torch.int32)
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
+                                          cache_seqlens=seqlens, causal=causal,
+                                          return_softmax_lse=True, **variant)
+    lengths = seqlens + 2
+    ref, base = ref_and_base(lambda q, k, v: padded_attention(q, k, v, causal, lengths, **variant),
+                             (q, k_cache, v_cache))
+    check_out_and_grads(out, None, ref, base, dtype)
+    check_lse(lse, ref[1], dtype)
+
+
+def test_window_skips_key_tiles():
+    """Time falls with the window: key tiles outside every row's window are never visited
+    (forward and backward). A 128-key causal window over 4096 keys does ~1/16 of full causal's
+    work; the bound leaves a wide margin for timing noise."""
+    q, k, v = (randn((1, 4096, 2, 64), torch.float32, "cpu", s, True) for s in (1, 2, 3))
+
+    def timed(**kwargs):
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            out = fa.flash_attn_func(q, k, v, causal=True, **kwargs)
+            torch.autograd.grad(out, (q, k, v), out)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    assert timed(window_size=(128, 0)) < 0.5 * timed()
+
+
+@pytest.mark.parametrize("with_variants", [False, True])
+def test_torch_compile(with_variants):
+    torch._dynamo.reset()
+    q, k, v = (randn((2, 33, HEADS, 16), torch.float32, "cpu", s, True) for s in (1, 2, 3))
+    kwargs = dict(window_size=(5, 3), softcap=4.0, alibi_slopes=_slopes("batch")) \
+        if with_variants else {}
+
+    def f(q, k, v):
+        return fa.flash_attn_func(q, k, v, causal=True, **kwargs).square().sum()
+
+    loss = torch.compile(f, fullgraph=True)(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    eager = f(q, k, v)
+    eager_grads = torch.autograd.grad(eager, (q, k, v))
+    torch.testing.assert_close(loss, eager)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e)
+
+
+# ---- operators: opcheck -------------------------------------------------------------------
+OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_autograd_registration")
+VARIANT_ARGS = [(-1, -1, 0.0, None), (7, 3, 0.0, None), (-1, -1, 20.0, None), (-1, -1, 0.0, "head"),
+                (11, -1, 3.0, "batch")]
+
+
+@pytest.mark.parametrize("variant", VARIANT_ARGS, ids=str)
+def test_opcheck(variant):
+    left, right, softcap, alibi = variant
+    q, k, v = (randn((2, n, HEADS, 16), torch.float32, "cpu", s) for n, s in ((37, 1), (53, 2), (53, 3)))
+    var = (left, right, softcap, _slopes(alibi))
+    fwd_args = (q, k, v, 0.25, True, True, 0, 0, None, *var)
+    torch.library.opcheck(torch.ops.flash_attn_ext.fwd.default, fwd_args, test_utils=OPCHECK_UTILS)
+    out, lse = torch.ops.flash_attn_ext.fwd(*fwd_args)
+    torch.library.opcheck(torch.ops.flash_attn_ext.bwd.default,
+                          (torch.randn_like(out), q, k, v, out, lse, 0.25, True, True, False,
+                           None, *var), test_utils=OPCHECK_UTILS)
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([7, 0, 13], [5, 9, 0], HEADS, KV_HEADS, 16,
+                                                    torch.float32, "cpu", requires_grad=False)
+    var = (left, right, softcap, _slopes(alibi, batch=3))
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, 0.25, False, None, *var)
+    torch.library.opcheck(torch.ops.flash_attn_ext.varlen_fwd.default, args,
+                          test_utils=OPCHECK_UTILS)
+    out, lse = torch.ops.flash_attn_ext.varlen_fwd(*args)
+    torch.library.opcheck(torch.ops.flash_attn_ext.varlen_bwd.default,
+                          (torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                           0.25, False, False, None, *var), test_utils=OPCHECK_UTILS)
+
+
+# ---- bad values: clear errors ---------------------------------------------------------------
+def _small():
+    return (randn((2, 8, HEADS, 16), torch.float32, "cpu", s) for s in (1, 2, 3))
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(window_size=(-2, 0)), ValueError, "window_size"),
+    (dict(window_size=(0, -7)), ValueError, "window_size"),
+    (dict(window_size=(3,)), TypeError, "window_size"),
+    (dict(window_size=(1.5, 2)), TypeError, "window_size"),
+    (dict(window_size=None), TypeError, "window_size"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(softcap=float("inf")), ValueError, "softcap"),
+    (dict(softcap="30"), TypeError, "softcap"),
+    (dict(alibi_slopes=[0.5] * HEADS), TypeError, "alibi_slopes"),
+    (dict(alibi_slopes=torch.ones(HEADS, dtype=torch.float64)), RuntimeError, "alibi_slopes.*float32"),
+    (dict(alibi_slopes=torch.ones(HEADS, dtype=torch.float16)), RuntimeError, "alibi_slopes.*float32"),
+    (dict(alibi_slopes=torch.ones(HEADS + 1)), RuntimeError, r"alibi_slopes.*shape"),
+    (dict(alibi_slopes=torch.ones(KV_HEADS)), RuntimeError, r"alibi_slopes.*shape"),
+    (dict(alibi_slopes=torch.ones(3, HEADS)), RuntimeError, r"alibi_slopes.*shape"),
+    (dict(alibi_slopes=torch.ones(1, 2, HEADS)), RuntimeError, r"alibi_slopes.*shape"),
+    (dict(alibi_slopes=torch.ones(HEADS, 2)[:, 0]), RuntimeError, "alibi_slopes.*contiguous"),
+])
+def test_bad_values(kwargs, exc, match):
+    q, k, v = _small()
+    with pytest.raises(exc, match=match):
+        fa.flash_attn_func(q, k, v, **kwargs)
+    with pytest.raises(exc, match=match):
+        fa.flash_attn_with_kvcache(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("variant,match", [
+    ((-3, -1, 0.0, None), "window_size"),
+    ((-1, -2, 0.0, None), "window_size"),
+    ((-1, -1, -0.5, None), "softcap"),
+    ((-1, -1, 0.0, torch.ones(HEADS, dtype=torch.int32)), "alibi_slopes"),
+])
+def test_bad_values_operators(variant, match):
+    """The raw operators check the values themselves."""
+    q, k, v = _small()
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.flash_attn_ext.fwd(q, k, v, 0.25, False, True, 0, 0, None, *variant)
+
+
+def test_bad_values_varlen():
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([3, 4], [5, 6], HEADS, KV_HEADS, 16,
+                                                    torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match=r"alibi_slopes.*\[2, 4\]"):  # one row per sequence
+        fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes=torch.ones(3, 4))
+    with pytest.raises(ValueError, match="window_size"):
+        fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(0, -9))
+
+
+def test_sdpa_keeps_torch_signature():
+    import inspect
+    params = inspect.signature(fa.scaled_dot_product_attention).parameters
+    assert not {"window_size", "softcap", "alibi_slopes"} & set(params)
+
+
+# ---- CUDA: not implemented yet --------------------------------------------------------------
+# Each stays active in every call below (a window bound that no row reaches is dropped).
+CUDA_VARIANTS = [dict(window_size=(16, 0)), dict(window_size=(8, 4)), dict(softcap=30.0),
+                 dict(alibi_slopes="head")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", CUDA_VARIANTS, ids=lambda kw: next(iter(kw)))
+def test_cuda_not_implemented(kwargs):
+    if "alibi_slopes" in kwargs:
+        kwargs = dict(alibi_slopes=_slopes("head", device="cuda"))
+    match = "window_size/softcap/alibi_slopes on CUDA are not implemented yet"
+    q, k, v = (randn((2, 64, HEADS, 64), torch.float16, "cuda", s) for s in (1, 2, 3))
+    with pytest.raises(NotImplementedError, match=match):
+        fa.flash_attn_func(q, k, v, **kwargs)
+    with pytest.raises(NotImplementedError, match=match):
+        fa.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=40, **kwargs)
+    qv, kv, vv, cu_q, cu_k, max_q, max_k = make_varlen([7, 30], [40, 9], HEADS, KV_HEADS, 64,
+                                                       torch.float16, "cuda")
+    with pytest.raises(NotImplementedError, match=match):
+        fa.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, max_q, max_k, **kwargs)
+    # the backward operators check too
+    out, lse = torch.ops.flash_attn_ext.fwd(q, k, v, 0.125, False, True)
+    var = (*kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0),
+           kwargs.get("alibi_slopes"))
+    with pytest.raises(NotImplementedError, match=match):
+        torch.ops.flash_attn_ext.bwd(out, q, k, v, out, lse, 0.125, False, True, False, None, *var)
+    out, lse = torch.ops.flash_attn_ext.varlen_fwd(qv, kv, vv, cu_q, cu_k, max_q, max_k, 0.125,
+                                                   False)
+    if var[3] is not None:
+        var = (*var[:3], var[3].expand(2, HEADS))  # one row per sequence
+    with pytest.raises(NotImplementedError, match=match):
+        torch.ops.flash_attn_ext.varlen_bwd(out, qv, kv, vv, out, lse, cu_q, cu_k, max_q, max_k,
+                                            0.125, False, False, None, *var)
+
+
+@pytest.mark.gpu
+def test_cuda_alibi_on_another_device():
+    q, k, v = (randn((2, 64, HEADS, 64), torch.float16, "cuda", s) for s in (1, 2, 3))
+    with pytest.raises(RuntimeError, match="alibi_slopes must be on the device of q"):
+        fa.flash_attn_func(q, k, v, alibi_slopes=_slopes("head"))
+
+
+@pytest.mark.gpu
+def test_cuda_windows_equal_to_plain_calls_run():
+    """Windows that are exactly causal or wider than the sequences are no variant: CUDA runs."""
+    q, k, v = (randn((2, 64, HEADS, 64), torch.float16, "cuda", s) for s in (1, 2, 3))
+    causal = fa.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(fa.flash_attn_func(q, k, v, window_size=(-1, 0)), causal)
+    assert torch.equal(fa.flash_attn_func(q, k, v, causal=True, window_size=(63, 5)), causal)
+    assert torch.equal(fa.flash_attn_func(q, k, v, window_size=(1000, 1000)),
+                       fa.flash_attn_func(q, k, v))
