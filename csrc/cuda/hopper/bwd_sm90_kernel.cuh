@@ -391,14 +391,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
         }
         bulk_commit_group();
+        bulk_wait_group_read<0>();
+        // The buffer may be written again (head-dim split: the stage reloaded),
+        // before the adds complete: the consumers and the loader go on while
+        // a deterministic turn is handed over.
+        mbar_arrive(Traits::kDqInQdoStage ? qdo_empty(stage) : dq_empty(w, buf));
         if (turn != nullptr) {
           bulk_wait_group<0>();
           release_flag_increment(turn);
-        } else {
-          bulk_wait_group_read<0>();
         }
-        // The buffer may be written again (head-dim split: the stage reloaded).
-        mbar_arrive(Traits::kDqInQdoStage ? qdo_empty(stage) : dq_empty(w, buf));
       }
       bulk_wait_group<0>();  // the CTA's adds are done before it retires
     }
