@@ -11,7 +11,7 @@ namespace flash_attn_ext {
 namespace cuda {
 
 // Kernel head dims (bwd_rounded_head_dim) with a Hopper backward; the others
-// use mma.sync (bwd_sm90_kernel.cuh: D = 256 splits dK / dV by head-dim halves).
+// use mma.sync (bwd_sm90_traits.cuh: D = 256 splits dK / dV by head-dim halves).
 inline bool bwd_sm90_head_dim(int kernel_dim) {
   return kernel_dim == 64 || kernel_dim == 128 || kernel_dim == 256;
 }
