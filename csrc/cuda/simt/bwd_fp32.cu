@@ -11,12 +11,28 @@
 // 8-lane phase; reads of one row by the whole warp are broadcasts. P and dS
 // use a pitch of 33 floats so both row- and column-wise accesses are
 // conflict-free.
+//
+// Attention variants (window_size, softcap, alibi_slopes; csrc/mask.h): a
+// third instantiation, kVariants = true (kIsCausal = false: causal is the
+// Mask's right bound 0), so the causal / non-causal kernels compile exactly as
+// before. Per (sequence, head) it builds the Mask, and per key tile
+//   * loops over the query tiles [query_begin(first key), query_end(last key))
+//     only (mask_query_tiles); keys no query sees keep dK = dV = 0;
+//   * key j of query i is visible iff key_begin(i) <= j < key_end(i);
+//   * with softcap / ALiBi (a CTA-uniform branch) the score is
+//     f = score_fp32(mask, scale * q.k, i, j, &dfds) (Mask::score at fp32
+//     accuracy), P = exp(f - lse) with the forward's lse of the modified
+//     scores, and dS = P o (dP - D) o dfds (dfds = 1 - tanh^2 with softcap,
+//     else 1): the gradient with respect to scale * q.k, so dK and dQ take the
+//     softmax scale as before (store_dk_dv, bwd_convert_dq).
+// Rows without a visible key have lse = -inf: P = 0, so zero gradients.
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
 #include "../common/bwd_preprocess.cuh"
 #include "bwd_fp32.h"
+#include "mask_fp32.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {
@@ -101,11 +117,12 @@ FAE_DEVICE void load_query_tile(float* sQ, float* sdO, float* sLse2, float* sDsu
 
 // S = Q K^T, dP = dO V^T for query `lane` and keys 4*warp + r; P and
 // dS = P o (dP - D) -> shared memory.
-template <int kD, bool kIsCausal>
+template <int kD, bool kIsCausal, bool kVariants>
 FAE_DEVICE void scores_tile(float* sP, float* sdS, const float* sQ, const float* sdO,
                             const float* sK, const float* sV, const float* sLse2,
                             const float* sDsum, float scale_log2, int key0, int query0,
-                            int seqlen_k, int causal_offset, int lane, int warp) {
+                            int seqlen_k, int causal_offset, int lane, int warp, const Mask& mask,
+                            float softmax_scale) {
   constexpr int kPitch = Fp32Smem<kD>::kPitch, kPP = Fp32Smem<kD>::kPPitch;
   float s[4] = {0.f, 0.f, 0.f, 0.f}, dp[4] = {0.f, 0.f, 0.f, 0.f};
   const float* q_row = sQ + lane * kPitch;
@@ -123,13 +140,28 @@ FAE_DEVICE void scores_tile(float* sP, float* sdS, const float* sQ, const float*
   }
   const int query = query0 + lane;
   const float lse2 = sLse2[lane], dsum = sDsum[lane];
+  if constexpr (kVariants) {
+    const int key_begin = mask.key_begin(query), key_end = mask.key_end(query);  // <= seqlen_k
+    const bool score_mod = mask.has_score_mod();  // CTA-uniform
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int key = key0 + 4 * warp + r;
-    const bool visible = key < seqlen_k && (!kIsCausal || key <= query + causal_offset);
-    const float p = visible ? exp2f(s[r] * scale_log2 - lse2) : 0.f;
-    sP[lane * kPP + 4 * warp + r] = p;
-    sdS[lane * kPP + 4 * warp + r] = p * (dp[r] - dsum);
+    for (int r = 0; r < 4; ++r) {
+      const int key = key0 + 4 * warp + r;
+      float x = s[r] * scale_log2, dfds = 1.f;
+      if (score_mod) x = score_fp32(mask, s[r] * softmax_scale, query, key, &dfds) * kLog2e;
+      const bool visible = key >= key_begin && key < key_end;
+      const float p = visible ? exp2f(x - lse2) : 0.f;
+      sP[lane * kPP + 4 * warp + r] = p;
+      sdS[lane * kPP + 4 * warp + r] = p * (dp[r] - dsum) * dfds;
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int key = key0 + 4 * warp + r;
+      const bool visible = key < seqlen_k && (!kIsCausal || key <= query + causal_offset);
+      const float p = visible ? exp2f(s[r] * scale_log2 - lse2) : 0.f;
+      sP[lane * kPP + 4 * warp + r] = p;
+      sdS[lane * kPP + 4 * warp + r] = p * (dp[r] - dsum);
+    }
   }
 }
 
@@ -216,7 +248,7 @@ FAE_DEVICE void store_dk_dv(const AttentionBwdParams& params, float* dk_bh, floa
   }
 }
 
-template <int kD, bool kIsCausal, bool kDeterministic>
+template <int kD, bool kIsCausal, bool kDeterministic, bool kVariants>
 __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdParams params) {
   using L = Fp32Smem<kD>;
   constexpr int BM = kBwdFp32BlockM, BN = kBwdFp32BlockN;
@@ -252,12 +284,16 @@ __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdPa
   const float* dsum_bh = params.dsoftmax_sum + stats_row0;
   const int split = kDeterministic ? blockIdx.x : 0;
   float* dq_bh = params.dq_accum + (split * params.q_rows_total + stats_row0) * kD;
+  Mask mask;
+  if constexpr (kVariants) mask = make_mask(params, seq, b, h);
 
   for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
     // ---- prologue: this key tile's K / V, the first query tile it meets ------
     const int key0 = n_block * BN;
-    int m_begin = 0;
-    if (kIsCausal) {
+    int m_begin = 0, m_end = num_m_blocks;
+    if constexpr (kVariants) {
+      mask_query_tiles<BM>(mask, key0, min(BN, seqlen_k - key0), m_begin, m_end);
+    } else if (kIsCausal) {
       const int first_query = key0 - seq.causal_offset;
       m_begin = first_query <= 0 ? 0 : first_query / BM;
     }
@@ -273,14 +309,16 @@ __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdPa
       acc_dk[c] = acc_dv[c] = make_float4(0.f, 0.f, 0.f, 0.f);
 
     // ---- main loop over query tiles -----------------------------------------
-    for (int m_block = m_begin; m_block < num_m_blocks; ++m_block) {
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
       const int query0 = m_block * BM;
       __syncthreads();  // previous tile done with sQ / sdO / sP / sdS
       load_query_tile<kD>(sQ, sdO, sLse2, sDsum, params, q_bh, do_bh, lse_bh, dsum_bh, query0,
                           seqlen_q);
       __syncthreads();
-      scores_tile<kD, kIsCausal>(sP, sdS, sQ, sdO, sK, sV, sLse2, sDsum, params.scale_log2, key0,
-                                 query0, seqlen_k, seq.causal_offset, lane, warp);
+      scores_tile<kD, kIsCausal, kVariants>(sP, sdS, sQ, sdO, sK, sV, sLse2, sDsum,
+                                            params.scale_log2, key0, query0, seqlen_k,
+                                            seq.causal_offset, lane, warp, mask,
+                                            params.softmax_scale);
       __syncthreads();
       accumulate_dk_dv<kD>(acc_dk, acc_dv, sP, sdS, sQ, sdO, lane, warp);
       accumulate_dq<kD, kDeterministic>(dq_bh, sdS, sK, query0, seqlen_q, head_dim, lane, warp);
@@ -297,15 +335,15 @@ void check(cudaError_t err, const char* what) {
                              cudaGetErrorString(err));
 }
 
-template <int kD, bool kIsCausal>
+template <int kD, bool kIsCausal, bool kVariants = false>
 void run_fp32(const AttentionBwdParams& params, cudaStream_t stream) {
   const int splits = params.deterministic ? params.num_splits : 1;
   if (splits < 1) throw std::runtime_error("flash_attn_ext: backward needs num_splits >= 1");
   launch_bwd_preprocess<float>(params, kD, splits, stream);
   const int num_n_blocks = (params.seqlen_k + kBwdFp32BlockN - 1) / kBwdFp32BlockN;
   const dim3 grid(params.deterministic ? splits : num_n_blocks, params.heads, params.batch);
-  auto kernel = params.deterministic ? &bwd_fp32_kernel<kD, kIsCausal, true>
-                                     : &bwd_fp32_kernel<kD, kIsCausal, false>;
+  auto kernel = params.deterministic ? &bwd_fp32_kernel<kD, kIsCausal, true, kVariants>
+                                     : &bwd_fp32_kernel<kD, kIsCausal, false, kVariants>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              Fp32Smem<kD>::kBytes),
         "shared-memory opt-in");
@@ -315,7 +353,9 @@ void run_fp32(const AttentionBwdParams& params, cudaStream_t stream) {
 
 template <int kD>
 void run_fp32_causal_switch(const AttentionBwdParams& params, cudaStream_t stream) {
-  if (params.causal) {
+  if (has_variants(params)) {  // window / softcap / ALiBi: causal is part of the Mask
+    run_fp32<kD, false, true>(params, stream);
+  } else if (params.causal) {
     run_fp32<kD, true>(params, stream);
   } else {
     run_fp32<kD, false>(params, stream);

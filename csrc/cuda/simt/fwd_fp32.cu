@@ -14,6 +14,21 @@
 // The 16 threads that share an S row are 16 consecutive lanes, so row max /
 // row sum are 4 xor-shuffles. P goes through shared memory because P V needs
 // a whole P row per thread.
+//
+// Attention variants (window_size, softcap, alibi_slopes; csrc/mask.h): a
+// third instantiation, kVariants = true (kIsCausal = false: causal is the
+// Mask's right bound 0), so the causal / non-causal kernels compile exactly as
+// before. It builds the (sequence, head) Mask once per CTA and
+//   * loops over the key tiles [key_begin(first row), key_end(last row)) of
+//     its query tile only (mask_key_tiles), so a window's work falls with its
+//     width and a query tile no key reaches stores O = 0, lse = -inf;
+//   * masks key j of row i unless key_begin(i) <= j < key_end(i), on the key
+//     tiles that some row does not see whole (mask_tile_full);
+//   * with softcap / ALiBi (a CTA-uniform branch), replaces scale * q.k by
+//     score_fp32(mask, scale * q.k, i, j) (Mask::score at fp32 accuracy) before
+//     the log2-domain online softmax; lse is then the LSE of the modified
+//     scores, as the backward expects.
+// Rows without a visible key keep row_sum 0 and are stored as O = 0, lse = -inf.
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -22,6 +37,7 @@
 #include "../common/fwd_softmax.cuh"
 #include "../common/ptx.cuh"
 #include "fwd_fp32.h"
+#include "mask_fp32.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {
@@ -119,25 +135,45 @@ FAE_DEVICE void qk_tile(float (&s)[Fp32Tile<kHeadDim>::kRowsPerThread][4], const
 
 // Scale, mask, online softmax of key tile n_block: P -> smem_p, O and the
 // row sums rescaled to the new row max (log2 domain, as OnlineSoftmax).
-template <int kHeadDim, bool kIsCausal>
+template <int kHeadDim, bool kIsCausal, bool kVariants>
 FAE_DEVICE void softmax_tile(float (&s)[Fp32Tile<kHeadDim>::kRowsPerThread][4],
                              float (&row_max)[Fp32Tile<kHeadDim>::kRowsPerThread],
                              float (&row_sum)[Fp32Tile<kHeadDim>::kRowsPerThread],
                              float (&acc_o)[Fp32Tile<kHeadDim>::kRowsPerThread]
                                            [Fp32Tile<kHeadDim>::kColGroups][4],
                              float* smem_p, float scale_log2, bool needs_mask, int n_block,
-                             int row_base, const SeqBounds& seq, int tx, int ty) {
+                             int row_base, const SeqBounds& seq, int tx, int ty,
+                             const Mask& mask, float softmax_scale) {
   using Tile = Fp32Tile<kHeadDim>;
+  constexpr float kLog2e = 1.4426950408889634f;
 #pragma unroll
   for (int i = 0; i < Tile::kRowsPerThread; ++i) {
-    int key_limit = seq.seqlen_k;
-    if (kIsCausal) key_limit = min(key_limit, row_base + 16 * i + seq.causal_offset + 1);
     float tile_max = row_max[i];
+    if constexpr (kVariants) {
+      const int row = row_base + 16 * i;
+      const int key_begin = mask.key_begin(row), key_end = mask.key_end(row);  // <= seqlen_k
+      const bool score_mod = mask.has_score_mod();  // CTA-uniform
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      s[i][j] *= scale_log2;  // before masking: -inf * (scale <= 0) would be NaN
-      if (needs_mask && n_block * kFp32BlockN + tx + 16 * j >= key_limit) s[i][j] = -INFINITY;
-      tile_max = fmaxf(tile_max, s[i][j]);
+      for (int j = 0; j < 4; ++j) {
+        const int key = n_block * kFp32BlockN + tx + 16 * j;
+        if (score_mod) {
+          float dfds;
+          s[i][j] = score_fp32(mask, s[i][j] * softmax_scale, row, key, &dfds) * kLog2e;
+        } else {
+          s[i][j] *= scale_log2;
+        }
+        if (needs_mask && (key < key_begin || key >= key_end)) s[i][j] = -INFINITY;
+        tile_max = fmaxf(tile_max, s[i][j]);
+      }
+    } else {
+      int key_limit = seq.seqlen_k;
+      if (kIsCausal) key_limit = min(key_limit, row_base + 16 * i + seq.causal_offset + 1);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        s[i][j] *= scale_log2;  // before masking: -inf * (scale <= 0) would be NaN
+        if (needs_mask && n_block * kFp32BlockN + tx + 16 * j >= key_limit) s[i][j] = -INFINITY;
+        tile_max = fmaxf(tile_max, s[i][j]);
+      }
     }
     const float new_max = row_group_max(tile_max);
     const float base = new_max == -INFINITY ? 0.f : new_max;  // see OnlineSoftmax
@@ -228,7 +264,7 @@ FAE_DEVICE void store_output(const AttentionFwdParams& params,
 // Two CTAs per SM at D <= 64 (<= 128 registers per thread): 16 warps hide the
 // shared-memory latency of the FFMA loops; without the bound ptxas spends ~156
 // registers on unrolled loads and only one CTA fits.
-template <int kHeadDim, bool kIsCausal>
+template <int kHeadDim, bool kIsCausal, bool kVariants>
 __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
     flash_fwd_fp32_kernel(const __grid_constant__ AttentionFwdParams params) {
   using Tile = Fp32Tile<kHeadDim>;
@@ -251,13 +287,21 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
   const int num_m_blocks = ceil_div_dev(params.seqlen_q, kBlockM);
   const int bh = blockIdx.x / num_m_blocks;
   int m_block = blockIdx.x % num_m_blocks;
-  if (kIsCausal) m_block = num_m_blocks - 1 - m_block;  // long rows first
+  if (kIsCausal || (kVariants && params.causal)) m_block = num_m_blocks - 1 - m_block;  // long rows first
   const int batch = bh / params.heads;
   const int head = bh % params.heads;
   const int head_k = head / (params.heads / params.heads_k);
   const SeqBounds seq = seq_bounds(params, batch);
   if (m_block * kBlockM >= seq.seqlen_q) return;  // varlen: past this sequence (CTA-uniform)
-  const KeyTileRange range = key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, m_block, 0, 1);
+  KeyTileRange range;
+  Mask mask;
+  if constexpr (kVariants) {
+    mask = make_mask(params, seq, batch, head);
+    mask_key_tiles<kBlockN>(mask, m_block * kBlockM, min(kBlockM, seq.seqlen_q - m_block * kBlockM),
+                            range.begin, range.end);
+  } else {
+    range = key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, m_block, 0, 1);
+  }
 
   const float* q_tile = static_cast<const float*>(params.q) + batch * params.q_strides.batch +
                         head * params.q_strides.head +
@@ -315,10 +359,17 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
     } else {
       cp_async_commit();  // empty group: keeps the wait counts uniform
     }
-    const bool needs_mask =
-        key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block);
-    softmax_tile<kHeadDim, kIsCausal>(s, row_max, row_sum, acc_o, smem_p, params.scale_log2,
-                                      needs_mask, n_block, row_base, seq, tx, ty);
+    bool needs_mask;
+    if constexpr (kVariants) {
+      needs_mask = !mask_tile_full(mask, m_block * kBlockM,
+                                   min(kBlockM, seq.seqlen_q - m_block * kBlockM),
+                                   n_block * kBlockN, kBlockN);
+    } else {
+      needs_mask = key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block);
+    }
+    softmax_tile<kHeadDim, kIsCausal, kVariants>(s, row_max, row_sum, acc_o, smem_p,
+                                                 params.scale_log2, needs_mask, n_block, row_base,
+                                                 seq, tx, ty, mask, params.softmax_scale);
 
     cp_async_wait<1>();  // V_n landed (K_{n+1} may still be in flight)
     __syncthreads();     // ... for every thread's chunks, and P is complete
@@ -336,9 +387,9 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
   store_output<kHeadDim>(params, acc_o, row_max, row_sum, seq, batch, head, row_base, tx);
 }
 
-template <int kHeadDim, bool kIsCausal>
+template <int kHeadDim, bool kIsCausal, bool kVariants = false>
 void launch_fp32(const AttentionFwdParams& params, cudaStream_t stream) {
-  auto kernel = flash_fwd_fp32_kernel<kHeadDim, kIsCausal>;
+  auto kernel = flash_fwd_fp32_kernel<kHeadDim, kIsCausal, kVariants>;
   constexpr int kSmem = Fp32Tile<kHeadDim>::kSmemBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) {
@@ -359,7 +410,9 @@ void launch_fp32(const AttentionFwdParams& params, cudaStream_t stream) {
 
 template <int kHeadDim>
 void launch_fp32_causal(const AttentionFwdParams& params, cudaStream_t stream) {
-  if (params.causal) {
+  if (has_variants(params)) {  // window / softcap / ALiBi: causal is part of the Mask
+    launch_fp32<kHeadDim, false, true>(params, stream);
+  } else if (params.causal) {
     launch_fp32<kHeadDim, true>(params, stream);
   } else {
     launch_fp32<kHeadDim, false>(params, stream);
