@@ -152,9 +152,9 @@ bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 #ifdef FAE_HAS_SM90A
   if (kernel_impl_requested("FLASH_ATTN_EXT_FWD_IMPL") == KernelImpl::kMma) return false;
   return params.dtype != DType::kFloat32 && fwd_sm90_head_dim(kernel_dim) &&
-         !has_var_seqs(params) && !has_variants(params) && params.num_splits <= 1 && params.fwd_tile == kFwdTileAuto &&
-         !fwd_uses_decode_tile(params) && params.scale_log2 > 0.f && params.heads <= 65535 &&
-         params.batch <= 65535 &&
+         !has_var_seqs(params) && !has_variants(params) && params.num_splits <= 1 &&
+         params.fwd_tile == kFwdTileAuto && !fwd_uses_decode_tile(params) &&
+         params.scale_log2 > 0.f && params.heads <= 65535 && params.batch <= 65535 &&
          tma_strides_ok(params.q_strides, params.seqlen_q, params.heads, params.batch) &&
          tma_strides_ok(params.k_strides, params.seqlen_k, params.heads_k, params.batch) &&
          tma_strides_ok(params.v_strides, params.seqlen_k, params.heads_k, params.batch) &&

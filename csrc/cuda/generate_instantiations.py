@@ -62,7 +62,8 @@ def main():
     for pass_name, (header, launcher, params, head_dims) in VARIANT_PASSES.items():
         for dtype, ctype in DTYPES.items():
             for hdim in head_dims:
-                with open(os.path.join(out_dir, f"{pass_name}_{dtype}_hdim{hdim}_mask.cu"), "w") as f:
+                name = f"{pass_name}_{dtype}_hdim{hdim}_mask.cu"
+                with open(os.path.join(out_dir, name), "w") as f:
                     f.write(TEMPLATE.format(header=header, launcher=launcher, ctype=ctype,
                                             hdim=hdim, causal="", params=params))
 

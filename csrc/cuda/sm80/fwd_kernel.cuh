@@ -418,9 +418,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   ScoreVariants variants;
   if constexpr (kHasVariants) variants = ScoreVariants::make(params, seq, batch, head);
   const KeyTileRange range =
-      kHasVariants
-          ? key_tile_range_variants<kBlockM, kBlockN>(seq, variants.mask, m_block, split, num_splits)
-          : key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, m_block, split, num_splits);
+      kHasVariants ? key_tile_range_variants<kBlockM, kBlockN>(seq, variants.mask, m_block, split,
+                                                                num_splits)
+                   : key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, m_block, split, num_splits);
   const int n_tiles = range.end - range.begin;
 
   const int64_t row_stride_k = params.k_strides.row;
