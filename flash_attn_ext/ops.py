@@ -13,7 +13,7 @@ torch.ops.flash_attn_ext.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
                                     deterministic=False, seqused_k=None, *variants)
                                     -> (dq, dk, dv)
 with *variants = window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None (flash-attn's
-window_size, softcap and alibi_slopes; the defaults turn them off; CPU only for now).
+window_size, softcap and alibi_slopes; the defaults turn them off; CUDA fp32: not yet).
 
 Padded tensors are [batch, seqlen, heads, head_dim] with a contiguous last dim and lse is
 float32 [batch, heads, seqlen_q]; varlen tensors are packed [total, heads, head_dim] and

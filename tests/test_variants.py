@@ -1,8 +1,9 @@
 """Attention variants (flash-attn's window_size, softcap, alibi_slopes): values and gradients
 against the float64 reference (attention_ref) with FlashAttention's accuracy rule
-(tests/helpers.py) on the CPU, through every entry point that takes them (flash_attn_func,
-flash_attn_varlen_func, flash_attn_with_kvcache, the raw operators); the bad-value errors;
-and, marked gpu, the CUDA paths' NotImplementedError."""
+(tests/helpers.py) on the CPU and, marked gpu, on CUDA (the 16-bit mma.sync kernels; float32
+raises NotImplementedError while SIMT_VARIANTS is False), through every entry point that takes
+them (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, the raw operators);
+the bad-value errors."""
 import time
 
 import pytest
@@ -14,6 +15,23 @@ from helpers import (check_lse, check_out_and_grads, gqa_attention, make_varlen,
                      padded_attention, randn, ref_and_base, varlen_attention)
 
 HEADS, KV_HEADS = 4, 2  # every test below is grouped-query
+
+# Whether the fp32 CUDA (SIMT) kernels take window / softcap / ALiBi
+# (csrc/cuda/ops_cuda.cpp, kSimtKernelsSupportVariants): until then float32 CUDA calls with
+# variants raise NotImplementedError, which the value tests below check instead.
+SIMT_VARIANTS = False
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+FP32_NOT_IMPLEMENTED = "window_size/softcap/alibi_slopes on CUDA are not implemented for float32"
+
+
+def _call(device, dtype, fn, *args, **kwargs):
+    """fn(*args, **kwargs); None where the call has no CUDA kernel yet (float32 while
+    SIMT_VARIANTS is False): it must then raise NotImplementedError."""
+    if device == "cuda" and dtype == torch.float32 and not SIMT_VARIANTS:
+        with pytest.raises(NotImplementedError, match=FP32_NOT_IMPLEMENTED):
+            fn(*args, **kwargs)
+        return None
+    return fn(*args, **kwargs)
 
 
 def _slopes(kind, batch=2, heads=HEADS, device="cpu"):
@@ -74,19 +92,25 @@ FUNC_PARAMS = _spread(list(CASES), [(torch.float32, *SHAPES[0]), (torch.float32,
                                     (torch.bfloat16, *SHAPES[1]), (torch.float16, *SHAPES[0])])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case,dtype,seqlen_q,seqlen_k", FUNC_PARAMS, ids=str)
-def test_flash_attn_func(case, dtype, seqlen_q, seqlen_k):
-    """Odd lengths across the CPU tiles (64 query rows, 256 keys), Sq < Sk and Sq > Sk (where
-    bottom-right windows leave the first rows without keys: zeros, lse = -inf)."""
-    batch, head_dim = 2, 32
-    causal, variant = _variant(case)
-    q = randn((batch, seqlen_q, HEADS, head_dim), dtype, "cpu", 1, True)
-    k = randn((batch, seqlen_k, KV_HEADS, head_dim), dtype, "cpu", 2, True)
-    v = randn((batch, seqlen_k, KV_HEADS, head_dim), dtype, "cpu", 3, True)
-    scale = 0.5  # larger scores than 1/sqrt(d): the softcap bends them
-    out, lse = fa.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_lse=True,
-                                  **variant)
-    dout = randn(out.shape, dtype, "cpu", 4)
+def test_flash_attn_func(case, dtype, seqlen_q, seqlen_k, device, head_dim=32,
+                         deterministic=False):
+    """Odd lengths across the CPU tiles (64 query rows, 256 keys) and the CUDA ones, Sq < Sk
+    and Sq > Sk (where bottom-right windows leave the first rows without keys: zeros,
+    lse = -inf)."""
+    batch = 2
+    causal, variant = _variant(case, device=device)
+    q = randn((batch, seqlen_q, HEADS, head_dim), dtype, device, 1, True)
+    k = randn((batch, seqlen_k, KV_HEADS, head_dim), dtype, device, 2, True)
+    v = randn((batch, seqlen_k, KV_HEADS, head_dim), dtype, device, 3, True)
+    scale = 0.5 if head_dim <= 32 else 0.25  # larger scores than 1/sqrt(d): the softcap bends them
+    res = _call(device, dtype, fa.flash_attn_func, q, k, v, softmax_scale=scale, causal=causal,
+                return_lse=True, deterministic=deterministic, **variant)
+    if res is None:
+        return
+    out, lse = res
+    dout = randn(out.shape, dtype, device, 4)
     ref, base = ref_and_base(lambda q, k, v: gqa_attention(q, k, v, causal, scale=scale,
                                                            **variant), (q, k, v), dout)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -111,15 +135,18 @@ def test_top_left_alignment(case):
     check_lse(lse, ref[1], torch.float32)
 
 
-def test_fully_masked_rows():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fully_masked_rows(device):
     """A window that excludes every key of some rows: those rows are zeros with lse = -inf,
     and every gradient is finite (the rows contribute nothing)."""
-    q = randn((1, 40, 2, 16), torch.float32, "cpu", 1, True)
-    k = randn((1, 10, 2, 16), torch.float32, "cpu", 2, True)
-    v = randn((1, 10, 2, 16), torch.float32, "cpu", 3, True)
+    dtype, d = (torch.float32, 16) if device == "cpu" else (torch.float16, 32)
+    q = randn((1, 40, 2, d), dtype, device, 1, True)
+    k = randn((1, 10, 2, d), dtype, device, 2, True)
+    v = randn((1, 10, 2, d), dtype, device, 3, True)
     # row i sees keys [i - 32, i - 28]: rows 0..27 see none
     out, lse = fa.flash_attn_func(q, k, v, window_size=(2, 2), softcap=5.0,
-                                  alibi_slopes=torch.tensor([0.1, 0.3]), return_lse=True)
+                                  alibi_slopes=torch.tensor([0.1, 0.3], device=device),
+                                  return_lse=True)
     assert torch.equal(out[:, :28], torch.zeros_like(out[:, :28]))
     assert (lse[..., :28] == float("-inf")).all() and torch.isfinite(lse[..., 28:]).all()
     grads = torch.autograd.grad(out.sum(), (q, k, v))
@@ -141,19 +168,23 @@ def test_equivalences():
     assert torch.equal(fa.flash_attn_func(q, k, v, window_size=(76, 49), softcap=0.0), plain)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ["window_1_1", "causal_window", "softcap_strong",
                                   "alibi_batch_causal", "all_three", "all_three_causal"])
-def test_seqused_k(case, dtype):
+def test_seqused_k(case, dtype, device):
     """Windows and ALiBi align to each batch entry's used keys."""
-    causal, variant = _variant(case)
-    q = randn((2, 37, HEADS, 32), dtype, "cpu", 1, True)
-    k = randn((2, 90, KV_HEADS, 32), dtype, "cpu", 2, True)
-    v = randn((2, 90, KV_HEADS, 32), dtype, "cpu", 3, True)
-    used = torch.tensor([61, 20], dtype=torch.int32)
-    out, lse = fa.flash_attn_func(q, k, v, causal=causal, seqused_k=used, return_lse=True,
-                                  **variant)
-    dout = randn(out.shape, dtype, "cpu", 4)
+    causal, variant = _variant(case, device=device)
+    q = randn((2, 37, HEADS, 32), dtype, device, 1, True)
+    k = randn((2, 90, KV_HEADS, 32), dtype, device, 2, True)
+    v = randn((2, 90, KV_HEADS, 32), dtype, device, 3, True)
+    used = torch.tensor([61, 20], dtype=torch.int32, device=device)
+    res = _call(device, dtype, fa.flash_attn_func, q, k, v, causal=causal, seqused_k=used,
+                return_lse=True, **variant)
+    if res is None:
+        return
+    out, lse = res
+    dout = randn(out.shape, dtype, device, 4)
     ref, base = ref_and_base(lambda q, k, v: padded_attention(q, k, v, causal, used, **variant),
                              (q, k, v), dout)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -166,19 +197,24 @@ VARLEN_CASES = ["window_1_1", "window_left_only", "causal_window", "softcap30",
                 "alibi_batch_causal", "all_three", "all_three_causal"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case,dtype,with_seqused_k", _spread(
     VARLEN_CASES, [(torch.float32, False), (torch.bfloat16, True), (torch.float16, False),
                    (torch.float32, True)]), ids=str)
-def test_varlen(case, dtype, with_seqused_k):
+def test_varlen(case, dtype, with_seqused_k, device):
     """Per sequence: bottom-right windows, ALiBi slopes per sequence ([batch, heads])."""
     lens_q, lens_k = [7, 0, 130, 300, 1], [300, 5, 130, 77, 0]
-    causal, variant = _variant(case, batch=len(lens_q))
+    causal, variant = _variant(case, batch=len(lens_q), device=device)
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, HEADS, KV_HEADS, 32, dtype,
-                                                    "cpu", pad_q=3, pad_k=2)
-    used = torch.tensor([250, 5, 64, 77, 0], dtype=torch.int32) if with_seqused_k else None
-    out, lse = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
-                                         seqused_k=used, return_lse=True, **variant)
-    dout = randn(out.shape, dtype, "cpu", 9)
+                                                    device, pad_q=3, pad_k=2)
+    used = (torch.tensor([250, 5, 64, 77, 0], dtype=torch.int32, device=device)
+            if with_seqused_k else None)
+    res = _call(device, dtype, fa.flash_attn_varlen_func, q, k, v, cu_q, cu_k, max_q, max_k,
+                causal=causal, seqused_k=used, return_lse=True, **variant)
+    if res is None:
+        return
+    out, lse = res
+    dout = randn(out.shape, dtype, device, 9)
     ref, base = ref_and_base(
         lambda q, k, v: varlen_attention(q, k, v, cu_q, cu_k, causal, used, **variant),
         (q, k, v), dout)
@@ -191,28 +227,65 @@ KVCACHE_CASES = ["window_0_0", "window_left_only", "causal_window", "softcap50_c
                  "alibi_head", "all_three", "all_three_causal"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case,dtype,seqlen_q", _spread(
     KVCACHE_CASES, [(torch.float32, 1), (torch.bfloat16, 3), (torch.float16, 1),
                     (torch.float32, 3), (torch.float16, 3), (torch.bfloat16, 1)]), ids=str)
-def test_kvcache(case, dtype, seqlen_q):
+def test_kvcache(case, dtype, seqlen_q, device, cache_len=40, head_dim=32, num_splits=0):
     """Decoding against a KV cache (with an in-place append): windows and ALiBi align to the
     end of each batch entry's valid prefix."""
-    batch, cache_len = 3, 40
-    causal, variant = _variant(case, batch=batch)
-    q = randn((batch, seqlen_q, HEADS, 32), dtype, "cpu", 31)
-    k_cache = randn((batch, cache_len, KV_HEADS, 32), dtype, "cpu", 32)
-    v_cache = randn((batch, cache_len, KV_HEADS, 32), dtype, "cpu", 33)
-    k_new = randn((batch, 2, KV_HEADS, 32), dtype, "cpu", 34)
-    v_new = randn((batch, 2, KV_HEADS, 32), dtype, "cpu", 35)
-    seqlens = torch.tensor([0, 17, cache_len - 2], dtype=torch.int32)
-    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
-                                          cache_seqlens=seqlens, causal=causal,
-                                          return_softmax_lse=True, **variant)
+    batch = 3
+    causal, variant = _variant(case, batch=batch, device=device)
+    q = randn((batch, seqlen_q, HEADS, head_dim), dtype, device, 31)
+    k_cache = randn((batch, cache_len, KV_HEADS, head_dim), dtype, device, 32)
+    v_cache = randn((batch, cache_len, KV_HEADS, head_dim), dtype, device, 33)
+    k_new = randn((batch, 2, KV_HEADS, head_dim), dtype, device, 34)
+    v_new = randn((batch, 2, KV_HEADS, head_dim), dtype, device, 35)
+    seqlens = torch.tensor([0, 17, cache_len - 2], dtype=torch.int32, device=device)
+    res = _call(device, dtype, fa.flash_attn_with_kvcache, q, k_cache, v_cache, k=k_new,
+                v=v_new, cache_seqlens=seqlens, causal=causal, return_softmax_lse=True,
+                num_splits=num_splits, **variant)
+    if res is None:
+        return
+    out, lse = res
     lengths = seqlens + 2
     ref, base = ref_and_base(lambda q, k, v: padded_attention(q, k, v, causal, lengths, **variant),
                              (q, k_cache, v_cache))
     check_out_and_grads(out, None, ref, base, dtype)
     check_lse(lse, ref[1], dtype)
+
+
+# ---- CUDA only: the kernels' head dims, deterministic backward, split-KV decode --------------
+CUDA_CASES = ["window_0_0", "causal_window", "softcap30", "alibi_batch_causal", "all_three",
+              "all_three_causal"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("case", CUDA_CASES)
+def test_cuda_head_dims(case, head_dim):
+    """Every tile family of the 16-bit kernels (their tiles change with the head dim)."""
+    dtype = torch.bfloat16 if head_dim % 64 == 0 else torch.float16
+    seqlens = SHAPES[CUDA_CASES.index(case) % 2]
+    test_flash_attn_func(case, dtype, *seqlens, "cuda", head_dim=head_dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["window_1_1", "all_three_causal"])
+def test_cuda_deterministic(case):
+    test_flash_attn_func(case, torch.float16, 300, 113, "cuda", head_dim=64, deterministic=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("case", KVCACHE_CASES)
+def test_cuda_kvcache_splits(case, seqlen_q, num_splits):
+    """Decode tiles (one-warp and key-warp), split-KV through the combine kernel, and the GQA
+    decode regrouping (seqlen_q = 1: softcap only; windows and ALiBi keep one row per head)."""
+    dtype = torch.float16 if num_splits == 1 else torch.bfloat16
+    test_kvcache(case, dtype, seqlen_q, "cuda", cache_len=300, head_dim=128,
+                 num_splits=num_splits)
 
 
 def test_window_skips_key_tiles():
@@ -341,25 +414,26 @@ def test_sdpa_keeps_torch_signature():
     assert not {"window_size", "softcap", "alibi_slopes"} & set(params)
 
 
-# ---- CUDA: not implemented yet --------------------------------------------------------------
+# ---- CUDA float32: not implemented yet (SIMT_VARIANTS) ----------------------------------------
 # Each stays active in every call below (a window bound that no row reaches is dropped).
 CUDA_VARIANTS = [dict(window_size=(16, 0)), dict(window_size=(8, 4)), dict(softcap=30.0),
                  dict(alibi_slopes="head")]
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(SIMT_VARIANTS, reason="the fp32 CUDA kernels take the variants")
 @pytest.mark.parametrize("kwargs", CUDA_VARIANTS, ids=lambda kw: next(iter(kw)))
-def test_cuda_not_implemented(kwargs):
+def test_cuda_fp32_not_implemented(kwargs):
     if "alibi_slopes" in kwargs:
         kwargs = dict(alibi_slopes=_slopes("head", device="cuda"))
-    match = "window_size/softcap/alibi_slopes on CUDA are not implemented yet"
-    q, k, v = (randn((2, 64, HEADS, 64), torch.float16, "cuda", s) for s in (1, 2, 3))
+    match = FP32_NOT_IMPLEMENTED
+    q, k, v = (randn((2, 64, HEADS, 64), torch.float32, "cuda", s) for s in (1, 2, 3))
     with pytest.raises(NotImplementedError, match=match):
         fa.flash_attn_func(q, k, v, **kwargs)
     with pytest.raises(NotImplementedError, match=match):
         fa.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=40, **kwargs)
     qv, kv, vv, cu_q, cu_k, max_q, max_k = make_varlen([7, 30], [40, 9], HEADS, KV_HEADS, 64,
-                                                       torch.float16, "cuda")
+                                                       torch.float32, "cuda")
     with pytest.raises(NotImplementedError, match=match):
         fa.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, max_q, max_k, **kwargs)
     # the backward operators check too

@@ -146,15 +146,15 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
 // and the call is one it implements: 16-bit, kernel head dim 64/128/256,
 // padded batch without seqused_k, no split-KV, not the small-M decode tile,
 // softmax_scale > 0 (the kernel folds the scale into exp2 after the max),
-// no broadcast (stride-0) dimension (those stay on the mma.sync kernels;
-// README "Hopper forward").
+// no broadcast (stride-0) dimension, no window / softcap / ALiBi (those stay on
+// the mma.sync kernels; README "Hopper forward").
 bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 #ifdef FAE_HAS_SM90A
   if (kernel_impl_requested("FLASH_ATTN_EXT_FWD_IMPL") == KernelImpl::kMma) return false;
   return params.dtype != DType::kFloat32 && fwd_sm90_head_dim(kernel_dim) &&
-         !has_var_seqs(params) && params.num_splits <= 1 && params.fwd_tile == kFwdTileAuto &&
-         !fwd_uses_decode_tile(params) && params.scale_log2 > 0.f && params.heads <= 65535 &&
-         params.batch <= 65535 &&
+         !has_var_seqs(params) && !has_variants(params) && params.num_splits <= 1 &&
+         params.fwd_tile == kFwdTileAuto && !fwd_uses_decode_tile(params) &&
+         params.scale_log2 > 0.f && params.heads <= 65535 && params.batch <= 65535 &&
          tma_strides_ok(params.q_strides, params.seqlen_q, params.heads, params.batch) &&
          tma_strides_ok(params.k_strides, params.seqlen_k, params.heads_k, params.batch) &&
          tma_strides_ok(params.v_strides, params.seqlen_k, params.heads_k, params.batch) &&
@@ -171,6 +171,9 @@ void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
   const int kernel_dim = fwd_rounded_head_dim(params.head_dim);
   const bool sm90 = use_sm90_forward(params, kernel_dim);
   auto run = [&](auto dim_tag) {
+    if (has_variants(params)) {  // causal or not: the variant kernels' Mask
+      return run_fwd_variants_impl<T, decltype(dim_tag)::value>(params, stream);
+    }
     with_causal(params.causal, [&](auto causal_tag) {
       constexpr bool kCausal = decltype(causal_tag)::value;
       constexpr int kDim = decltype(dim_tag)::value;
@@ -199,7 +202,9 @@ constexpr int kMaxKeyWarpClusterSplits = 3;
 
 // The shape of the tile the call runs on (tile_family).
 static TileShape call_tile_shape(const AttentionFwdParams& params) {
-  return tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal, tile_family(params));
+  // Variant calls run the non-causal tile (run_fwd_variants_impl).
+  return tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal && !has_variants(params),
+                    tile_family(params));
 }
 
 // The split heuristic on the call's tile, then: a few splits past the tile's
@@ -276,8 +281,9 @@ constexpr double kClusterMergeMaxBytesTimesSplits = 8e9;
 
 bool fwd_merges_splits_in_cluster(const AttentionFwdParams& params, int num_splits) {
 #ifdef FAE_HAS_SM90A
+  // Variant calls: the combine kernel (their kernels have no cluster merge).
   if (num_splits <= 1 || num_splits > kMaxClusterSplits || params.dtype == DType::kFloat32 ||
-      params.cu_seqlens_q != nullptr || !fwd_uses_decode_tile(params)) {
+      params.cu_seqlens_q != nullptr || !fwd_uses_decode_tile(params) || has_variants(params)) {
     return false;
   }
   return kv_bytes(params) * (num_splits - 1) <= kClusterMergeMaxBytesTimesSplits &&

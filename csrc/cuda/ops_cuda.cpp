@@ -54,9 +54,16 @@ void check_cuda_inputs(const at::Tensor& q) {
 
 int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
-void check_no_variants(const AttentionFwdParams& p) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!has_variants(p), "flash_attn_ext: window_size/softcap/alibi_slopes "
-                              "on CUDA are not implemented yet (they run on the CPU)");
+// Window / softcap / ALiBi on CUDA: the 16-bit (mma.sync) kernels implement
+// them (kHasVariants instantiations; on sm_90 those calls skip the Hopper
+// kernels). The fp32 SIMT kernels do once this is true.
+constexpr bool kSimtKernelsSupportVariants = false;
+
+void check_variants_supported(const AttentionFwdParams& p) {
+  TORCH_CHECK_NOT_IMPLEMENTED(kSimtKernelsSupportVariants || !has_variants(p) ||
+                                  p.dtype != DType::kFloat32,
+                              "flash_attn_ext: window_size/softcap/alibi_slopes on CUDA are not "
+                              "implemented for float32 yet (float16 / bfloat16 are)");
 }
 
 template <typename F>
@@ -87,10 +94,12 @@ void point_at_inputs(AttentionFwdParams& p, const at::Tensor& q, const at::Tenso
 // re-viewed as [B, group, H_kv, D] (row stride = head stride, head stride =
 // group * head stride: a stride change, no copy); out likewise; lse [B, H, 1]
 // is the same memory as [B, H_kv, group]. With one query row, bottom-right
-// causal masks nothing, so the regrouped call is non-causal.
+// causal masks nothing, so the regrouped call is non-causal. Not with a window
+// or ALiBi: their diagonal is per row and the slope per query head (softcap
+// does not care which row is which head).
 bool can_regroup_decode(const AttentionFwdParams& p) {
   return p.cu_seqlens_q == nullptr && p.seqlen_q == 1 && p.heads > p.heads_k &&
-         (!p.causal || p.causal_bottom_right);
+         (!p.causal || p.causal_bottom_right) && !has_window(p) && p.alibi_slopes == nullptr;
 }
 
 at::Tensor regroup_view(const at::Tensor& t, int group) {
@@ -117,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
                                                 const at::Tensor& k_in, const at::Tensor& v_in,
                                                 int64_t num_splits, int64_t tile) {
   check_cuda_inputs(q_in);
-  check_no_variants(p);
+  check_variants_supported(p);
   check_fwd_tuning_args(num_splits, tile);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool varlen = p.cu_seqlens_q != nullptr;
@@ -204,7 +213,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     AttentionBwdParams p, const at::Tensor& dout_in, const at::Tensor& q_in,
     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in) {
   check_cuda_inputs(q_in);
-  check_no_variants(p);
+  check_variants_supported(p);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool partial = has_var_seqs(p);
   const int group = p.heads / p.heads_k;

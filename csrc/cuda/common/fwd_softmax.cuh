@@ -10,6 +10,7 @@
 #pragma once
 #include <cmath>
 
+#include "../../mask.h"
 #include "../../params.h"
 #include "ptx.cuh"
 
@@ -81,6 +82,100 @@ FAE_DEVICE void scale_and_mask(float (&s)[kMmaM][kTilesN][4], float scale_log2, 
           float& x = s[m][j][2 * h + e];
           if (kScale) x *= scale_log2;
           if (kMask && col_base + j * 8 + e >= key_limit) x = -INFINITY;
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Attention variants (window, softcap, ALiBi; csrc/mask.h) in the kernels'
+// log2 domain, for the kernels instantiated with kHasVariants: the Mask of one
+// (sequence, head) plus its constants, runtime-uniform (a call without softcap
+// or ALiBi skips those steps on a uniform branch).
+//   score_log2(x, i, j) = log2(e) * Mask::score(softmax_scale * x, i, j)
+// for the raw dot product x of query row i and key j.
+// ---------------------------------------------------------------------------
+struct ScoreVariants {
+  Mask mask;
+  float scale_log2 = 0.f;    // no softcap: x -> x * softmax_scale * log2(e)
+  float softcap_in = 0.f;    // softcap: tanh(x * softmax_scale / softcap) ...
+  float softcap_log2 = 0.f;  // ... * softcap * log2(e)
+  float alibi_log2 = 0.f;    // slope * log2(e)
+
+  static FAE_DEVICE ScoreVariants make(const AttentionFwdParams& p, const SeqBounds& seq, int b,
+                                       int h) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    ScoreVariants v;
+    v.mask = make_mask(p, seq, b, h);
+    v.scale_log2 = p.scale_log2;
+    v.softcap_in = p.softmax_scale * v.mask.inv_softcap;
+    v.softcap_log2 = v.mask.softcap * kLog2e;
+    v.alibi_log2 = v.mask.alibi_slope * kLog2e;
+    return v;
+  }
+
+  // tanh to ~1e-7 absolute: tanhf compiles to tanh.approx.f32 under --use_fast_math
+  // (relative error up to 2^-11, i.e. ~0.015 on a logit of 30), this to one ex2 and one
+  // rcp (both ~2^-22). e^{2|x|} = inf gives 1.
+  static FAE_DEVICE float tanh_accurate(float x) {
+    const float e = exp2f(fabsf(x) * 2.8853900817779268f);  // e^{2|x|}
+    return copysignf(1.f - 2.f / (e + 1.f), x);
+  }
+
+  // With softcap, *dfds = 1 - tanh^2 (the backward's chain factor; else untouched).
+  FAE_DEVICE float score_log2(float x, int i, int j, float* dfds = nullptr) const {
+    if (mask.has_softcap()) {
+      const float t = tanh_accurate(x * softcap_in);
+      if (dfds != nullptr) *dfds = 1.f - t * t;
+      x = t * softcap_log2;
+    } else {
+      x *= scale_log2;
+    }
+    if (alibi_log2 != 0.f) {
+      const int dist = i + mask.diag - j;
+      x -= alibi_log2 * static_cast<float>(dist < 0 ? -dist : dist);
+    }
+    return x;
+  }
+};
+
+// Key tiles [begin, end) of a CTA with variants: those holding a key that some
+// valid row of the query tile sees ([key_begin(first row), key_end(last row)),
+// both bounds non-decreasing in the row), cut into num_splits contiguous
+// ranges (a split may be empty, as in key_tile_range).
+template <int kBlockM, int kBlockN>
+FAE_DEVICE KeyTileRange key_tile_range_variants(const SeqBounds& seq, const Mask& mask,
+                                                int m_block, int split, int num_splits) {
+  const int first_row = m_block * kBlockM;
+  const int last_row = min(first_row + kBlockM, seq.seqlen_q) - 1;
+  const int lo = mask.key_begin(first_row) / kBlockN;
+  const int hi = ceil_div_dev(mask.key_end(last_row), kBlockN);
+  const int per_split = ceil_div_dev(max(hi - lo, 0), num_splits);
+  const int begin = lo + split * per_split;
+  const int end = min(hi, begin + per_split);
+  return {begin, max(begin, end)};
+}
+
+// scale_and_mask with variants: every score becomes score_log2 (softcap,
+// ALiBi), and keys outside the row's [key_begin, key_end) become -inf (every
+// tile: the window may cut any of them).
+template <int kMmaM, int kTilesN>
+FAE_DEVICE void score_and_mask_variants(float (&s)[kMmaM][kTilesN][4], const ScoreVariants& v,
+                                        int row_base, int col_base) {
+#pragma unroll
+  for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_base + m * 16 + h * 8;
+      const int lo = v.mask.key_begin(row), hi = v.mask.key_end(row);
+#pragma unroll
+      for (int j = 0; j < kTilesN; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[m][j][2 * h + e];
+          const int col = col_base + j * 8 + e;
+          x = (col >= lo && col < hi) ? v.score_log2(x, row, col) : -INFINITY;
         }
       }
     }

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "../../params.h"
+#include "../common/fwd_softmax.cuh"
 #include "../common/ptx.cuh"
 #include "bwd_kernel_traits.cuh"
 
@@ -141,11 +142,15 @@ FAE_DEVICE void store_a_fragment(typename Kt::T* tile, const uint32_t (&a)[4], i
 // 16-key m-tiles starting at key0 and kN 8-query n-tiles starting at query0.
 // lse2 = lse * log2(e) per query (from query0), +inf for padded /
 // fully-masked rows (so P = exp2(-inf) = 0, never NaN); dsum = D per query.
-template <typename Kt, bool kIsCausal, int kM, int kN>
+// kHasVariants: P from the modified score (ScoreVariants::score_log2), keys
+// outside the query's [key_begin, key_end) masked, and dS multiplied by the
+// softcap's 1 - tanh^2 (the chain factor of the dK / dQ products).
+template <typename Kt, bool kIsCausal, int kM, int kN, bool kHasVariants = false>
 FAE_DEVICE void softmax_backward(float (&acc_s)[kM][kN][4], float (&acc_dp)[kM][kN][4],
                                  const float* lse2, const float* dsum, float scale_log2,
                                  bool apply_mask, int key0, int query0, int seqlen_k,
-                                 int causal_offset, int lane) {
+                                 int causal_offset, int lane,
+                                 const ScoreVariants* variants = nullptr) {
   const int g = lane / 4, q4 = lane % 4;
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
@@ -156,6 +161,21 @@ FAE_DEVICE void softmax_backward(float (&acc_s)[kM][kN][4], float (&acc_dp)[kM][
     for (int m = 0; m < kM; ++m) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
+        if constexpr (kHasVariants) {
+          const int key = key0 + 16 * m + g + ((c & 2) ? 8 : 0);
+          const int query = query0 + q_local + (c & 1);
+          float dfds = 1.f;
+          const float x = variants->score_log2(acc_s[m][j][c], query, key, &dfds);
+          float p = fast_exp2(x - ((c & 1) ? l2.y : l2.x));
+          if (apply_mask) {
+            const bool visible =
+                key >= variants->mask.key_begin(query) && key < variants->mask.key_end(query);
+            p = visible ? p : 0.f;
+          }
+          acc_s[m][j][c] = p;
+          acc_dp[m][j][c] = p * (acc_dp[m][j][c] - ((c & 1) ? dd.y : dd.x)) * dfds;
+          continue;
+        }
         float p = fast_exp2(acc_s[m][j][c] * scale_log2 - ((c & 1) ? l2.y : l2.x));
         if (apply_mask) {
           const int key = key0 + 16 * m + g + ((c & 2) ? 8 : 0);

@@ -138,12 +138,12 @@ struct QueryTileLoader {
 // ---- kRegisters: S^T, dP^T, P^T, dS^T of 16 keys x all queries in registers,
 // then dV += P^T dO, dK += dS^T Q straight from the accumulators (their C
 // layout is the A layout); only dS^T goes to smem, for dQ.
-template <typename Kt, bool kIsCausal>
+template <typename Kt, bool kIsCausal, bool kHasVariants>
 FAE_DEVICE void scores_and_dkdv_in_registers(
     float (&acc_dv)[Kt::kMmaKeys][Kt::kDimPerWarp / 8][4],
     float (&acc_dk)[Kt::kMmaKeys][Kt::kDimPerWarp / 8][4], const BwdSmem<Kt>& smem,
     const QueryTile<Kt>& tile, float scale_log2, int key0, int seqlen_k, int causal_offset,
-    const BwdThread<Kt>& th) {
+    const BwdThread<Kt>& th, const ScoreVariants* variants) {
   using T = typename Kt::T;
   constexpr int kQTiles = Kt::kQTiles, kPitch = Kt::kRowPitch;
   const int lane = th.lane, warp_key0 = th.warp_key0;
@@ -155,9 +155,9 @@ FAE_DEVICE void scores_and_dkdv_in_registers(
   }
   gemm_keys_by_queries<Kt, 1, kQTiles>(acc_s, smem.sK + warp_key0 * kPitch, tile.sQ, lane);
   gemm_keys_by_queries<Kt, 1, kQTiles>(acc_dp, smem.sV + warp_key0 * kPitch, tile.sdO, lane);
-  softmax_backward<Kt, kIsCausal, 1, kQTiles>(acc_s, acc_dp, tile.lse2, tile.dsum, scale_log2,
-                                              tile.apply_mask, key0 + warp_key0, tile.query0,
-                                              seqlen_k, causal_offset, lane);
+  softmax_backward<Kt, kIsCausal, 1, kQTiles, kHasVariants>(
+      acc_s, acc_dp, tile.lse2, tile.dsum, scale_log2, tile.apply_mask, key0 + warp_key0,
+      tile.query0, seqlen_k, causal_offset, lane, variants);
 #pragma unroll
   for (int kq = 0; kq < Kt::kBlockM / 16; ++kq) {
     uint32_t a_p[1][4], a_ds[1][4];
@@ -170,10 +170,10 @@ FAE_DEVICE void scores_and_dkdv_in_registers(
 }
 
 // ---- kTiled: S^T, dP^T for 32 keys x kBlockM/2 queries; P^T, dS^T -> smem --
-template <typename Kt, bool kIsCausal>
+template <typename Kt, bool kIsCausal, bool kHasVariants>
 FAE_DEVICE void scores_tiled(const BwdSmem<Kt>& smem, const QueryTile<Kt>& tile,
                              float scale_log2, int key0, int seqlen_k, int causal_offset,
-                             const BwdThread<Kt>& th) {
+                             const BwdThread<Kt>& th, const ScoreVariants* variants) {
   constexpr int kM = Kt::kMmaKeys, kQTiles = Kt::kQTiles, kPitch = Kt::kRowPitch;
   const int lane = th.lane, warp_key0 = th.warp_key0;
   const int warp_q0 = th.wd * Kt::kQueriesPerWarpS;
@@ -190,19 +190,19 @@ FAE_DEVICE void scores_tiled(const BwdSmem<Kt>& smem, const QueryTile<Kt>& tile,
                                         tile.sQ + warp_q0 * kPitch, lane);
   gemm_keys_by_queries<Kt, kM, kQTiles>(acc_dp, smem.sV + warp_key0 * kPitch,
                                         tile.sdO + warp_q0 * kPitch, lane);
-  softmax_backward<Kt, kIsCausal, kM, kQTiles>(
+  softmax_backward<Kt, kIsCausal, kM, kQTiles, kHasVariants>(
       acc_s, acc_dp, tile.lse2 + warp_q0, tile.dsum + warp_q0, scale_log2, tile.apply_mask,
-      key0 + warp_key0, tile.query0 + warp_q0, seqlen_k, causal_offset, lane);
+      key0 + warp_key0, tile.query0 + warp_q0, seqlen_k, causal_offset, lane, variants);
   store_key_query_tile<Kt, kM, kQTiles>(smem.sP, acc_s, warp_key0, warp_q0, lane);
   store_key_query_tile<Kt, kM, kQTiles>(smem.sdS, acc_dp, warp_key0, warp_q0, lane);
 }
 
 // ---- kSplit: group 0: S^T = K Q^T;  group 1: dP^T = V dO^T (16 keys each);
 // group 0 forms P^T, dS^T -> smem.
-template <typename Kt, bool kIsCausal>
+template <typename Kt, bool kIsCausal, bool kHasVariants>
 FAE_DEVICE void scores_split(const BwdSmem<Kt>& smem, const QueryTile<Kt>& tile,
                              float scale_log2, int key0, int seqlen_k, int causal_offset,
-                             const BwdThread<Kt>& th) {
+                             const BwdThread<Kt>& th, const ScoreVariants* variants) {
   constexpr int kQTiles = Kt::kQTiles, kPitch = Kt::kRowPitch;
   const int lane = th.lane, wd = th.wd, warp_key0 = th.warp_key0;
   float acc[1][kQTiles][4];
@@ -229,9 +229,9 @@ FAE_DEVICE void scores_split(const BwdSmem<Kt>& smem, const QueryTile<Kt>& tile,
       const float4 v = dp_frag[j * 32];
       acc_dp[0][j][0] = v.x, acc_dp[0][j][1] = v.y, acc_dp[0][j][2] = v.z, acc_dp[0][j][3] = v.w;
     }
-    softmax_backward<Kt, kIsCausal, 1, kQTiles>(acc, acc_dp, tile.lse2, tile.dsum, scale_log2,
-                                                tile.apply_mask, key0 + warp_key0, tile.query0,
-                                                seqlen_k, causal_offset, lane);
+    softmax_backward<Kt, kIsCausal, 1, kQTiles, kHasVariants>(
+        acc, acc_dp, tile.lse2, tile.dsum, scale_log2, tile.apply_mask, key0 + warp_key0,
+        tile.query0, seqlen_k, causal_offset, lane, variants);
     store_key_query_tile<Kt, 1, kQTiles>(smem.sP, acc, warp_key0, 0, lane);
     store_key_query_tile<Kt, 1, kQTiles>(smem.sdS, acc_dp, warp_key0, 0, lane);
   }
@@ -385,8 +385,11 @@ FAE_DEVICE void store_dk_dv(const float (&acc_dv)[Kt::kMmaKeys][Kt::kDimPerWarp 
 
 // ---------------------------------------------------------------------------
 // Main kernel. Grid: x = key tile (deterministic: dQ split), y = head, z = batch.
+// kHasVariants: window / softcap / ALiBi (csrc/mask.h, ScoreVariants),
+// instantiated with kIsCausal = false and kVarSeq = true (run_bwd_variants_impl).
 // ---------------------------------------------------------------------------
-template <typename Kt, bool kIsCausal, bool kDeterministic, bool kVarSeq>
+template <typename Kt, bool kIsCausal, bool kDeterministic, bool kVarSeq,
+          bool kHasVariants = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const AttentionBwdParams params) {
   using T = typename Kt::T;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
@@ -425,6 +428,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
   float* dq_bh = params.dq_accum + (split * params.q_rows_total + stats_row0) * kHeadDim;
   const QueryTileLoader<Kt> loader{params, smem, q_bh, do_bh, lse_bh, dsum_bh,
                                    seqlen_q, head_dim, th.tid};
+  ScoreVariants variants;
+  if constexpr (kHasVariants) variants = ScoreVariants::make(params, seq, b, h);
 
   for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
     // ---- prologue: this key tile's K / V, the first query tile that sees it --
@@ -432,9 +437,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
     // Causal: the first query that sees key `key0` is key0 - causal_offset;
     // tiles above it are skipped entirely (they contribute nothing).
     int m_begin = 0;
+    int m_end = num_m_blocks;
     if (kIsCausal) {
       const int first_query = key0 - causal_offset;
       m_begin = first_query <= 0 ? 0 : first_query / kBlockM;
+    }
+    if constexpr (kHasVariants) {
+      // Query tiles holding a row that sees a key of this tile (query_begin /
+      // query_end are non-decreasing in the key).
+      m_begin = variants.mask.query_begin(key0) / kBlockM;
+      m_end = (variants.mask.query_end(min(key0 + kBlockN, seqlen_k) - 1) + kBlockM - 1) / kBlockM;
     }
 
     __syncthreads();  // the previous n_block's epilogue is done with sK / sV
@@ -445,7 +457,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
       load_tile_async<Kt, kBlockN>(smem.sV, v_bh + key0 * params.v_strides.row,
                                    params.v_strides.row, rows_valid, head_dim);
     }
-    if (m_begin < num_m_blocks) {
+    if (m_begin < m_end) {
       loader.load_q_do_async(m_begin, 0);
       float lse2, dsum;
       loader.load_row_stats(m_begin, lse2, dsum);
@@ -465,7 +477,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
     }
 
     // ---- main loop over the query tiles that see this key tile ---------------
-    for (int m_block = m_begin; m_block < num_m_blocks; ++m_block) {
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
       const int stage = (m_block - m_begin) & 1;
       const int query0 = m_block * kBlockM;
       cp_async_wait<0>();
@@ -473,7 +485,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
       // other stage and with sdS / sP / sdP of the previous tile.
       __syncthreads();
 
-      const bool has_next = m_block + 1 < num_m_blocks;
+      const bool has_next = m_block + 1 < m_end;
       if (has_next) loader.load_q_do_async(m_block + 1, stage ^ 1);
       cp_async_commit();
       float next_lse2, next_dsum;
@@ -481,22 +493,29 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
 
       // Only tiles crossing the diagonal or the seqlen_k boundary need masks.
       // (Query rows >= seqlen_q need none: their lse2 = +inf gives P = 0.)
-      const QueryTile<Kt> tile{
-          smem.sQ + stage * kBlockM * kPitch, smem.sdO + stage * kBlockM * kPitch,
-          smem.sLse2 + stage * kBlockM, smem.sDsum + stage * kBlockM, query0,
-          key0 + kBlockN > seqlen_k || (kIsCausal && query0 + causal_offset < key0 + kBlockN - 1)};
+      // Variants: also tiles that a window bound crosses.
+      bool apply_mask =
+          key0 + kBlockN > seqlen_k || (kIsCausal && query0 + causal_offset < key0 + kBlockN - 1);
+      if constexpr (kHasVariants) {
+        apply_mask = apply_mask || key0 < variants.mask.key_begin(query0 + kBlockM - 1) ||
+                     key0 + kBlockN > variants.mask.key_end(query0);
+      }
+      const QueryTile<Kt> tile{smem.sQ + stage * kBlockM * kPitch,
+                               smem.sdO + stage * kBlockM * kPitch, smem.sLse2 + stage * kBlockM,
+                               smem.sDsum + stage * kBlockM, query0, apply_mask};
 
       if constexpr (Kt::kLayout == BwdLayout::kRegisters) {
-        scores_and_dkdv_in_registers<Kt, kIsCausal>(acc_dv, acc_dk, smem, tile, params.scale_log2,
-                                                    key0, seqlen_k, causal_offset, th);
+        scores_and_dkdv_in_registers<Kt, kIsCausal, kHasVariants>(
+            acc_dv, acc_dk, smem, tile, params.scale_log2, key0, seqlen_k, causal_offset, th,
+            &variants);
         __syncthreads();  // dS^T complete before the dQ product reads all of it
       } else {
         if constexpr (Kt::kTiledSdP) {
-          scores_tiled<Kt, kIsCausal>(smem, tile, params.scale_log2, key0, seqlen_k,
-                                      causal_offset, th);
+          scores_tiled<Kt, kIsCausal, kHasVariants>(smem, tile, params.scale_log2, key0,
+                                                    seqlen_k, causal_offset, th, &variants);
         } else {
-          scores_split<Kt, kIsCausal>(smem, tile, params.scale_log2, key0, seqlen_k,
-                                      causal_offset, th);
+          scores_split<Kt, kIsCausal, kHasVariants>(smem, tile, params.scale_log2, key0,
+                                                    seqlen_k, causal_offset, th, &variants);
         }
         __syncthreads();  // P^T, dS^T complete (also for the dQ product below)
         accumulate_dkdv_from_smem<Kt>(acc_dv, acc_dk, smem, tile, th);

@@ -1,5 +1,6 @@
 // run_bwd_impl<T, kHeadDim, kIsCausal>: the 16-bit backward for one compiled
-// configuration (explicitly instantiated in instantiations/bwd_*.cu):
+// configuration (explicitly instantiated in instantiations/bwd_*.cu; with
+// window / softcap / ALiBi run_bwd_variants_impl<T, kHeadDim>, bwd_var_*.cu):
 //   1. D = rowsum(dO o O), zeroed fp32 dQ accumulator(s)  (bwd_preprocess.cuh),
 //   2. main kernel: dK, dV, dQ partial sums                 (bwd_kernel.cuh),
 //   3. dq = softmax_scale * sum of dQ splits                (bwd_preprocess.cuh).
@@ -19,8 +20,8 @@
 namespace flash_attn_ext {
 namespace cuda {
 
-template <typename T, int kHeadDim, bool kIsCausal>
-void run_bwd_impl(const AttentionBwdParams& params, cudaStream_t stream) {
+template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants>
+void run_bwd_kernels(const AttentionBwdParams& params, cudaStream_t stream) {
   using Kt = BwdKernelTraits<T, kHeadDim>;
   const int splits = params.deterministic ? params.num_splits : 1;
   if (splits < 1) throw std::runtime_error("flash_attn_ext: backward needs num_splits >= 1");
@@ -33,17 +34,37 @@ void run_bwd_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   const dim3 grid(params.deterministic ? splits : num_n_blocks, params.heads, params.batch);
   // Varlen / seqused_k calls get their own instantiation (see seq_bounds).
   const bool var_seqs = has_var_seqs(params);
-  auto kernel = params.deterministic
-                    ? (var_seqs ? &bwd::bwd_main_kernel<Kt, kIsCausal, true, true>
-                                : &bwd::bwd_main_kernel<Kt, kIsCausal, true, false>)
-                    : (var_seqs ? &bwd::bwd_main_kernel<Kt, kIsCausal, false, true>
-                                : &bwd::bwd_main_kernel<Kt, kIsCausal, false, false>);
+  auto choose = [&] {
+    if constexpr (kHasVariants) {
+      // Variants: one kernel for padded / varlen and causal / not (the Mask).
+      return params.deterministic ? &bwd::bwd_main_kernel<Kt, false, true, true, true>
+                                  : &bwd::bwd_main_kernel<Kt, false, false, true, true>;
+    } else {
+      return params.deterministic
+                 ? (var_seqs ? &bwd::bwd_main_kernel<Kt, kIsCausal, true, true>
+                             : &bwd::bwd_main_kernel<Kt, kIsCausal, true, false>)
+                 : (var_seqs ? &bwd::bwd_main_kernel<Kt, kIsCausal, false, true>
+                             : &bwd::bwd_main_kernel<Kt, kIsCausal, false, false>);
+    }
+  };
+  auto kernel = choose();
   bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       Kt::kSmemBytes),
                  "shared-memory opt-in");
   kernel<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(params);
 
   launch_bwd_convert_dq<T>(params, kHeadDim, splits, stream);
+}
+
+template <typename T, int kHeadDim, bool kIsCausal>
+void run_bwd_impl(const AttentionBwdParams& params, cudaStream_t stream) {
+  run_bwd_kernels<T, kHeadDim, kIsCausal, /*kHasVariants=*/false>(params, stream);
+}
+
+// Window / softcap / ALiBi calls (has_variants), causal or not.
+template <typename T, int kHeadDim>
+void run_bwd_variants_impl(const AttentionBwdParams& params, cudaStream_t stream) {
+  run_bwd_kernels<T, kHeadDim, /*kIsCausal=*/false, /*kHasVariants=*/true>(params, stream);
 }
 
 }  // namespace cuda

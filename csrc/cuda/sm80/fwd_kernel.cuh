@@ -377,8 +377,12 @@ FAE_DEVICE void store_split_partials(const float (&acc_o)[Traits::kMmaM][Traits:
 
 // ---------------------------------------------------------------------------
 // Main kernel. Grid: x = m-tile + num_m_blocks * (batch*heads + head), y = KV split.
+// kHasVariants: window / softcap / ALiBi (csrc/mask.h, ScoreVariants), instead
+// of the causal-only mask (instantiated with kIsCausal = false, kVarSeq = true:
+// causal is the window's right bound 0; see run_fwd_variants_impl).
 // ---------------------------------------------------------------------------
-template <typename Traits, bool kIsCausal, bool kVarSeq, bool kClusterMerge = false>
+template <typename Traits, bool kIsCausal, bool kVarSeq, bool kClusterMerge = false,
+          bool kHasVariants = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_kernel(const __grid_constant__ AttentionFwdParams params) {
   using T = typename Traits::T;
@@ -401,7 +405,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Causal tiles further down see more keys; start those first so the short
   // ones fill the tail of the wave (the x order keeps a head's tiles adjacent
   // for L2 reuse of its K/V).
-  if (kIsCausal) m_block = num_m_blocks - 1 - m_block;
+  if (kIsCausal || (kHasVariants && params.causal)) m_block = num_m_blocks - 1 - m_block;
   const int batch = bh / params.heads;
   const int head = bh % params.heads;
   const int head_k = head / (params.heads / params.heads_k);
@@ -411,8 +415,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const SeqBounds seq = seq_bounds<kVarSeq>(params, batch);
   if (m_block * kBlockM >= seq.seqlen_q) return;  // varlen: past this sequence (CTA-uniform)
 
+  ScoreVariants variants;
+  if constexpr (kHasVariants) variants = ScoreVariants::make(params, seq, batch, head);
   const KeyTileRange range =
-      key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, m_block, split, num_splits);
+      kHasVariants ? key_tile_range_variants<kBlockM, kBlockN>(seq, variants.mask, m_block, split,
+                                                                num_splits)
+                   : key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, m_block, split, num_splits);
   const int n_tiles = range.end - range.begin;
 
   const int64_t row_stride_k = params.k_strides.row;
@@ -475,7 +483,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       gemm_qk<Traits>(acc_s, q_frags, smem_q, smem_k_tile, th.warp_row0, th.lane);
 
       const int col_base = n_block * kBlockN + th.warp_key0 + 2 * th.q;
-      if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block)) {
+      if constexpr (kHasVariants) {
+        score_and_mask_variants(acc_s, variants, row_base, col_base);
+      } else if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block)) {
         scale_and_mask<true, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
                                         seq.seqlen_k, seq.causal_offset);
       } else {

@@ -14,6 +14,11 @@ namespace cuda {
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream);
 
+// The same for calls with window / softcap / ALiBi (has_variants(params)),
+// causal included: instantiations/fwd_var_*.cu.
+template <typename T, int kHeadDim>
+void run_fwd_variants_impl(const AttentionFwdParams& params, cudaStream_t stream);
+
 // Whether a split-KV call (num_splits > 1) merges its splits inside a
 // thread-block cluster (fwd_kernel.cuh, merge_splits_in_cluster) instead of
 // through a global workspace and the combine kernel: sm_90 code on an sm_90

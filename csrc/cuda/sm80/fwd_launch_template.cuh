@@ -1,6 +1,7 @@
 // Host-side launcher of one forward configuration. Included by the generated
 // instantiations/fwd_<dtype>_hdim<D>_<causal|full>.cu files, each of which
-// instantiates run_fwd_impl once (so configurations compile in parallel).
+// instantiates run_fwd_impl once (so configurations compile in parallel), and
+// fwd_var_<dtype>_hdim<D>.cu (run_fwd_variants_impl).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -26,7 +27,10 @@ inline void fwd_check_cuda(cudaError_t err, const char* what) {
 // Launches one traits configuration: the main kernel, then the combine kernel
 // when split-KV is on, unless the splits merge inside a thread-block cluster
 // (kMayClusterMerge: the configurations that instantiate that variant).
-template <typename Traits, bool kIsCausal, bool kMayClusterMerge = false>
+// kHasVariants: the window / softcap / ALiBi kernel (one per tile: kVarSeq
+// covers padded batches too, causal is the window's right bound).
+template <typename Traits, bool kIsCausal, bool kMayClusterMerge = false,
+          bool kHasVariants = false>
 void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
   const int num_splits = params.num_splits > 1 ? params.num_splits : 1;
   const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
@@ -72,10 +76,16 @@ void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
   }
 
   // Varlen / seqused_k calls get their own instantiation (see seq_bounds).
-  auto kernel = has_var_seqs(params) ? flash_fwd_kernel<Traits, kIsCausal, true>
-                                     : flash_fwd_kernel<Traits, kIsCausal, false>;
-  allow_smem(kernel);
-  kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(launch_params);
+  if constexpr (kHasVariants) {
+    auto kernel = flash_fwd_kernel<Traits, false, true, false, true>;
+    allow_smem(kernel);
+    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(launch_params);
+  } else {
+    auto kernel = has_var_seqs(params) ? flash_fwd_kernel<Traits, kIsCausal, true>
+                                       : flash_fwd_kernel<Traits, kIsCausal, false>;
+    allow_smem(kernel);
+    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(launch_params);
+  }
   fwd_check_cuda(cudaGetLastError(), "forward kernel launch");
 
   if (num_splits > 1) {
@@ -92,8 +102,8 @@ void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
   }
 }
 
-template <typename T, int kHeadDim, bool kIsCausal>
-void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants>
+void run_fwd_tiles(const AttentionFwdParams& params, cudaStream_t stream) {
   if (params.head_dim > kHeadDim || params.head_dim % 8 != 0) {
     throw std::runtime_error("flash_attn_ext: internal error: head_dim " +
                              std::to_string(params.head_dim) + " dispatched to kernel head dim " +
@@ -113,16 +123,30 @@ void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream) {
                              " exceeds the grid limit 65535");
   }
   // The split count was chosen (fwd_num_splits) for the same tile as here.
+  // Variant calls never merge splits in a cluster (fwd_merges_splits_in_cluster).
+  constexpr bool kMayClusterMerge = !kHasVariants;
   if (fwd_uses_key_warp_tile(params)) {
     launch_fwd<typename FwdTileConfigDecode<kHeadDim, kFwdDecodeKeyWarps>::template Traits<T>,
-               kIsCausal, /*kMayClusterMerge=*/true>(params, stream);
+               kIsCausal, kMayClusterMerge, kHasVariants>(params, stream);
   } else if (fwd_uses_decode_tile(params)) {
     launch_fwd<typename FwdTileConfigDecode<kHeadDim>::template Traits<T>, kIsCausal,
-               /*kMayClusterMerge=*/true>(params, stream);
+               kMayClusterMerge, kHasVariants>(params, stream);
   } else {
-    launch_fwd<typename FwdTileConfig<kHeadDim, kIsCausal>::template Traits<T>, kIsCausal>(
-        params, stream);
+    launch_fwd<typename FwdTileConfig<kHeadDim, kIsCausal>::template Traits<T>, kIsCausal,
+               /*kMayClusterMerge=*/false, kHasVariants>(params, stream);
   }
+}
+
+template <typename T, int kHeadDim, bool kIsCausal>
+void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+  run_fwd_tiles<T, kHeadDim, kIsCausal, /*kHasVariants=*/false>(params, stream);
+}
+
+// Window / softcap / ALiBi calls (has_variants), causal or not: the tiles of
+// the non-causal configuration with the variant kernels.
+template <typename T, int kHeadDim>
+void run_fwd_variants_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+  run_fwd_tiles<T, kHeadDim, /*kIsCausal=*/false, /*kHasVariants=*/true>(params, stream);
 }
 
 }  // namespace cuda
