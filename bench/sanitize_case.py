@@ -105,5 +105,17 @@ for splits in (6, 7, 40):  # sm_90: the cluster merge, then the combine kernel (
 q = torch.randn(4, 1, 64, 64, device="cuda", dtype=torch.bfloat16)
 k, v = (torch.randn(4, 333, 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 fa.flash_attn_func(q, k, v)
+# Variants (window, softcap, ALiBi) on the mma.sync variant kernels and the fp32 kernels,
+# forward and backward, then a split-KV decode with a window.
+for dtype, d in ((torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 64)):
+    q, k, v = (torch.randn(2, s, 4, d, device="cuda", dtype=dtype, requires_grad=True)
+               for s in (150, 210, 210))
+    slopes = torch.rand(2, 4, device="cuda", dtype=torch.float32)
+    out = fa.flash_attn_func(q, k, v, causal=True, window_size=(40, 0), softcap=30.0,
+                             alibi_slopes=slopes)
+    out.backward(torch.randn_like(out))
+q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+k, v = (torch.randn(2, 700, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+fa.flash_attn_func(q, k, v, causal=True, window_size=(300, 0), softcap=20.0, num_splits=3)
 torch.cuda.synchronize()
 print("sanitize cases done")

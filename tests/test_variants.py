@@ -19,7 +19,7 @@ HEADS, KV_HEADS = 4, 2  # every test below is grouped-query
 # Whether the fp32 CUDA (SIMT) kernels take window / softcap / ALiBi
 # (csrc/cuda/ops_cuda.cpp, kSimtKernelsSupportVariants): until then float32 CUDA calls with
 # variants raise NotImplementedError, which the value tests below check instead.
-SIMT_VARIANTS = False
+SIMT_VARIANTS = True
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 FP32_NOT_IMPLEMENTED = "window_size/softcap/alibi_slopes on CUDA are not implemented for float32"
 

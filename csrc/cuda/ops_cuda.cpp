@@ -57,7 +57,7 @@ int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCou
 // Window / softcap / ALiBi on CUDA: the 16-bit (mma.sync) kernels implement
 // them (kHasVariants instantiations; on sm_90 those calls skip the Hopper
 // kernels). The fp32 SIMT kernels do once this is true.
-constexpr bool kSimtKernelsSupportVariants = false;
+constexpr bool kSimtKernelsSupportVariants = true;
 
 void check_variants_supported(const AttentionFwdParams& p) {
   TORCH_CHECK_NOT_IMPLEMENTED(kSimtKernelsSupportVariants || !has_variants(p) ||
