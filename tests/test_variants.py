@@ -114,7 +114,10 @@ def test_flash_attn_func(case, dtype, seqlen_q, seqlen_k, device, head_dim=32,
     ref, base = ref_and_base(lambda q, k, v: gqa_attention(q, k, v, causal, scale=scale,
                                                            **variant), (q, k, v), dout)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    check_out_and_grads(out, grads, ref, base, dtype)
+    # A one-key window makes dS = P (dP - D) exactly 0 in exact arithmetic (and in the
+    # same-precision reference); here dP and D are fp32 dot products over head_dim terms in
+    # different orders, so their difference leaves a residue that grows with head_dim.
+    check_out_and_grads(out, grads, ref, base, dtype, grad_atol=1e-5 * max(1, head_dim // 64))
     check_lse(lse, ref[1], dtype)
 
 
