@@ -1,7 +1,7 @@
 """Attention variants (flash-attn's window_size, softcap, alibi_slopes): values and gradients
 against the float64 reference (attention_ref) with FlashAttention's accuracy rule
-(tests/helpers.py) on the CPU and, marked gpu, on CUDA (the 16-bit mma.sync kernels; float32
-raises NotImplementedError while SIMT_VARIANTS is False), through every entry point that takes
+(tests/helpers.py) on the CPU and, marked gpu, on CUDA (the 16-bit mma.sync kernels and the
+fp32 SIMT kernels), through every entry point that takes
 them (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, the raw operators);
 the bad-value errors."""
 import time
@@ -16,22 +16,7 @@ from helpers import (check_lse, check_out_and_grads, gqa_attention, make_varlen,
 
 HEADS, KV_HEADS = 4, 2  # every test below is grouped-query
 
-# Whether the fp32 CUDA (SIMT) kernels take window / softcap / ALiBi
-# (csrc/cuda/ops_cuda.cpp, kSimtKernelsSupportVariants): until then float32 CUDA calls with
-# variants raise NotImplementedError, which the value tests below check instead.
-SIMT_VARIANTS = True
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-FP32_NOT_IMPLEMENTED = "window_size/softcap/alibi_slopes on CUDA are not implemented for float32"
-
-
-def _call(device, dtype, fn, *args, **kwargs):
-    """fn(*args, **kwargs); None where the call has no CUDA kernel yet (float32 while
-    SIMT_VARIANTS is False): it must then raise NotImplementedError."""
-    if device == "cuda" and dtype == torch.float32 and not SIMT_VARIANTS:
-        with pytest.raises(NotImplementedError, match=FP32_NOT_IMPLEMENTED):
-            fn(*args, **kwargs)
-        return None
-    return fn(*args, **kwargs)
 
 
 def _slopes(kind, batch=2, heads=HEADS, device="cpu"):
@@ -105,10 +90,8 @@ def test_flash_attn_func(case, dtype, seqlen_q, seqlen_k, device, head_dim=32,
     k = randn((batch, seqlen_k, KV_HEADS, head_dim), dtype, device, 2, True)
     v = randn((batch, seqlen_k, KV_HEADS, head_dim), dtype, device, 3, True)
     scale = 0.5 if head_dim <= 32 else 0.25  # larger scores than 1/sqrt(d): the softcap bends them
-    res = _call(device, dtype, fa.flash_attn_func, q, k, v, softmax_scale=scale, causal=causal,
+    res = fa.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal,
                 return_lse=True, deterministic=deterministic, **variant)
-    if res is None:
-        return
     out, lse = res
     dout = randn(out.shape, dtype, device, 4)
     ref, base = ref_and_base(lambda q, k, v: gqa_attention(q, k, v, causal, scale=scale,
@@ -182,10 +165,8 @@ def test_seqused_k(case, dtype, device):
     k = randn((2, 90, KV_HEADS, 32), dtype, device, 2, True)
     v = randn((2, 90, KV_HEADS, 32), dtype, device, 3, True)
     used = torch.tensor([61, 20], dtype=torch.int32, device=device)
-    res = _call(device, dtype, fa.flash_attn_func, q, k, v, causal=causal, seqused_k=used,
+    res = fa.flash_attn_func(q, k, v, causal=causal, seqused_k=used,
                 return_lse=True, **variant)
-    if res is None:
-        return
     out, lse = res
     dout = randn(out.shape, dtype, device, 4)
     ref, base = ref_and_base(lambda q, k, v: padded_attention(q, k, v, causal, used, **variant),
@@ -212,10 +193,8 @@ def test_varlen(case, dtype, with_seqused_k, device):
                                                     device, pad_q=3, pad_k=2)
     used = (torch.tensor([250, 5, 64, 77, 0], dtype=torch.int32, device=device)
             if with_seqused_k else None)
-    res = _call(device, dtype, fa.flash_attn_varlen_func, q, k, v, cu_q, cu_k, max_q, max_k,
+    res = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
                 causal=causal, seqused_k=used, return_lse=True, **variant)
-    if res is None:
-        return
     out, lse = res
     dout = randn(out.shape, dtype, device, 9)
     ref, base = ref_and_base(
@@ -245,11 +224,9 @@ def test_kvcache(case, dtype, seqlen_q, device, cache_len=40, head_dim=32, num_s
     k_new = randn((batch, 2, KV_HEADS, head_dim), dtype, device, 34)
     v_new = randn((batch, 2, KV_HEADS, head_dim), dtype, device, 35)
     seqlens = torch.tensor([0, 17, cache_len - 2], dtype=torch.int32, device=device)
-    res = _call(device, dtype, fa.flash_attn_with_kvcache, q, k_cache, v_cache, k=k_new,
+    res = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new,
                 v=v_new, cache_seqlens=seqlens, causal=causal, return_softmax_lse=True,
                 num_splits=num_splits, **variant)
-    if res is None:
-        return
     out, lse = res
     lengths = seqlens + 2
     ref, base = ref_and_base(lambda q, k, v: padded_attention(q, k, v, causal, lengths, **variant),
@@ -417,43 +394,9 @@ def test_sdpa_keeps_torch_signature():
     assert not {"window_size", "softcap", "alibi_slopes"} & set(params)
 
 
-# ---- CUDA float32: not implemented yet (SIMT_VARIANTS) ----------------------------------------
-# Each stays active in every call below (a window bound that no row reaches is dropped).
-CUDA_VARIANTS = [dict(window_size=(16, 0)), dict(window_size=(8, 4)), dict(softcap=30.0),
-                 dict(alibi_slopes="head")]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(SIMT_VARIANTS, reason="the fp32 CUDA kernels take the variants")
-@pytest.mark.parametrize("kwargs", CUDA_VARIANTS, ids=lambda kw: next(iter(kw)))
-def test_cuda_fp32_not_implemented(kwargs):
-    if "alibi_slopes" in kwargs:
-        kwargs = dict(alibi_slopes=_slopes("head", device="cuda"))
-    match = FP32_NOT_IMPLEMENTED
-    q, k, v = (randn((2, 64, HEADS, 64), torch.float32, "cuda", s) for s in (1, 2, 3))
-    with pytest.raises(NotImplementedError, match=match):
-        fa.flash_attn_func(q, k, v, **kwargs)
-    with pytest.raises(NotImplementedError, match=match):
-        fa.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=40, **kwargs)
-    qv, kv, vv, cu_q, cu_k, max_q, max_k = make_varlen([7, 30], [40, 9], HEADS, KV_HEADS, 64,
-                                                       torch.float32, "cuda")
-    with pytest.raises(NotImplementedError, match=match):
-        fa.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, max_q, max_k, **kwargs)
-    # the backward operators check too
-    out, lse = torch.ops.flash_attn_ext.fwd(q, k, v, 0.125, False, True)
-    var = (*kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0),
-           kwargs.get("alibi_slopes"))
-    with pytest.raises(NotImplementedError, match=match):
-        torch.ops.flash_attn_ext.bwd(out, q, k, v, out, lse, 0.125, False, True, False, None, *var)
-    out, lse = torch.ops.flash_attn_ext.varlen_fwd(qv, kv, vv, cu_q, cu_k, max_q, max_k, 0.125,
-                                                   False)
-    if var[3] is not None:
-        var = (*var[:3], var[3].expand(2, HEADS))  # one row per sequence
-    with pytest.raises(NotImplementedError, match=match):
-        torch.ops.flash_attn_ext.varlen_bwd(out, qv, kv, vv, out, lse, cu_q, cu_k, max_q, max_k,
-                                            0.125, False, False, None, *var)
-
-
+# ---- CUDA: argument checks and windows that are no variant --------------------------------
 @pytest.mark.gpu
 def test_cuda_alibi_on_another_device():
     q, k, v = (randn((2, 64, HEADS, 64), torch.float16, "cuda", s) for s in (1, 2, 3))

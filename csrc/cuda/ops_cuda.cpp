@@ -54,18 +54,6 @@ void check_cuda_inputs(const at::Tensor& q) {
 
 int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
-// Window / softcap / ALiBi on CUDA: the 16-bit (mma.sync) kernels implement
-// them (kHasVariants instantiations; on sm_90 those calls skip the Hopper
-// kernels). The fp32 SIMT kernels do once this is true.
-constexpr bool kSimtKernelsSupportVariants = true;
-
-void check_variants_supported(const AttentionFwdParams& p) {
-  TORCH_CHECK_NOT_IMPLEMENTED(kSimtKernelsSupportVariants || !has_variants(p) ||
-                                  p.dtype != DType::kFloat32,
-                              "flash_attn_ext: window_size/softcap/alibi_slopes on CUDA are not "
-                              "implemented for float32 yet (float16 / bfloat16 are)");
-}
-
 template <typename F>
 void call_kernels(F&& f) {
   try {
@@ -126,7 +114,6 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
                                                 const at::Tensor& k_in, const at::Tensor& v_in,
                                                 int64_t num_splits, int64_t tile) {
   check_cuda_inputs(q_in);
-  check_variants_supported(p);
   check_fwd_tuning_args(num_splits, tile);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool varlen = p.cu_seqlens_q != nullptr;
@@ -213,7 +200,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     AttentionBwdParams p, const at::Tensor& dout_in, const at::Tensor& q_in,
     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in) {
   check_cuda_inputs(q_in);
-  check_variants_supported(p);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool partial = has_var_seqs(p);
   const int group = p.heads / p.heads_k;
