@@ -18,10 +18,6 @@
 
 #include "params.h"
 
-#if defined(__CUDACC__)
-extern "C" __device__ float __nv_tanhf(float);
-#endif
-
 namespace flash_attn_ext {
 
 struct Mask {
@@ -52,21 +48,10 @@ struct Mask {
   FAE_HOST_DEVICE bool has_softcap() const { return softcap > 0.f; }
   FAE_HOST_DEVICE bool has_score_mod() const { return softcap > 0.f || alibi_slope != 0.f; }
 
-  // tanh at fp32 accuracy on host and device: the extension's --use_fast_math
-  // turns device tanhf into tanh.approx.f32 (~2^-11 relative, ~1e-2 in a score
-  // of 30), which libdevice's __nv_tanhf (~2 ulp) is not replaced by.
-  FAE_HOST_DEVICE static float tanh_fp32(float x) {
-#if defined(__CUDA_ARCH__)
-    return __nv_tanhf(x);
-#else
-    return std::tanh(x);
-#endif
-  }
-
   // f(s) for row i, key j; with softcap, *dfds = 1 - tanh^2 (the backward's chain factor).
   FAE_HOST_DEVICE float score(float s, int i, int j, float* dfds = nullptr) const {
     if (softcap > 0.f) {
-      const float t = tanh_fp32(s * inv_softcap);
+      const float t = tanhf(s * inv_softcap);
       if (dfds != nullptr) *dfds = 1.f - t * t;
       s = softcap * t;
     }
