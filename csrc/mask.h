@@ -63,14 +63,21 @@ struct Mask {
   }
 };
 
-// The mask of batch entry b (bounds s = seq_bounds(p, b)) and query head h.
-FAE_HOST_DEVICE Mask make_mask(const AttentionFwdParams& p, const SeqBounds& s, int b, int h) {
+// The visible-key bounds of batch entry b (bounds s = seq_bounds(p, b)),
+// without the score modifiers: what a tile scheduler needs (no memory reads).
+FAE_HOST_DEVICE Mask make_window(const AttentionFwdParams& p, const SeqBounds& s) {
   Mask m;
   m.seqlen_q = s.seqlen_q;
   m.seqlen_k = s.seqlen_k;
   m.diag = s.causal_offset;
   m.left = p.window_left;
   m.right = p.causal ? 0 : p.window_right;
+  return m;
+}
+
+// The mask of batch entry b (bounds s = seq_bounds(p, b)) and query head h.
+FAE_HOST_DEVICE Mask make_mask(const AttentionFwdParams& p, const SeqBounds& s, int b, int h) {
+  Mask m = make_window(p, s);
   if (p.softcap > 0.f) {
     m.softcap = p.softcap;
     m.inv_softcap = 1.f / p.softcap;

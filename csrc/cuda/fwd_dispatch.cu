@@ -146,13 +146,13 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
 // and the call is one it implements: 16-bit, kernel head dim 64/128/256,
 // padded batch without seqused_k, no split-KV, not the small-M decode tile,
 // softmax_scale > 0 (the kernel folds the scale into exp2 after the max),
-// no broadcast (stride-0) dimension, no window / softcap / ALiBi (those stay on
-// the mma.sync kernels; README "Hopper forward").
+// no broadcast (stride-0) dimension. Window / softcap / ALiBi calls take its
+// variant instantiation (run_fwd_sm90_variants_impl).
 bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 #ifdef FAE_HAS_SM90A
   if (kernel_impl_requested("FLASH_ATTN_EXT_FWD_IMPL") == KernelImpl::kMma) return false;
   return params.dtype != DType::kFloat32 && fwd_sm90_head_dim(kernel_dim) &&
-         !has_var_seqs(params) && !has_variants(params) && params.num_splits <= 1 &&
+         !has_var_seqs(params) && params.num_splits <= 1 &&
          params.fwd_tile == kFwdTileAuto && !fwd_uses_decode_tile(params) &&
          params.scale_log2 > 0.f && params.heads <= 65535 && params.batch <= 65535 &&
          tma_strides_ok(params.q_strides, params.seqlen_q, params.heads, params.batch) &&
@@ -172,7 +172,13 @@ void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
   const bool sm90 = use_sm90_forward(params, kernel_dim);
   auto run = [&](auto dim_tag) {
     if (has_variants(params)) {  // causal or not: the variant kernels' Mask
-      return run_fwd_variants_impl<T, decltype(dim_tag)::value>(params, stream);
+      constexpr int kDim = decltype(dim_tag)::value;
+#ifdef FAE_HAS_SM90A
+      if constexpr (kDim == 64 || kDim == 128 || kDim == 256) {
+        if (sm90) return run_fwd_sm90_variants_impl<T, kDim>(params, stream);
+      }
+#endif
+      return run_fwd_variants_impl<T, kDim>(params, stream);
     }
     with_causal(params.causal, [&](auto causal_tag) {
       constexpr bool kCausal = decltype(causal_tag)::value;

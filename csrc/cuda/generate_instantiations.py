@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Writes one .cu file per (pass, dtype, head dim, causal) into instantiations/.
 
-The attention-variant passes (window / softcap / ALiBi, mma.sync kernels) have
-no causal dimension: one file per (pass, dtype, head dim), where causal is the
-window's right bound (fwd_var_*, bwd_var_*).
+The attention-variant passes (window / softcap / ALiBi; mma.sync kernels and
+the Hopper forward) have no causal dimension: one file per (pass, dtype, head dim), where causal is the
+window's right bound (fwd_var_*, bwd_var_*, fwd_sm90_var_*).
 
 Each file explicitly instantiates one launcher template, so nvcc compiles the
 configurations in parallel (MAX_JOBS) and setup.py can leave some out
@@ -30,6 +30,9 @@ VARIANT_PASSES = {
                 HEAD_DIMS),
     "bwd_var": ("sm80/bwd_launch_template.cuh", "run_bwd_variants_impl", "AttentionBwdParams",
                 HEAD_DIMS),
+    # Hopper forward with variants: device code only for sm_90a targets.
+    "fwd_sm90_var": ("hopper/fwd_sm90_launch.cuh", "run_fwd_sm90_variants_impl",
+                     "AttentionFwdParams", (64, 128, 256)),
 }
 
 TEMPLATE = """\

@@ -157,10 +157,23 @@ FAE_DEVICE KeyTileRange key_tile_range_variants(const SeqBounds& seq, const Mask
   return {begin, max(begin, end)};
 }
 
+// Whether every key of tile n_block is visible to every row in [first_row,
+// last_row] (then a window without score modifiers needs no element mask):
+// the tile starts at or after the last row's first key and ends at or before
+// the first row's end (seqlen_k included: key_end is clamped to it).
+template <int kBlockN>
+FAE_DEVICE bool key_tile_inside_window(const Mask& mask, int first_row, int last_row,
+                                       int n_block) {
+  return n_block * kBlockN >= mask.key_begin(last_row) &&
+         (n_block + 1) * kBlockN <= mask.key_end(first_row);
+}
+
 // scale_and_mask with variants: every score becomes score_log2 (softcap,
 // ALiBi), and keys outside the row's [key_begin, key_end) become -inf (every
-// tile: the window may cut any of them).
-template <int kMmaM, int kTilesN>
+// tile: the window may cut any of them). kScore = false only masks, leaving the
+// visible raw scores as they are (a window without score modifiers, for
+// OnlineSoftmax::update_scores_folded).
+template <int kMmaM, int kTilesN, bool kScore = true>
 FAE_DEVICE void score_and_mask_variants(float (&s)[kMmaM][kTilesN][4], const ScoreVariants& v,
                                         int row_base, int col_base) {
 #pragma unroll
@@ -175,7 +188,12 @@ FAE_DEVICE void score_and_mask_variants(float (&s)[kMmaM][kTilesN][4], const Sco
         for (int e = 0; e < 2; ++e) {
           float& x = s[m][j][2 * h + e];
           const int col = col_base + j * 8 + e;
-          x = (col >= lo && col < hi) ? v.score_log2(x, row, col) : -INFINITY;
+          const bool visible = col >= lo && col < hi;
+          if (kScore) {
+            x = visible ? v.score_log2(x, row, col) : -INFINITY;
+          } else if (!visible) {
+            x = -INFINITY;
+          }
         }
       }
     }

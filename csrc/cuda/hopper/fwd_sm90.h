@@ -18,5 +18,9 @@ inline bool fwd_sm90_head_dim(int kernel_dim) {
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream);
 
+// Window / softcap / ALiBi (has_variants), causal or not.
+template <typename T, int kHeadDim>
+void run_fwd_sm90_variants_impl(const AttentionFwdParams& params, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace flash_attn_ext

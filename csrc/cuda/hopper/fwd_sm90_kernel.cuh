@@ -155,7 +155,12 @@ struct FwdSm90Traits {
                 "register file split between producer and consumers");
 };
 
-template <typename Traits, bool kIsCausal>
+// kHasVariants: window / softcap / ALiBi (csrc/mask.h) with causal as the
+// window's right bound (kIsCausal = false then): the key tiles of a query
+// tile are those its window reaches (key_tile_range_variants), tiles the
+// window cuts get the element mask, and softcap / ALiBi turn every score into
+// ScoreVariants::score_log2 before a plain (unfolded) online softmax.
+template <typename Traits, bool kIsCausal, bool kHasVariants = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmap_q,
                           const __grid_constant__ CUtensorMap tmap_k,
@@ -222,8 +227,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     tile.h = bh % params.heads;
     tile.b = bh / params.heads;
     tile.h_k = tile.h / (params.heads / params.heads_k);
-    tile.keys = key_tile_range<kBlockM, kBlockN, kIsCausal>(seq_bounds<false>(params, tile.b),
-                                                           tile.m_block, 0, 1);
+    const SeqBounds seq = seq_bounds<false>(params, tile.b);
+    if constexpr (kHasVariants) {
+      tile.keys = key_tile_range_variants<kBlockM, kBlockN>(seq, make_window(params, seq),
+                                                            tile.m_block, 0, 1);
+    } else {
+      tile.keys = key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, 0, 1);
+    }
     return tile;
   };
   // Warp-uniform (shuffled from lane 0), so the role branches below are
@@ -385,9 +395,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Scores stay unscaled: only the masked ones become -inf, and the scale
     // is folded into the exponent (update_scores_folded; the dispatcher sends
     // softmax_scale <= 0 to the mma.sync kernels).
+    // With variants: this warpgroup's rows (the window bounds of its first
+    // and last row decide which tiles it must mask) and the score modifiers.
+    ScoreVariants variants;
+    if constexpr (kHasVariants) variants = ScoreVariants::make(params, seq, tile.b, tile.h);
+    const int wg_first_row = tile.m_block * kBlockM + wg * 64;
+    const int wg_last_row = min(wg_first_row + 64, seq.seqlen_q) - 1;
     auto softmax_tile = [&](OnlineSoftmax<1>& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
                             float (&rescale)[1][2]) {
       const int col_base = n_block * kBlockN + 2 * (lane % 4);
+      if constexpr (kHasVariants) {
+        if (variants.mask.has_score_mod()) {
+          score_and_mask_variants(s, variants, row_base, col_base);
+          softmax.update_scores(s, rescale);
+          return;
+        }
+        if (!key_tile_inside_window<kBlockN>(variants.mask, wg_first_row, wg_last_row, n_block)) {
+          score_and_mask_variants<1, kBlockN / 8, /*kScore=*/false>(s, variants, row_base,
+                                                                   col_base);
+        }
+        softmax.update_scores_folded(s, params.scale_log2, rescale);
+        return;
+      }
       if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, n_block)) {
         scale_and_mask<true, kIsCausal, 1, kBlockN / 8, false>(
             s, params.scale_log2, row_base, col_base, seq.seqlen_k, seq.causal_offset);

@@ -15,7 +15,7 @@ namespace flash_attn_ext {
 namespace cuda {
 
 // One traits configuration: tensor maps, then the kernel.
-template <typename Traits, bool kIsCausal>
+template <typename Traits, bool kIsCausal, bool kHasVariants>
 void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   using T = typename Traits::T;
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
@@ -25,7 +25,7 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   const CUtensorMap tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
   const CUtensorMap tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
 
-  auto kernel = flash_fwd_sm90_kernel<Traits, kIsCausal>;
+  auto kernel = flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Traits::kSmemBytes);
   if (err != cudaSuccess) {
@@ -48,7 +48,8 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   // scheduler), which balances like the hardware and, being persistent, still
   // loads the next tile under this one. Without the counter's workspace (not
   // expected: fwd_workspace_floats asks for it) causal tiles go round-robin.
-  int* tile_counter = kIsCausal ? params.tile_counter : nullptr;
+  // Variant tiles (causal, windows) differ alike.
+  int* tile_counter = kIsCausal || kHasVariants ? params.tile_counter : nullptr;
   if (tile_counter != nullptr) {
     err = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream);
     if (err != cudaSuccess) {
@@ -66,28 +67,44 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   }
 }
 
-// One key tile size.
-template <typename T, int kHeadDim, bool kIsCausal, int kBlockN>
+// One key tile size. Config: the tile configuration (FwdSm90TileConfig).
+template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, typename Config, int kBlockN>
 void launch_fwd_sm90_block_n(const AttentionFwdParams& params, cudaStream_t stream) {
-  using Config = FwdSm90TileConfig<kHeadDim, kIsCausal>;
-  launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, Config::kQRing>, kIsCausal>(
-      params, stream);
+  launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, Config::kQRing>, kIsCausal,
+                  kHasVariants>(params, stream);
 }
 
-template <typename T, int kHeadDim, bool kIsCausal>
-void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
-  using Config = FwdSm90TileConfig<kHeadDim, kIsCausal>;
-  if (params.head_dim > kHeadDim || params.num_splits > 1 || has_var_seqs(params)) {
+template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, typename Config>
+void run_fwd_sm90_config(const AttentionFwdParams& params, cudaStream_t stream) {
+  if (params.head_dim > kHeadDim || params.num_splits > 1 || has_var_seqs(params) ||
+      has_variants(params) != kHasVariants) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "Hopper forward");
   }
   if constexpr (Config::kBlockNShort > 0) {
     if (params.seqlen_k <= Config::kShortSeqlenK) {
-      launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, Config::kBlockNShort>(params, stream);
+      launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, kHasVariants, Config, Config::kBlockNShort>(
+          params, stream);
       return;
     }
   }
-  launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, Config::kBlockN>(params, stream);
+  launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, kHasVariants, Config, Config::kBlockN>(params,
+                                                                                      stream);
+}
+
+template <typename T, int kHeadDim, bool kIsCausal>
+void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+  run_fwd_sm90_config<T, kHeadDim, kIsCausal, false, FwdSm90TileConfig<kHeadDim, kIsCausal>>(
+      params, stream);
+}
+
+// Window / softcap / ALiBi calls, causal or not (the Mask's right bound): the
+// causal tile configuration (its smaller key tiles waste less where a window
+// cuts them).
+template <typename T, int kHeadDim>
+void run_fwd_sm90_variants_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+  run_fwd_sm90_config<T, kHeadDim, /*kIsCausal=*/false, /*kHasVariants=*/true,
+                      FwdSm90TileConfig<kHeadDim, true>>(params, stream);
 }
 
 }  // namespace cuda
