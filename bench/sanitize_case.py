@@ -105,8 +105,10 @@ for splits in (6, 7, 40):  # sm_90: the cluster merge, then the combine kernel (
 q = torch.randn(4, 1, 64, 64, device="cuda", dtype=torch.bfloat16)
 k, v = (torch.randn(4, 333, 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 fa.flash_attn_func(q, k, v)
-# Variants (window, softcap, ALiBi) on the mma.sync variant kernels and the fp32 kernels,
-# forward and backward, then a split-KV decode with a window.
+# Variants (window, softcap, ALiBi): forward on the Hopper kernel (sm_90, D 64/128/256) or
+# the mma.sync variant kernels, backward on the mma.sync ones, fp32 on the SIMT kernels;
+# then a window alone (the Hopper forward's masked-tiles-only path) and a split-KV decode
+# with a window.
 for dtype, d in ((torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 64)):
     q, k, v = (torch.randn(2, s, 4, d, device="cuda", dtype=dtype, requires_grad=True)
                for s in (150, 210, 210))
@@ -114,6 +116,8 @@ for dtype, d in ((torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 64)
     out = fa.flash_attn_func(q, k, v, causal=True, window_size=(40, 0), softcap=30.0,
                              alibi_slopes=slopes)
     out.backward(torch.randn_like(out))
+q, k, v = (torch.randn(1, s, 2, 256, device="cuda", dtype=torch.bfloat16) for s in (300, 333, 333))
+fa.flash_attn_func(q, k, v, window_size=(100, 50))
 q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
 k, v = (torch.randn(2, 700, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 fa.flash_attn_func(q, k, v, causal=True, window_size=(300, 0), softcap=20.0, num_splits=3)

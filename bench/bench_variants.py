@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Times the attention variants (sliding window, softcap, ALiBi) against our plain kernel and
+torch.compile(flex_attention) with the equivalent block_mask / score_mod, in one process, and
+prints the table last. Ratios, not absolute times, are the result.
+
+  python bench/bench_variants.py                       # GPU, bf16, D=128
+  python bench/bench_variants.py --rounds 3 --csv variants.csv
+  python bench/bench_variants.py --device cpu --quick  # CPU smoke run (tiny sizes, no flex)
+
+Configs (H=16, D=128, flash-attn's bottom-right diagonal; Sq = Sk, so top-left is the same):
+  window   B=1, S=16k, causal: full causal vs window_size=(4096, 0) (each query sees <= 4097
+           keys). The FLOP ratio of the two is 2.29x, the most a kernel that skips the
+           tiles outside the window can gain at equal efficiency.
+  softcap  B=4, S=4k, causal and not: softcap=30 vs plain
+  alibi    B=4, S=4k, causal and not: alibi_slopes [H] (2^(-8 h / H)) vs plain
+Backends: ours (flash_attn_ext.flash_attn_func with the variant), plain (ours without it: the
+same call minus the variant), flex (torch.compile(flex_attention), fresh compile per config),
+cudnn (torch SDPA pinned to cuDNN, plain causal / not: a reference point only).
+Passes: fwd, and bwd alone (torch.autograd.grad with retain_graph=True on a forward built
+before timing). Timing: flash_attn_ext.bench.time_ms (do_bench median, L2 flushed); with
+--rounds N every config runs N times with the backends in rotated order and the median of
+the rounds is reported.
+Columns: ms per backend; var/plain = time(ours) / time(plain) (the variant's cost, 1.0 = free;
+for the window row this is the window's speed-up inverted: plain/var is printed as
+'speedup'); flex/ours = time(flex) / time(ours) (above 1 ours is faster).
+"""
+import argparse
+import csv
+import importlib
+import statistics
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import flash_attn_ext as fa
+from flash_attn_ext.bench.timing import _time_pass
+
+PASSES = ("fwd", "bwd")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python bench/bench_variants.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every config, rotating backends")
+    p.add_argument("--backends", default="ours,plain,flex,cudnn")
+    p.add_argument("--csv", default=None, help="write every row to this CSV file")
+    return p.parse_args(argv)
+
+
+def configs(quick):
+    S_win, W, S = (512, 128, 256) if quick else (16384, 4096, 4096)
+    B_win, B = (1, 2) if quick else (1, 4)
+    out = [dict(name="window", B=B_win, S=S_win, causal=True, window=(W, 0))]
+    for causal in (False, True):
+        out.append(dict(name="softcap", B=B, S=S, causal=causal, softcap=30.0))
+        out.append(dict(name="alibi", B=B, S=S, causal=causal, alibi=True))
+    return out
+
+
+def alibi_slopes(H, device):
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device=device)
+
+
+def make_fn(backend, cfg, H, device):
+    """fn(q, k, v) on [B, H, S, D] tensors -> out [B, H, S, D]."""
+    causal = cfg["causal"]
+    window = cfg.get("window", (-1, -1))
+    softcap = cfg.get("softcap", 0.0)
+    slopes = alibi_slopes(H, device) if cfg.get("alibi") else None
+    if backend in ("ours", "plain"):
+        kw = dict(causal=causal)
+        if backend == "ours":
+            kw.update(window_size=window, softcap=softcap, alibi_slopes=slopes)
+
+        def ours(q, k, v):
+            out = fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw)
+            return out.transpose(1, 2)
+        return ours
+    if backend == "cudnn":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def cudnn(q, k, v):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return cudnn
+    if backend == "flex":
+        if device != "cuda":
+            raise RuntimeError("flex_attention is benchmarked on CUDA only")
+        fx = importlib.import_module("torch.nn.attention.flex_attention")
+        torch._dynamo.reset()  # a fresh compile per config (see flash_attn_ext.bench.backends)
+        compiled = torch.compile(fx.flex_attention, dynamic=False)
+        S = cfg["S"]
+        left = window[0]
+
+        def visible(b, h, qi, ki):
+            keep = qi >= ki if causal else qi == qi
+            if left >= 0:
+                keep = keep & (qi - ki <= left)
+            return keep
+        block_mask = None
+        if causal or left >= 0:
+            block_mask = fx.create_block_mask(visible, None, None, S, S, device=device)
+        score_mod = None
+        if softcap > 0:
+            def score_mod(s, b, h, qi, ki):
+                return softcap * torch.tanh(s / softcap)
+        elif slopes is not None:
+            def score_mod(s, b, h, qi, ki):
+                return s - slopes[h] * (qi - ki).abs()
+        return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def time_backend(backend, cfg, sets, H, device):
+    res = {}
+    try:
+        fn = make_fn(backend, cfg, H, device)
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            probe = fn(*sets[0])
+        douts = [torch.randn_like(probe) for _ in sets]
+        del probe
+    except Exception as e:  # the backend refuses this input
+        return {p: (None, f"{type(e).__name__}: {str(e).splitlines()[0][:50]}") for p in PASSES}
+    for p in PASSES:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                res[p] = (_time_pass(fn, p, sets, douts, device)[0], "")
+        except Exception as e:
+            res[p] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:50]}")
+    return res
+
+
+def label(cfg):
+    extra = (f"window {cfg['window'][0]}" if "window" in cfg else
+             f"softcap {cfg['softcap']:g}" if "softcap" in cfg else "alibi")
+    return f"{extra}, {'causal' if cfg['causal'] else 'full'}"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = args.device
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if device == "cpu":
+        dtype = torch.float32
+    backends = [b for b in args.backends.split(",") if b]
+    if device == "cpu":
+        backends = [b for b in backends if b not in ("flex", "cudnn")]
+    H, D = (4, 64) if args.quick else (16, args.head_dim)
+    rows = []
+    for cfg in configs(args.quick):
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        sets = [tuple(torch.randn(cfg["B"], H, cfg["S"], D, generator=gen).to(device, dtype)
+                      .requires_grad_() for _ in range(3)) for _ in range(2)]
+        times = {b: {p: [] for p in PASSES} for b in backends}
+        notes = {b: {p: "" for p in PASSES} for b in backends}
+        for r in range(args.rounds):
+            order = backends[r % len(backends):] + backends[:r % len(backends)]
+            for b in order:
+                for p, (ms, note) in time_backend(b, cfg, sets, H, device).items():
+                    if ms is not None:
+                        times[b][p].append(ms)
+                    notes[b][p] = note
+                print(f"  {label(cfg)} round {r + 1}: {b} done", file=sys.stderr, flush=True)
+        for p in PASSES:
+            row = dict(config=label(cfg), B=cfg["B"], H=H, S=cfg["S"], D=D, dtype=args.dtype,
+                       pass_=p)
+            for b in backends:
+                row[b] = statistics.median(times[b][p]) if times[b][p] else None
+                row[b + "_note"] = notes[b][p]
+            rows.append(row)
+        del sets
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a and b else "-"
+    print(f"\nVariants, {str(dtype).replace('torch.', '')}, D={D}, H={H}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
+          f"torch {torch.__version__}, rounds {args.rounds}")
+    head = f"{'config':<22}{'pass':<5}" + "".join(f"{b:>9}" for b in backends) + \
+        f"{'var/plain':>11}{'flex/ours':>11}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        cells = "".join(f"{r[b]:9.3f}" if r[b] else f"{'-':>9}" for b in backends)
+        vp = ratio(r.get("ours"), r.get("plain"))
+        if r["config"].startswith("window") and r.get("ours") and r.get("plain"):
+            vp = f"x{r['plain'] / r['ours']:.2f}"  # the window's speed-up over full causal
+        print(f"{r['config']:<22}{r['pass_']:<5}{cells}{vp:>11}{ratio(r.get('flex'), r.get('ours')):>11}")
+        for b in backends:
+            if r[b + "_note"]:
+                print(f"    {b}: {r[b + '_note']}")
+    print("var/plain: time(ours) / time(plain), x: plain / ours (window speed-up); "
+          "flex/ours > 1: ours faster")
+
+
+if __name__ == "__main__":
+    main()
