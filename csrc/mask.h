@@ -6,7 +6,9 @@
 //   visible keys of row i:   [key_begin(i), key_end(i))      (both non-decreasing in i)
 //   rows that see key j:     [query_begin(j), query_end(j))  (both non-decreasing in j)
 //   score seen by softmax:   f(s) = softcap * tanh(s / softcap) - slope * |i + diag - j|
-//                            with s = softmax_scale * q_i . k_j (softcap 0: no tanh)
+//                                   + bias(i, j)
+//                            with s = softmax_scale * q_i . k_j (softcap 0: no tanh) and
+//                            bias the attn_mask (additive; boolean: 0 or -inf)
 //   its derivative:          df/ds = 1 - tanh^2(s / softcap)   (1 without softcap)
 //
 // This is flash-attn 2's order (csrc/flash_attn/src: apply_softcap on the
@@ -15,10 +17,34 @@
 // so the work of a window falls with its width.
 #pragma once
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "params.h"
 
 namespace flash_attn_ext {
+
+// 16-bit floats from their bits, on host and device alike (the CPU code has no
+// CUDA headers): bf16 is the top half of an fp32; fp16 is rebuilt field by field.
+FAE_HOST_DEVICE float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+FAE_HOST_DEVICE float fp16_bits_to_float(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1fu, mantissa = bits & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in fp32
+    const float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  const uint32_t u = exponent == 0x1fu ? (sign | 0x7f800000u | (mantissa << 13))  // inf / nan
+                                       : (sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 struct Mask {
   int seqlen_q = 0;   // query rows of the sequence
@@ -29,6 +55,12 @@ struct Mask {
   float softcap = 0.f;       // 0 = off
   float inv_softcap = 0.f;
   float alibi_slope = 0.f;   // 0 = off
+  // attn_mask of this (sequence, head): its element (0, 0), strides in
+  // elements (params.h, attn_bias); nullptr = off.
+  const unsigned char* bias = nullptr;
+  BiasType bias_type = BiasType::kNone;
+  int64_t bias_row_stride = 0;
+  int64_t bias_col_stride = 0;
 
   FAE_HOST_DEVICE static int clamp(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
@@ -46,7 +78,23 @@ struct Mask {
   }
 
   FAE_HOST_DEVICE bool has_softcap() const { return softcap > 0.f; }
-  FAE_HOST_DEVICE bool has_score_mod() const { return softcap > 0.f || alibi_slope != 0.f; }
+  FAE_HOST_DEVICE bool has_score_mod() const {
+    return softcap > 0.f || alibi_slope != 0.f || bias != nullptr;
+  }
+
+  // The attn_mask term of row i, key j (natural-log units): the additive value,
+  // or 0 / -inf for a boolean mask. 0 without a mask.
+  FAE_HOST_DEVICE float bias_at(int i, int j) const {
+    if (bias == nullptr) return 0.f;
+    const int64_t e = i * bias_row_stride + j * bias_col_stride;
+    switch (bias_type) {
+      case BiasType::kBool: return bias[e] ? 0.f : -INFINITY;
+      case BiasType::kFloat32: return reinterpret_cast<const float*>(bias)[e];
+      case BiasType::kFloat16: return fp16_bits_to_float(reinterpret_cast<const uint16_t*>(bias)[e]);
+      case BiasType::kBFloat16: return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(bias)[e]);
+      default: return 0.f;
+    }
+  }
 
   // f(s) for row i, key j; with softcap, *dfds = 1 - tanh^2 (the backward's chain factor).
   FAE_HOST_DEVICE float score(float s, int i, int j, float* dfds = nullptr) const {
@@ -59,9 +107,13 @@ struct Mask {
       const int dist = i + diag - j;
       s -= alibi_slope * static_cast<float>(dist < 0 ? -dist : dist);
     }
-    return s;
+    return s + bias_at(i, j);
   }
 };
+
+FAE_HOST_DEVICE int bias_element_size(BiasType t) {
+  return t == BiasType::kFloat32 ? 4 : (t == BiasType::kBool ? 1 : 2);
+}
 
 // The visible-key bounds of batch entry b (bounds s = seq_bounds(p, b)),
 // without the score modifiers: what a tile scheduler needs (no memory reads).
@@ -83,6 +135,14 @@ FAE_HOST_DEVICE Mask make_mask(const AttentionFwdParams& p, const SeqBounds& s, 
     m.inv_softcap = 1.f / p.softcap;
   }
   if (p.alibi_slopes != nullptr) m.alibi_slope = p.alibi_slopes[b * p.alibi_slopes_batch_stride + h];
+  if (p.attn_bias != nullptr) {
+    const BiasStrides& st = p.attn_bias_strides;
+    m.bias = static_cast<const unsigned char*>(p.attn_bias) +
+             (b * st.batch + h * st.head) * bias_element_size(p.attn_bias_type);
+    m.bias_type = p.attn_bias_type;
+    m.bias_row_stride = st.row;
+    m.bias_col_stride = st.col;
+  }
   return m;
 }
 

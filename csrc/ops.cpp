@@ -1,14 +1,17 @@
 // Operator schemas (TORCH_LIBRARY) and the CPU implementations.
 //
 //   flash_attn_ext::fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits, tile,
-//                       seqused_k, window_left, window_right, softcap, alibi_slopes)
-//                       -> (out, lse)
+//                       seqused_k, *variants) -> (out, lse)
 //   flash_attn_ext::bwd(dout, q, k, v, out, lse, softmax_scale, causal,
-//                       causal_bottom_right, deterministic, seqused_k, window_left,
-//                       window_right, softcap, alibi_slopes) -> (dq, dk, dv)
+//                       causal_bottom_right, deterministic, seqused_k, *variants)
+//                       -> (dq, dk, dv)
+//   with *variants = window_left, window_right, softcap, alibi_slopes, dropout_p,
+//                    rng_state, attn_mask
 //   flash_attn_ext::varlen_fwd / varlen_bwd: the same over packed sequences
 //       (cu_seqlens_q / cu_seqlens_k, max_seqlen_q / max_seqlen_k; causal is
 //       bottom-right per sequence, as flash-attn's varlen API).
+//   flash_attn_ext::dropout_mask(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p)
+//       -> bool [batch, heads, seqlen_q, seqlen_k]: the keep-mask dropout applies.
 //
 // Padded: q/k/v/out/dout are [batch, seqlen, heads, head_dim] with any batch,
 // seqlen and head strides and a contiguous last dim; lse is [batch, heads,
@@ -72,8 +75,11 @@ static std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at:
                                                   const std::optional<at::Tensor>& seqused_k,
                                                   int64_t window_left, int64_t window_right,
                                                   double softcap,
-                                                  const std::optional<at::Tensor>& alibi_slopes) {
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
+                                                  const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+                                                  const std::optional<at::Tensor>& rng_state,
+                                                  const std::optional<at::Tensor>& attn_mask) {
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask};
   const AttentionFwdParams p =
       make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k, &var);
   check_fwd_tuning_args(num_splits, tile);  // accepted and ignored: one CPU kernel
@@ -85,8 +91,11 @@ static std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double softmax_scale, bool causal, const std::optional<at::Tensor>& seqused_k,
     int64_t window_left, int64_t window_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& attn_mask) {
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask};
   const AttentionFwdParams p = make_varlen_fwd_params(
       q, k, v, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k}, softmax_scale, causal,
       seqused_k, &var);
@@ -98,8 +107,11 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
     bool causal_bottom_right, bool deterministic, const std::optional<at::Tensor>& seqused_k,
     int64_t window_left, int64_t window_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& attn_mask) {
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask};
   const AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
                                                causal_bottom_right, deterministic, seqused_k, &var);
   return run_bwd_cpu(p, q, k, v);
@@ -111,18 +123,40 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double softmax_scale, bool causal, bool deterministic,
     const std::optional<at::Tensor>& seqused_k, int64_t window_left, int64_t window_right,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p, const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& attn_mask) {
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask};
   const AttentionBwdParams p = make_varlen_bwd_params(
       dout, q, k, v, out, lse, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k},
       softmax_scale, causal, deterministic, seqused_k, &var);
   return run_bwd_cpu(p, q, k, v);
 }
 
-// The attention variants (flash-attn's window_size, softcap, alibi_slopes),
+// The dropout keep-mask (csrc/dropout.h) as bool [batch, heads, seqlen_q,
+// seqlen_k]: what the kernels apply for this rng_state and dropout_p.
+static at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t heads,
+                                   int64_t seqlen_q, int64_t seqlen_k, double dropout_p) {
+  const AttentionFwdParams p =
+      make_dropout_mask_params(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p);
+  at::Tensor mask = at::ones({batch, heads, seqlen_q, seqlen_k}, rng_state.options().dtype(at::kBool));
+  if (!has_dropout(p)) return mask;
+  bool* m = mask.data_ptr<bool>();
+  for (int64_t bh = 0; bh < batch * heads; ++bh) {
+    const Dropout d = make_dropout(p, static_cast<int>(bh / heads), static_cast<int>(bh % heads));
+    for (int i = 0; i < p.seqlen_q; ++i) {
+      bool* row = m + (bh * seqlen_q + i) * seqlen_k;
+      for (int j = 0; j < p.seqlen_k; ++j) row[j] = d.keep(i, j);
+    }
+  }
+  return mask;
+}
+
+// The attention variants (flash-attn's window_size, softcap, alibi_slopes,
+// dropout_p with its rng_state = {seed, offset}, and torch SDPA's attn_mask),
 // the last arguments of every operator; their defaults turn them off.
-#define FAE_VARIANT_ARGS \
-  "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None"
+#define FAE_VARIANT_ARGS                                                                     \
+  "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, " \
+  "float dropout_p=0.0, Tensor? rng_state=None, Tensor? attn_mask=None"
 
 TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
@@ -142,6 +176,9 @@ TORCH_LIBRARY(flash_attn_ext, m) {
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
       "float softmax_scale, bool causal, bool deterministic=False, Tensor? seqused_k=None, "
       FAE_VARIANT_ARGS ") -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "dropout_mask(Tensor rng_state, int batch, int heads, int seqlen_q, int seqlen_k, "
+      "float dropout_p) -> Tensor");
 }
 #undef FAE_VARIANT_ARGS
 
@@ -150,6 +187,7 @@ TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
   m.impl("bwd", &bwd_cpu);
   m.impl("varlen_fwd", &varlen_fwd_cpu);
   m.impl("varlen_bwd", &varlen_bwd_cpu);
+  m.impl("dropout_mask", &dropout_mask_cpu);
 }
 
 }  // namespace flash_attn_ext

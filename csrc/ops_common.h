@@ -10,6 +10,7 @@
 #include <limits>
 #include <optional>
 
+#include "dropout.h"
 #include "params.h"
 
 namespace flash_attn_ext {
@@ -85,14 +86,71 @@ inline void check_seq_tensor(const at::Tensor& t, const char* name, const at::Te
   TORCH_CHECK(t.is_contiguous(), "flash_attn_ext: ", name, " must be contiguous");
 }
 
-// flash-attn's window_size / softcap / alibi_slopes as the operators receive
-// them (defaults: off).
+// flash-attn's window_size / softcap / alibi_slopes / dropout_p and torch
+// SDPA's attn_mask as the operators receive them (defaults: off). rng_state:
+// int64 [2] = {seed, offset} on q's device, needed when dropout_p > 0.
 struct VariantArgs {
   int64_t window_left = -1;
   int64_t window_right = -1;
   double softcap = 0.0;
   std::optional<at::Tensor> alibi_slopes;
+  double dropout_p = 0.0;
+  std::optional<at::Tensor> rng_state;
+  std::optional<at::Tensor> attn_mask;
 };
+
+inline BiasType to_bias_type(at::ScalarType t) {
+  switch (t) {
+    case at::kBool: return BiasType::kBool;
+    case at::kFloat: return BiasType::kFloat32;
+    case at::kHalf: return BiasType::kFloat16;
+    case at::kBFloat16: return BiasType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "flash_attn_ext: attn_mask must be bool, float32, float16 or bfloat16, "
+                  "got ", t);
+  }
+}
+
+// attn_mask: broadcastable to [batch, heads, seqlen_q, seqlen_k] (torch SDPA's
+// rule: its trailing dims line up with those, each of size 1 or the full
+// size); kept as is, broadcast dims get stride 0.
+inline void apply_attn_mask(AttentionFwdParams& p, const at::Tensor& m, const at::Tensor& q) {
+  TORCH_CHECK(m.device() == q.device(), "flash_attn_ext: attn_mask must be on the device of q (",
+              q.device(), "), got ", m.device());
+  const BiasType type = to_bias_type(m.scalar_type());
+  const int64_t full[4] = {p.batch, p.heads, p.seqlen_q, p.seqlen_k};
+  bool ok = m.dim() >= 1 && m.dim() <= 4;
+  int64_t strides[4] = {0, 0, 0, 0};
+  for (int64_t d = 0; ok && d < m.dim(); ++d) {
+    const int64_t target = 4 - m.dim() + d;
+    const int64_t size = m.size(d);
+    ok = size == full[target] || size == 1;
+    strides[target] = size == 1 ? 0 : m.stride(d);
+  }
+  TORCH_CHECK(ok, "flash_attn_ext: attn_mask of shape ", m.sizes(),
+              " is not broadcastable to [batch, heads, seqlen_q, seqlen_k] = [", p.batch, ", ",
+              p.heads, ", ", p.seqlen_q, ", ", p.seqlen_k, "]");
+  p.attn_bias = m.data_ptr();
+  p.attn_bias_type = type;
+  p.attn_bias_strides = BiasStrides{strides[0], strides[1], strides[2], strides[3]};
+}
+
+inline void apply_dropout(AttentionFwdParams& p, double dropout_p,
+                          const std::optional<at::Tensor>& rng_state, const at::Tensor& q) {
+  TORCH_CHECK(std::isfinite(dropout_p) && dropout_p >= 0.0 && dropout_p < 1.0,
+              "flash_attn_ext: dropout_p must be in [0, 1), got ", dropout_p);
+  dropout_threshold_and_scale(dropout_p, p.dropout_threshold, p.dropout_scale);
+  if (p.dropout_threshold == 0) return;
+  TORCH_CHECK(rng_state.has_value(), "flash_attn_ext: dropout_p > 0 needs rng_state (int64 [2] "
+              "= {seed, offset} on the device of q)");
+  const at::Tensor& r = *rng_state;
+  TORCH_CHECK(r.scalar_type() == at::kLong && r.numel() == 2 && r.is_contiguous(),
+              "flash_attn_ext: rng_state must be a contiguous int64 tensor of 2 elements, got ",
+              r.scalar_type(), " of shape ", r.sizes());
+  TORCH_CHECK(r.device() == q.device(), "flash_attn_ext: rng_state must be on the device of q (",
+              q.device(), "), got ", r.device());
+  p.rng_state = r.data_ptr<int64_t>();
+}
 
 // Validates the variants and stores them in canonical form (params.h): after
 // p.batch / p.heads / p.seqlen_q / p.seqlen_k (the longest sequences for
@@ -137,6 +195,12 @@ inline void apply_variants(AttentionFwdParams& p, const VariantArgs& va, const a
     p.alibi_slopes = a.data_ptr<float>();
     p.alibi_slopes_batch_stride = per_batch && a.size(0) > 1 ? a.stride(0) : 0;
   }
+  if (va.attn_mask.has_value()) {
+    TORCH_CHECK(p.cu_seqlens_q == nullptr,
+                "flash_attn_ext: attn_mask is not supported with packed (varlen) sequences");
+    apply_attn_mask(p, *va.attn_mask, q);
+  }
+  apply_dropout(p, va.dropout_p, va.rng_state, q);
   if (p.causal || has_window(p) || p.alibi_slopes != nullptr) {  // the diagonal matters
     p.causal_bottom_right = bottom_right;
     p.causal_offset = bottom_right ? p.seqlen_k - p.seqlen_q : 0;
@@ -271,6 +335,25 @@ inline AttentionFwdParams make_varlen_fwd_params(const at::Tensor& q, const at::
     p.seqused_k = seqused_k->data_ptr<int>();
   }
   if (variants != nullptr) apply_variants(p, *variants, q, /*bottom_right=*/true);
+  return p;
+}
+
+// The dropout_mask operator's params: sizes, threshold and rng_state (its
+// values checked like the attention operators' dropout arguments).
+inline AttentionFwdParams make_dropout_mask_params(const at::Tensor& rng_state, int64_t batch,
+                                                   int64_t heads, int64_t seqlen_q,
+                                                   int64_t seqlen_k, double dropout_p) {
+  TORCH_CHECK(batch >= 0 && heads >= 0 && seqlen_q >= 0 && seqlen_k >= 0 &&
+                  batch * heads <= 65535 && seqlen_q <= 65535 &&
+                  seqlen_k <= std::numeric_limits<int>::max(),
+              "flash_attn_ext: dropout_mask sizes out of range (batch * heads and seqlen_q at "
+              "most 65535): ", batch, ", ", heads, ", ", seqlen_q, ", ", seqlen_k);
+  AttentionFwdParams p;
+  p.batch = static_cast<int>(batch);
+  p.heads = static_cast<int>(heads);
+  p.seqlen_q = static_cast<int>(seqlen_q);
+  p.seqlen_k = static_cast<int>(seqlen_k);
+  apply_dropout(p, dropout_p, rng_state, rng_state);
   return p;
 }
 

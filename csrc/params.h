@@ -23,6 +23,17 @@ namespace flash_attn_ext {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// The element type of an attn_mask (params.attn_bias).
+enum class BiasType : int { kNone = 0, kBool = 1, kFloat32 = 2, kFloat16 = 3, kBFloat16 = 4 };
+
+// Strides (in elements) of an attn_mask seen as [batch, heads, seqlen_q, seqlen_k].
+struct BiasStrides {
+  int64_t batch = 0;
+  int64_t head = 0;
+  int64_t row = 0;
+  int64_t col = 0;
+};
+
 // Strides (in elements) of one [B, S, H, D] tensor.
 struct TensorStrides {
   int64_t batch = 0;
@@ -97,6 +108,25 @@ struct AttentionFwdParams {
   // -slope * |i + offset - j| is added after the softcap. nullptr = off.
   const float* alibi_slopes = nullptr;
   int64_t alibi_slopes_batch_stride = 0;
+  // attn_mask (torch SDPA's): an additive bias on the scores, after softcap and
+  // ALiBi, or a boolean mask (false = -inf). Element (b, h, i, j) (query head h,
+  // rows and keys numbered within the sequence) sits at
+  //   attn_bias + b*batch + h*head + i*row + j*col   (attn_bias_strides, in
+  // elements; 0 where the mask broadcasts). Read tile by tile, never copied.
+  // Padded batches only (ops_common.h rejects it with varlen).
+  const void* attn_bias = nullptr;
+  BiasType attn_bias_type = BiasType::kNone;
+  BiasStrides attn_bias_strides;
+  // Dropout on the attention probabilities (csrc/dropout.h): element (b, h, i, j)
+  // is kept iff a 16-bit Philox random number is >= dropout_threshold
+  // (round(dropout_p * 65536)), and kept values are scaled by dropout_scale =
+  // 65536 / (65536 - threshold), so the expectation is exact. The numbers come
+  // from rng_state = {seed, offset} (int64 [2] on the kernels' device, drawn
+  // from torch's generator by the Python layer and saved for the backward,
+  // which regenerates the same mask). threshold 0 = off.
+  uint32_t dropout_threshold = 0;
+  float dropout_scale = 1.f;
+  const int64_t* rng_state = nullptr;
 
   // ---- variable-length batches and key padding (all optional) -------------
   // Varlen: cu_seqlens_q / cu_seqlens_k (int32 [batch + 1], on the kernels'
@@ -198,10 +228,14 @@ FAE_HOST_DEVICE bool has_window(const AttentionFwdParams& p) {
   return p.window_left >= 0 || p.window_right >= 0;
 }
 
-// Whether any of window / softcap / ALiBi is active: kernels that do not
-// implement them yet must reject such params (csrc/mask.h has their semantics).
+FAE_HOST_DEVICE bool has_dropout(const AttentionFwdParams& p) { return p.dropout_threshold > 0; }
+
+// Whether any of window / softcap / ALiBi / attn_mask / dropout is active:
+// those calls run the kernels instantiated with variants (csrc/mask.h and
+// csrc/dropout.h have their semantics).
 FAE_HOST_DEVICE bool has_variants(const AttentionFwdParams& p) {
-  return has_window(p) || p.softcap > 0.f || p.alibi_slopes != nullptr;
+  return has_window(p) || p.softcap > 0.f || p.alibi_slopes != nullptr ||
+         p.attn_bias != nullptr || has_dropout(p);
 }
 
 // Whether sequences differ (varlen or key padding): picks seq_bounds<true>.

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .ops import FlashAttnFunction, FlashAttnVarlenFunction
+from .ops import FlashAttnFunction, FlashAttnVarlenFunction, new_rng_state
 
 
 def _not_implemented(what):
@@ -36,9 +36,25 @@ def _default_scale(head_dim):
     return 1.0 / math.sqrt(head_dim)
 
 
-def _reject_dropout(dropout_p):
-    if dropout_p != 0.0:
-        _not_implemented(f"dropout (dropout_p={dropout_p})")
+def _dropout_args(dropout_p, device):
+    """dropout_p -> (dropout_p, rng_state) for the operators: a fresh rng_state from torch's
+    generator of `device` when dropout is on (the backward reuses it), else None."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"flash_attn_ext: dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"flash_attn_ext: dropout_p must be in [0, 1), got {dropout_p}")
+    dropout_p = float(dropout_p)
+    return dropout_p, (new_rng_state(device) if dropout_p > 0.0 else None)
+
+
+def _dropout_keep_mask(dropout, batch, heads, seqlen_q, seqlen_k):
+    """return_attn_probs' third value: the bool keep-mask [batch, heads, seqlen_q, seqlen_k]
+    of this call's dropout (None without dropout)."""
+    dropout_p, rng_state = dropout
+    if rng_state is None:
+        return None
+    return torch.ops.flash_attn_ext.dropout_mask(rng_state, batch, heads, seqlen_q, seqlen_k,
+                                                 dropout_p)
 
 
 def _variant_args(window_size, softcap, alibi_slopes):
@@ -88,20 +104,27 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     [0, seqused_k[b]) (key padding; values are clamped to [0, seqlen_k]); causal alignment
     and gradients follow, and unused keys get zero dk / dv.
 
+    dropout_p: probability of dropping an attention probability (flash-attn's and torch's
+    dropout: kept ones are scaled by 1 / (1 - p)); the mask comes from torch's generator of
+    q's device (torch.manual_seed reproduces it) and the backward regenerates it. Pass 0.0
+    at evaluation time, as with flash-attn.
+
     Returns out [batch, seqlen_q, heads, head_dim]; with return_lse=True (out, lse) and with
-    return_attn_probs=True (out, lse, None), lse being float32 [batch, heads, seqlen_q]
-    (natural log; -inf for rows that see no key). There is no dropout, so no probability
-    mask is returned.
+    return_attn_probs=True (out, lse, keep), lse being float32 [batch, heads, seqlen_q]
+    (natural log of the softmax denominator before dropout; -inf for rows that see no key)
+    and keep the bool dropout keep-mask [batch, heads, seqlen_q, seqlen_k] (None without
+    dropout; materialised, so for small problems).
     """
-    _reject_dropout(dropout_p)
     variants = _variant_args(window_size, softcap, alibi_slopes)
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_rank(t, name, "[batch, seqlen, heads, head_dim]")
+    dropout = _dropout_args(dropout_p, q.device)
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, lse = FlashAttnFunction.apply(q, k, v, scale, bool(causal), True, bool(deterministic),
-                                       int(num_splits), 0, seqused_k, *variants)
+                                       int(num_splits), 0, seqused_k, *variants, *dropout)
     if return_attn_probs:
-        return out, lse, None
+        return out, lse, _dropout_keep_mask(dropout, q.shape[0], q.shape[2], q.shape[1],
+                                            k.shape[1])
     if return_lse:
         return out, lse
     return out
@@ -115,24 +138,35 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     query: [batch, heads, seqlen_q, head_dim]; key, value: [batch, heads_k, seqlen_k,
     head_dim], heads_k == heads unless enable_gqa=True (then heads % heads_k == 0).
     is_causal=True uses torch's top-left alignment (key j visible to query i iff j <= i).
-    scale defaults to 1/sqrt(head_dim). attn_mask and dropout raise NotImplementedError.
+    scale defaults to 1/sqrt(head_dim). attn_mask: bool (True = attend) or an additive float
+    (float32 / float16 / bfloat16) mask broadcastable to [batch, heads, seqlen_q, seqlen_k],
+    read in place (broadcast dimensions are never expanded); it may be combined with
+    is_causal. Rows that a mask leaves without any key give zeros (torch's math backend gives
+    NaN there). A mask that requires grad raises NotImplementedError (no gradient is computed
+    for it). dropout_p as torch's (applied whenever > 0; from torch's generator).
     Returns [batch, heads, seqlen_q, head_dim] in query's dtype; gradients flow to query,
     key and value (same shapes as the inputs).
     """
-    if attn_mask is not None:
-        _not_implemented("an explicit attn_mask (use is_causal=True for causal masking)")
-    if dropout_p != 0.0:
-        _not_implemented(f"dropout (dropout_p={dropout_p})")
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_rank(t, name, "[batch, heads, seqlen, head_dim]")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError("flash_attn_ext: attn_mask must be None or a tensor, got "
+                            f"{type(attn_mask).__name__}")
+        if attn_mask.requires_grad and torch.is_grad_enabled():
+            _not_implemented("the gradient of attn_mask (pass a mask that does not require "
+                             "grad, e.g. attn_mask.detach())")
+        if attn_mask.stride(-1) != 1 and attn_mask.size(-1) != 1:
+            attn_mask = attn_mask.contiguous()
     if not enable_gqa and key.shape[1] != query.shape[1]:
         raise RuntimeError(
             f"flash_attn_ext: query has {query.shape[1]} heads but key/value have "
             f"{key.shape[1]}; pass enable_gqa=True for grouped-query attention")
+    dropout = _dropout_args(dropout_p, query.device)
     softmax_scale = _default_scale(query.shape[-1]) if scale is None else float(scale)
     q, k, v = [t.transpose(1, 2) for t in (query, key, value)]
     out, _ = FlashAttnFunction.apply(q, k, v, softmax_scale, bool(is_causal), False, False, 0, 0,
-                                     None)
+                                     None, -1, -1, 0.0, None, *dropout, attn_mask)
     return out.transpose(1, 2)
 
 
@@ -154,10 +188,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     window_size, softcap and alibi_slopes as in flash_attn_func, per sequence (alibi_slopes
     [batch, heads] has one row per sequence).
 
-    Returns out [total_q, heads, head_dim]; with return_lse (or return_attn_probs) also
-    lse float32 [heads, total_q] (and None for the probabilities).
+    dropout_p as in flash_attn_func (rows and keys numbered within each sequence).
+
+    Returns out [total_q, heads, head_dim]; with return_lse also lse float32 [heads, total_q];
+    with return_attn_probs (out, lse, keep), keep the dropout keep-mask [batch, heads,
+    max_seqlen_q, max_seqlen_k] (sequence b's in keep[b, :, :len_q, :len_k]; None without
+    dropout).
     """
-    _reject_dropout(dropout_p)
     variants = _variant_args(window_size, softcap, alibi_slopes)
     if block_table is not None:
         _not_implemented("paged KV (block_table)")
@@ -167,13 +204,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         if t.dim() != 3:
             raise RuntimeError(f"flash_attn_ext: varlen {name} must be a 3-D tensor "
                                f"[total_tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    dropout = _dropout_args(dropout_p, q.device)
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, lse = FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                              int(max_seqlen_q), int(max_seqlen_k), scale,
                                              bool(causal), bool(deterministic), seqused_k,
-                                             *variants)
+                                             *variants, *dropout)
     if return_attn_probs:
-        return out, lse, None
+        return out, lse, _dropout_keep_mask(dropout, cu_seqlens_q.shape[0] - 1, q.shape[1],
+                                            int(max_seqlen_q), int(max_seqlen_k))
     if return_lse:
         return out, lse
     return out

@@ -12,8 +12,12 @@ torch.ops.flash_attn_ext.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
                                     max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                     deterministic=False, seqused_k=None, *variants)
                                     -> (dq, dk, dv)
-with *variants = window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None (flash-attn's
-window_size, softcap and alibi_slopes; the defaults turn them off; CUDA fp32: not yet).
+with *variants = window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+dropout_p=0.0, rng_state=None, attn_mask=None (flash-attn's window_size, softcap, alibi_slopes
+and dropout_p, whose rng_state is an int64 [2] {seed, offset} on q's device, and torch SDPA's
+attn_mask; the defaults turn them off).
+torch.ops.flash_attn_ext.dropout_mask(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p)
+    -> bool [batch, heads, seqlen_q, seqlen_k]: the elements that dropout keeps.
 
 Padded tensors are [batch, seqlen, heads, head_dim] with a contiguous last dim and lse is
 float32 [batch, heads, seqlen_q]; varlen tensors are packed [total, heads, head_dim] and
@@ -83,7 +87,8 @@ def _check_qkv(q, k, v, varlen=False):
 
 @torch.library.register_fake("flash_attn_ext::fwd")
 def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0, tile=0,
-              seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+              seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+              dropout_p=0.0, rng_state=None, attn_mask=None):
     _check_qkv(q, k, v)
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
@@ -93,7 +98,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0,
 @torch.library.register_fake("flash_attn_ext::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
               deterministic=False, seqused_k=None, window_left=-1, window_right=-1, softcap=0.0,
-              alibi_slopes=None):
+              alibi_slopes=None, dropout_p=0.0, rng_state=None, attn_mask=None):
     _check_qkv(q, k, v)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -101,7 +106,8 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_righ
 @torch.library.register_fake("flash_attn_ext::varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, seqused_k=None, window_left=-1, window_right=-1,
-                     softcap=0.0, alibi_slopes=None):
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
+                     attn_mask=None):
     _check_qkv(q, k, v, varlen=True)
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -111,13 +117,20 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 @torch.library.register_fake("flash_attn_ext::varlen_bwd")
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale, causal, deterministic=False, seqused_k=None,
-                     window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                     window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                     dropout_p=0.0, rng_state=None, attn_mask=None):
     _check_qkv(q, k, v, varlen=True)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-# The variants' defaults (window_left, window_right, softcap, alibi_slopes): off.
-_NO_VARIANTS = (-1, -1, 0.0, None)
+@torch.library.register_fake("flash_attn_ext::dropout_mask")
+def _dropout_mask_fake(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p):
+    return rng_state.new_empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.bool)
+
+
+# The variants' defaults (window_left, window_right, softcap, alibi_slopes, dropout_p,
+# rng_state, attn_mask): off.
+_NO_VARIANTS = (-1, -1, 0.0, None, 0.0, None, None)
 
 
 def _with_variant_defaults(inputs, n_before):
@@ -126,8 +139,17 @@ def _with_variant_defaults(inputs, n_before):
     return tuple(inputs) + _NO_VARIANTS[len(inputs) - n_before:]
 
 
-def _has_variants(window_left, window_right, softcap, alibi_slopes):
-    return (window_left, window_right, softcap) != (-1, -1, 0.0) or alibi_slopes is not None
+def _has_variants(window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
+                  attn_mask):
+    return ((window_left, window_right, softcap, dropout_p) != (-1, -1, 0.0, 0.0)
+            or alibi_slopes is not None or attn_mask is not None)
+
+
+def new_rng_state(device):
+    """A fresh dropout rng_state (int64 [2] = {seed, offset}) on `device`, drawn from torch's
+    default generator of that device: torch.manual_seed reproduces it, it needs no host
+    synchronisation, and CUDA graphs and torch.compile capture it like any random op."""
+    return torch.empty(2, dtype=torch.int64, device=device).random_()
 
 
 def _last_dim_contiguous(t):
@@ -137,7 +159,7 @@ def _last_dim_contiguous(t):
 class FlashAttnFunction(torch.autograd.Function):
     """out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, causal_bottom_right,
     deterministic, num_splits, tile, seqused_k, window_left=-1, window_right=-1, softcap=0.0,
-    alibi_slopes=None)
+    alibi_slopes=None, dropout_p=0.0, rng_state=None, attn_mask=None)
 
     q [batch, seqlen_q, heads, head_dim], k / v [batch, seqlen_k, heads_k, head_dim]
     (heads % heads_k == 0; any strides, a non-contiguous last dim is copied) -> out
@@ -145,16 +167,20 @@ class FlashAttnFunction(torch.autograd.Function):
     returned but not differentiable. The backward gives dq, dk, dv shaped like q, k, v.
     num_splits = 0 and tile = 0 mean "choose": by the built-in heuristics, or by timing
     when the autotuner is on (flash_attn_ext.autotune). seqused_k: None or int32 [batch].
-    window_left / window_right / softcap / alibi_slopes: flash-attn's variants (interface.py),
-    aligned like causal (causal_bottom_right)."""
+    window_left / window_right / softcap / alibi_slopes / dropout_p (with rng_state, which the
+    backward reuses) and attn_mask (torch SDPA's, [batch|1, heads|1, seqlen_q|1, seqlen_k|1],
+    not differentiable): the variants (interface.py), aligned like causal
+    (causal_bottom_right)."""
 
     @staticmethod
     def forward(q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, num_splits,
-                tile, seqused_k, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                tile, seqused_k, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                dropout_p=0.0, rng_state=None, attn_mask=None):
         """(out [batch, seqlen_q, heads, head_dim], lse float32 [batch, heads, seqlen_q])
         from q [batch, seqlen_q, heads, head_dim], k, v [batch, seqlen_k, heads_k, head_dim]."""
         q, k, v = [_last_dim_contiguous(t) for t in (q, k, v)]
-        variants = (window_left, window_right, softcap, alibi_slopes)
+        variants = (window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
+                    attn_mask)
         if (num_splits == 0 and tile == 0 and seqused_k is None and autotune.is_enabled()
                 and not _has_variants(*variants)):
             num_splits, tile = autotune.choose_forward_config(q, k, v, softmax_scale, causal,
@@ -166,10 +192,12 @@ class FlashAttnFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         """Saves q, k, v, out, lse (and seqused_k) and the flags for the backward."""
         (q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, _, _, seqused_k,
-         window_left, window_right, softcap, alibi_slopes) = _with_variant_defaults(inputs, 10)
+         window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
+         attn_mask) = _with_variant_defaults(inputs, 10)
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, seqused_k, alibi_slopes)
+        ctx.save_for_backward(q, k, v, out, lse, seqused_k, alibi_slopes, rng_state, attn_mask)
         ctx.variants = (window_left, window_right, softcap)
+        ctx.dropout_p = dropout_p
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
         ctx.causal_bottom_right = causal_bottom_right
@@ -180,19 +208,21 @@ class FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         """dout [batch, seqlen_q, heads, head_dim] -> dq, dk, dv shaped like q, k, v (None for
         the other inputs); lse's gradient is ignored."""
-        q, k, v, out, lse, seqused_k, alibi_slopes = ctx.saved_tensors
+        q, k, v, out, lse, seqused_k, alibi_slopes, rng_state, attn_mask = ctx.saved_tensors
         q, k, v, dout = [_last_dim_contiguous(t) for t in (q, k, v, dout)]
         dq, dk, dv = torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, ctx.softmax_scale,
                                                   ctx.causal, ctx.causal_bottom_right,
                                                   ctx.deterministic, seqused_k, *ctx.variants,
-                                                  alibi_slopes)
-        return (dq, dk, dv) + (None,) * 11
+                                                  alibi_slopes, ctx.dropout_p, rng_state,
+                                                  attn_mask)
+        return (dq, dk, dv) + (None,) * 14
 
 
 class FlashAttnVarlenFunction(torch.autograd.Function):
     """out, lse = FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, seqused_k,
-    window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None)
+    window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+    rng_state=None)
 
     Packed sequences: q [total_q, heads, head_dim], k / v [total_k, heads_k, head_dim],
     cu_seqlens_q / cu_seqlens_k int32 [batch + 1], seqused_k None or int32 [batch] -> out
@@ -202,25 +232,26 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                 causal, deterministic, seqused_k, window_left=-1, window_right=-1, softcap=0.0,
-                alibi_slopes=None):
+                alibi_slopes=None, dropout_p=0.0, rng_state=None):
         """(out [total_q, heads, head_dim], lse float32 [heads, total_q]) from packed q
         [total_q, heads, head_dim], k, v [total_k, heads_k, head_dim]."""
         q, k, v = [_last_dim_contiguous(t) for t in (q, k, v)]
         return torch.ops.flash_attn_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                    max_seqlen_q, max_seqlen_k, softmax_scale,
                                                    causal, seqused_k, window_left, window_right,
-                                                   softcap, alibi_slopes)
+                                                   softcap, alibi_slopes, dropout_p, rng_state)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         """Saves q, k, v, out, lse, the cu_seqlens (and seqused_k) and the flags."""
         (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-         deterministic, seqused_k, window_left, window_right, softcap,
-         alibi_slopes) = _with_variant_defaults(inputs, 11)
+         deterministic, seqused_k, window_left, window_right, softcap, alibi_slopes, dropout_p,
+         rng_state) = _with_variant_defaults(inputs, 11)[:17]
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                              alibi_slopes)
+                              alibi_slopes, rng_state)
         ctx.variants = (window_left, window_right, softcap)
+        ctx.dropout_p = dropout_p
         ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
@@ -231,13 +262,14 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         """dout [total_q, heads, head_dim] -> dq, dk, dv shaped like q, k, v (None for the
         other inputs)."""
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes = ctx.saved_tensors
+        (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
+         rng_state) = ctx.saved_tensors
         q, k, v, dout = [_last_dim_contiguous(t) for t in (q, k, v, dout)]
         dq, dk, dv = torch.ops.flash_attn_ext.varlen_bwd(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
             ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic, seqused_k,
-            *ctx.variants, alibi_slopes)
-        return (dq, dk, dv) + (None,) * 12
+            *ctx.variants, alibi_slopes, ctx.dropout_p, rng_state)
+        return (dq, dk, dv) + (None,) * 14
 
 
 # torch.autograd.Function.apply binds the call's arguments to forward's signature with

@@ -12,7 +12,9 @@ def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
                   causal_bottom_right: bool = True, upcast: bool = True,
                   layout: str = "bshd", return_lse: bool = False,
                   window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                  alibi_slopes: Optional[torch.Tensor] = None):
+                  alibi_slopes: Optional[torch.Tensor] = None,
+                  attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                  dropout_mask: Optional[torch.Tensor] = None):
     """O = softmax(f(scale * Q K^T) + mask) V, computed the plain way.
 
     layout "bshd": q [batch, seqlen_q, heads, head_dim], k / v [batch, seqlen_k, heads,
@@ -24,7 +26,11 @@ def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     window_size=(left, right) keeps key j for query i iff
     i + offset - left <= j <= i + offset + right (-1 = unbounded); softcap > 0 maps a scaled
     score s to softcap * tanh(s / softcap); alibi_slopes ([heads] or [batch, heads]) then adds
-    -slope * |i + offset - j|.
+    -slope * |i + offset - j|. attn_mask (torch SDPA's: bool, True = attend, or additive,
+    broadcastable to [batch, heads, seqlen_q, seqlen_k]) is added last. dropout_mask (bool,
+    broadcastable likewise; e.g. from torch.ops.flash_attn_ext.dropout_mask) keeps the
+    probabilities where True, scaled by dropout_keep_scale(dropout_p), as the kernels do;
+    lse stays that of the probabilities before dropout.
     Returns out, shaped and typed like q; with return_lse=True (out, lse), lse
     [batch, heads, seqlen_q] in float32 (float64 for float64 inputs).
     upcast=True computes in float32 (or keeps float64 inputs), then casts the result to the
@@ -51,6 +57,12 @@ def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
         slopes = alibi_slopes.to(device=q.device, dtype=scores.dtype)
         slopes = slopes.view(-1 if slopes.dim() == 2 else 1, slopes.shape[-1], 1, 1)
         scores = scores - slopes * (i + offset - j).abs().to(scores.dtype)
+    if attn_mask is not None:
+        attn_mask = attn_mask.to(q.device)
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
     left, right = window_size
     masked = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
     if causal:
@@ -66,8 +78,18 @@ def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     row_sees_a_key = (scores > float("-inf")).any(dim=-1, keepdim=True)
     scores = torch.where(row_sees_a_key, scores, torch.zeros_like(scores))
     probs = torch.softmax(scores, dim=-1) * row_sees_a_key
+    if dropout_mask is not None:
+        keep = dropout_mask.to(q.device)[..., :seqlen_q, :seqlen_k]
+        probs = probs * keep.to(probs.dtype) * dropout_keep_scale(dropout_p)
     out = torch.matmul(probs, v)
     if layout == "bshd":
         out = out.transpose(1, 2)
     out = out.to(dtype_in)
     return (out, lse) if return_lse else out
+
+
+def dropout_keep_scale(dropout_p: float) -> float:
+    """The factor kept probabilities are scaled by: 1 / (1 - p) with p rounded to a multiple
+    of 2^-16, the resolution of the kernels' 16-bit random numbers (csrc/dropout.h)."""
+    threshold = min(int(dropout_p * 65536.0 + 0.5), 65535)
+    return 65536.0 / (65536.0 - threshold)

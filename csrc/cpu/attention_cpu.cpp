@@ -22,6 +22,7 @@
 // fp32), fp32 inputs are used in place through their row stride.
 #include "attention_cpu.h"
 
+#include "../dropout.h"
 #include "../mask.h"
 
 #include <ATen/Parallel.h>
@@ -229,6 +230,22 @@ void modify_scores(const Mask& mask, float* row, int i, int n0, RowRange r, floa
   }
 }
 
+// Multiplies the [rows, cols] tile at (row m0, key n0) by the dropout factor:
+// the scale where the element is kept, 0 where it is dropped (csrc/dropout.h).
+void apply_dropout(const Dropout& d, float* tile, int m0, int rows, int n0, int cols) {
+  if (!d.active()) return;
+  for (int r = 0; r < rows; ++r) {
+    float* row = tile + static_cast<size_t>(r) * cols;
+    for (int c0 = 0; c0 < cols;) {
+      const int j32 = (n0 + c0) & ~31;  // the 32-key block holding key n0 + c0
+      const uint32_t bits = d.keep_bits32(m0 + r, j32);
+      const int c_end = std::min(cols, j32 + 32 - n0);
+      for (int c = c0; c < c_end; ++c) row[c] = (bits >> (n0 + c - j32)) & 1u ? row[c] * d.scale : 0.f;
+      c0 = c_end;
+    }
+  }
+}
+
 // Key range [begin, end) that some row of query block [m0, m0+rows) sees
 // (Mask's bounds are non-decreasing in the row); end <= begin: none.
 RowRange keys_for_rows(const Mask& mask, int m0, int rows) {
@@ -289,6 +306,7 @@ void fwd_impl(const AttentionFwdParams& p) {
       std::fill(row_sum, row_sum + rows, 0.f);
 
       const Mask mask = make_mask(p, s, b, h);
+      const Dropout dropout = make_dropout(p, b, h);
       const RowRange keys = keys_for_rows(mask, m0, rows);
       for (int n0 = keys.lo; n0 < keys.hi; n0 += kBlockN) {
         const int cols = std::min(kBlockN, keys.hi - n0);
@@ -315,6 +333,7 @@ void fwd_impl(const AttentionFwdParams& p) {
           float* o = acc.data() + static_cast<size_t>(r) * D;
           for (int d = 0; d < D; ++d) o[d] *= correction;
         }
+        apply_dropout(dropout, scores.data(), m0, rows, n0, cols);  // after the row sums
         gemm_nn(rows, D, cols, 1.f, scores.data(), cols, v.data, v.ld, 1.f, acc.data(), D);
       }
 
@@ -383,6 +402,7 @@ void bwd_impl(const AttentionBwdParams& p) {
     std::vector<float> q_buf, k_buf, v_buf, do_buf;
     std::vector<float> probs(static_cast<size_t>(kBlockM) * kBlockN), dprobs(probs.size());
     std::vector<float> dfds(p.softcap > 0.f ? probs.size() : 0);
+    std::vector<float> dropped(has_dropout(p) ? probs.size() : 0);  // P times the dropout factor
     std::vector<float> dk_acc(static_cast<size_t>(kBlockN) * D), dv_acc(dk_acc.size());
     for (int64_t task = begin; task < end; ++task) {
       const int n_block = static_cast<int>(task % n_blocks);
@@ -399,6 +419,7 @@ void bwd_impl(const AttentionBwdParams& p) {
       std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
       for (int h = kh * kv_group; h < (kh + 1) * kv_group; ++h) {
         const Mask mask = make_mask(p, s, b, h);
+        const Dropout dropout = make_dropout(p, b, h);
         const RowRange queries = rows_for_keys(mask, n0, cols);
         for (int m0 = queries.lo; m0 < queries.hi; m0 += kBlockM) {
           const int rows = std::min(kBlockM, queries.hi - m0);
@@ -408,8 +429,15 @@ void bwd_impl(const AttentionBwdParams& p) {
                                       rows, D, do_buf);
           recompute_probs(p, mask, q, k, m0, rows, n0, cols, lse_row(s, b, h) + m0, probs.data(),
                           dfds.data());
-          gemm_tn(cols, D, rows, 1.f, probs.data(), cols, dout.data, dout.ld, 1.f, dv_acc.data(), D);
+          const float* pv = probs.data();  // dV = (P * dropout factor)^T dO
+          if (dropout.active()) {
+            std::copy(probs.begin(), probs.end(), dropped.begin());
+            apply_dropout(dropout, dropped.data(), m0, rows, n0, cols);
+            pv = dropped.data();
+          }
+          gemm_tn(cols, D, rows, 1.f, pv, cols, dout.data, dout.ld, 1.f, dv_acc.data(), D);
           gemm_nt(rows, cols, D, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, dprobs.data(), cols);
+          apply_dropout(dropout, dprobs.data(), m0, rows, n0, cols);
           softmax_grad(dprobs.data(), probs.data(), dsum_row(s, b, h) + m0, rows, cols,
                        mask.has_softcap() ? dfds.data() : nullptr);
           gemm_tn(cols, D, rows, p.softmax_scale, dprobs.data(), cols, q.data, q.ld, 1.f, dk_acc.data(), D);
@@ -442,6 +470,7 @@ void bwd_impl(const AttentionBwdParams& p) {
                                   D, do_buf);
       std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
       const Mask mask = make_mask(p, s, b, h);
+      const Dropout dropout = make_dropout(p, b, h);
       const RowRange keys = keys_for_rows(mask, m0, rows);
       for (int n0 = keys.lo; n0 < keys.hi; n0 += kBlockN) {
         const int cols = std::min(kBlockN, keys.hi - n0);
@@ -451,6 +480,7 @@ void bwd_impl(const AttentionBwdParams& p) {
         recompute_probs(p, mask, q, k, m0, rows, n0, cols, lse_row(s, b, h) + m0, probs.data(),
                         dfds.data());
         gemm_nt(rows, cols, D, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, dprobs.data(), cols);
+        apply_dropout(dropout, dprobs.data(), m0, rows, n0, cols);
         softmax_grad(dprobs.data(), probs.data(), dsum_row(s, b, h) + m0, rows, cols,
                      mask.has_softcap() ? dfds.data() : nullptr);
         gemm_nn(rows, D, cols, p.softmax_scale, dprobs.data(), cols, k.data, k.ld, 1.f, dq_acc.data(), D);

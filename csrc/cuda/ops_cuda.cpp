@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../ops_common.h"
+#include "dropout_mask.h"
 #include "flash_api.h"
 
 namespace flash_attn_ext {
@@ -82,12 +83,13 @@ void point_at_inputs(AttentionFwdParams& p, const at::Tensor& q, const at::Tenso
 // re-viewed as [B, group, H_kv, D] (row stride = head stride, head stride =
 // group * head stride: a stride change, no copy); out likewise; lse [B, H, 1]
 // is the same memory as [B, H_kv, group]. With one query row, bottom-right
-// causal masks nothing, so the regrouped call is non-causal. Not with a window
-// or ALiBi: their diagonal is per row and the slope per query head (softcap
+// causal masks nothing, so the regrouped call is non-causal. Not with a window,
+// ALiBi, attn_mask or dropout: they depend on the row or the query head (softcap
 // does not care which row is which head).
 bool can_regroup_decode(const AttentionFwdParams& p) {
   return p.cu_seqlens_q == nullptr && p.seqlen_q == 1 && p.heads > p.heads_k &&
-         (!p.causal || p.causal_bottom_right) && !has_window(p) && p.alibi_slopes == nullptr;
+         (!p.causal || p.causal_bottom_right) && !has_window(p) && p.alibi_slopes == nullptr &&
+         p.attn_bias == nullptr && !has_dropout(p);
 }
 
 at::Tensor regroup_view(const at::Tensor& t, int group) {
@@ -170,9 +172,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
                                             const std::optional<at::Tensor>& seqused_k,
                                             int64_t window_left, int64_t window_right,
                                             double softcap,
-                                            const std::optional<at::Tensor>& alibi_slopes) {
+                                            const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+                                            const std::optional<at::Tensor>& rng_state,
+                                            const std::optional<at::Tensor>& attn_mask) {
   // Validate the user's tensors first so messages name their shapes.
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask};
   const AttentionFwdParams p =
       make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k, &var);
   return run_fwd_cuda(p, q, k, v, num_splits, tile);
@@ -183,9 +188,12 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double softmax_scale, bool causal, const std::optional<at::Tensor>& seqused_k,
     int64_t window_left, int64_t window_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& attn_mask) {
   check_cuda_inputs(q);
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask};
   const AttentionFwdParams p = make_varlen_fwd_params(
       q, k, v, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k}, softmax_scale, causal,
       seqused_k, &var);
@@ -268,8 +276,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
     bool causal_bottom_right, bool deterministic, const std::optional<at::Tensor>& seqused_k,
     int64_t window_left, int64_t window_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& attn_mask) {
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask};
   const AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
                                                causal_bottom_right, deterministic, seqused_k, &var);
   return run_bwd_cuda(p, dout, q, k, v, out);
@@ -281,13 +292,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double softmax_scale, bool causal, bool deterministic,
     const std::optional<at::Tensor>& seqused_k, int64_t window_left, int64_t window_right,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p, const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& attn_mask) {
   check_cuda_inputs(q);
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes};
+  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask};
   const AttentionBwdParams p = make_varlen_bwd_params(
       dout, q, k, v, out, lse, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k},
       softmax_scale, causal, deterministic, seqused_k, &var);
   return run_bwd_cuda(p, dout, q, k, v, out);
+}
+
+at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, int64_t batch, int64_t heads,
+                             int64_t seqlen_q, int64_t seqlen_k, double dropout_p) {
+  const AttentionFwdParams p =
+      make_dropout_mask_params(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p);
+  const c10::cuda::CUDAGuard guard(rng_state.device());
+  at::Tensor mask = at::ones({batch, heads, seqlen_q, seqlen_k}, rng_state.options().dtype(at::kBool));
+  if (has_dropout(p) && mask.numel() > 0) {
+    call_kernels([&] {
+      cuda::dropout_mask(p, mask.data_ptr<bool>(), at::cuda::getCurrentCUDAStream().stream());
+    });
+  }
+  return mask;
 }
 
 }  // namespace
@@ -297,6 +323,7 @@ TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
   m.impl("bwd", &bwd_cuda);
   m.impl("varlen_fwd", &varlen_fwd_cuda);
   m.impl("varlen_bwd", &varlen_bwd_cuda);
+  m.impl("dropout_mask", &dropout_mask_cuda);
 }
 
 }  // namespace flash_attn_ext

@@ -94,7 +94,7 @@ FAE_DEVICE void scale_and_mask(float (&s)[kMmaM][kTilesN][4], float scale_log2, 
 // (sequence, head) plus its constants, runtime-uniform (a call without softcap
 // or ALiBi skips those steps on a uniform branch).
 //   score_log2(x, i, j) = log2(e) * Mask::score(softmax_scale * x, i, j)
-// for the raw dot product x of query row i and key j.
+// for the raw dot product x of query row i and key j (attn_mask included).
 // ---------------------------------------------------------------------------
 struct ScoreVariants {
   Mask mask;
@@ -136,6 +136,7 @@ struct ScoreVariants {
       const int dist = i + mask.diag - j;
       x -= alibi_log2 * static_cast<float>(dist < 0 ? -dist : dist);
     }
+    if (mask.bias != nullptr) x += mask.bias_at(i, j) * 1.4426950408889634f;  // attn_mask
     return x;
   }
 };

@@ -26,7 +26,7 @@ __device__ __forceinline__ float score_fp32(const Mask& m, float s, int i, int j
     const int dist = i + m.diag - j;
     s -= m.alibi_slope * static_cast<float>(dist < 0 ? -dist : dist);
   }
-  return s;
+  return s + m.bias_at(i, j);
 }
 
 // Key tiles [begin, end) of width kBlockN that rows [row0, row0 + rows) of the
