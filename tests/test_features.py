@@ -404,7 +404,7 @@ def test_varlen_cu_seqlens_other_device(q_device, cu_name, cu_device):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(dropout_p=0.1), "dropout"),
+    (dict(block_table=torch.zeros(3, 1, dtype=torch.int32)), "block_table"),
 ])
 def test_varlen_not_implemented(kwargs, match):
     with pytest.raises(NotImplementedError, match=match):
