@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Times the attention variants (sliding window, softcap, ALiBi) against our plain kernel and
-torch.compile(flex_attention) with the equivalent block_mask / score_mod, in one process, and
-prints the table last. Ratios, not absolute times, are the result.
+"""Times the attention variants (sliding window, softcap, ALiBi, attn_mask, dropout) against our
+plain kernel, torch.compile(flex_attention) with the equivalent block_mask / score_mod and
+torch's cuDNN backend where it runs the same thing, in one process, and prints the table last.
+Ratios, not absolute times, are the result.
 
   python bench/bench_variants.py                       # GPU, bf16, D=128
   python bench/bench_variants.py --rounds 3 --csv variants.csv
@@ -13,9 +14,13 @@ Configs (H=16, D=128, flash-attn's bottom-right diagonal; Sq = Sk, so top-left i
            tiles outside the window can gain at equal efficiency.
   softcap  B=4, S=4k, causal and not: softcap=30 vs plain
   alibi    B=4, S=4k, causal and not: alibi_slopes [H] (2^(-8 h / H)) vs plain
-Backends: ours (flash_attn_ext.flash_attn_func with the variant), plain (ours without it: the
-same call minus the variant), flex (torch.compile(flex_attention), fresh compile per config),
-cudnn (torch SDPA pinned to cuDNN, plain causal / not: a reference point only).
+  mask     B=4, S=4k: a boolean key-padding attn_mask [B, 1, 1, S] (a quarter of each row's
+           keys masked) and an additive bf16 bias [1, H, S, S], through our SDPA entry point
+  dropout  B=4, S=4k, causal and not: dropout_p = 0.1
+Backends: ours (flash_attn_ext with the variant), plain (ours without it: the same call minus
+the variant), flex (torch.compile(flex_attention), fresh compile per config; no dropout),
+cudnn (torch SDPA pinned to cuDNN: with the same attn_mask / dropout_p where it takes them,
+else the plain causal / full call, a reference point only).
 Passes: fwd, and bwd alone (torch.autograd.grad with retain_graph=True on a forward built
 before timing). Timing: flash_attn_ext.bench.time_ms (do_bench median, L2 flushed); with
 --rounds N every config runs N times with the backends in rotated order and the median of
@@ -60,19 +65,43 @@ def configs(quick):
     for causal in (False, True):
         out.append(dict(name="softcap", B=B, S=S, causal=causal, softcap=30.0))
         out.append(dict(name="alibi", B=B, S=S, causal=causal, alibi=True))
+    out.append(dict(name="mask", B=B, S=S, causal=False, mask="padding"))
+    out.append(dict(name="mask", B=B, S=S, causal=False, mask="bias"))
+    for causal in (False, True):
+        out.append(dict(name="dropout", B=B, S=S, causal=causal, dropout=0.1))
     return out
+
+
+def attn_mask(cfg, H, device, dtype):
+    """The config's attn_mask (None without): key padding (bool [B, 1, 1, S]: batch entry b
+    attends to its first 3S/4..S keys) or an additive bias [1, H, S, S]."""
+    kind, B, S = cfg.get("mask"), cfg["B"], cfg["S"]
+    if kind is None:
+        return None
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    if kind == "padding":
+        lengths = torch.randint(3 * S // 4, S + 1, (B,), generator=gen)
+        return (torch.arange(S).view(1, 1, 1, S) < lengths.view(B, 1, 1, 1)).to(device)
+    return torch.randn(1, H, S, S, generator=gen).to(device, dtype)
 
 
 def alibi_slopes(H, device):
     return torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device=device)
 
 
-def make_fn(backend, cfg, H, device):
+def make_fn(backend, cfg, H, device, dtype):
     """fn(q, k, v) on [B, H, S, D] tensors -> out [B, H, S, D]."""
     causal = cfg["causal"]
     window = cfg.get("window", (-1, -1))
     softcap = cfg.get("softcap", 0.0)
     slopes = alibi_slopes(H, device) if cfg.get("alibi") else None
+    mask = attn_mask(cfg, H, device, dtype)
+    dropout_p = cfg.get("dropout", 0.0)
+    if backend in ("ours", "plain") and (mask is not None or dropout_p > 0):
+        kw = dict(is_causal=causal)
+        if backend == "ours":
+            kw.update(attn_mask=mask, dropout_p=dropout_p)
+        return lambda q, k, v: fa.scaled_dot_product_attention(q, k, v, **kw)
     if backend in ("ours", "plain"):
         kw = dict(causal=causal)
         if backend == "ours":
@@ -87,27 +116,38 @@ def make_fn(backend, cfg, H, device):
 
         def cudnn(q, k, v):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                      dropout_p=dropout_p)
         return cudnn
     if backend == "flex":
         if device != "cuda":
             raise RuntimeError("flex_attention is benchmarked on CUDA only")
+        if dropout_p > 0:
+            raise RuntimeError("flex_attention has no dropout")
         fx = importlib.import_module("torch.nn.attention.flex_attention")
         torch._dynamo.reset()  # a fresh compile per config (see flash_attn_ext.bench.backends)
         compiled = torch.compile(fx.flex_attention, dynamic=False)
         S = cfg["S"]
         left = window[0]
 
+        padding = mask if cfg.get("mask") == "padding" else None
+
         def visible(b, h, qi, ki):
             keep = qi >= ki if causal else qi == qi
             if left >= 0:
                 keep = keep & (qi - ki <= left)
+            if padding is not None:
+                keep = keep & padding[b, 0, 0, ki]
             return keep
         block_mask = None
-        if causal or left >= 0:
-            block_mask = fx.create_block_mask(visible, None, None, S, S, device=device)
+        if causal or left >= 0 or padding is not None:
+            block_mask = fx.create_block_mask(visible, cfg["B"] if padding is not None else None,
+                                              None, S, S, device=device)
         score_mod = None
-        if softcap > 0:
+        if cfg.get("mask") == "bias":
+            def score_mod(s, b, h, qi, ki):
+                return s + mask[0, h, qi, ki]
+        elif softcap > 0:
             def score_mod(s, b, h, qi, ki):
                 return softcap * torch.tanh(s / softcap)
         elif slopes is not None:
@@ -117,10 +157,10 @@ def make_fn(backend, cfg, H, device):
     raise ValueError(f"unknown backend {backend!r}")
 
 
-def time_backend(backend, cfg, sets, H, device):
+def time_backend(backend, cfg, sets, H, device, dtype):
     res = {}
     try:
-        fn = make_fn(backend, cfg, H, device)
+        fn = make_fn(backend, cfg, H, device, dtype)
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             probe = fn(*sets[0])
@@ -140,7 +180,9 @@ def time_backend(backend, cfg, sets, H, device):
 
 def label(cfg):
     extra = (f"window {cfg['window'][0]}" if "window" in cfg else
-             f"softcap {cfg['softcap']:g}" if "softcap" in cfg else "alibi")
+             f"softcap {cfg['softcap']:g}" if "softcap" in cfg else
+             f"mask {cfg['mask']}" if "mask" in cfg else
+             f"dropout {cfg['dropout']:g}" if "dropout" in cfg else "alibi")
     return f"{extra}, {'causal' if cfg['causal'] else 'full'}"
 
 
@@ -164,7 +206,7 @@ def main(argv=None):
         for r in range(args.rounds):
             order = backends[r % len(backends):] + backends[:r % len(backends)]
             for b in order:
-                for p, (ms, note) in time_backend(b, cfg, sets, H, device).items():
+                for p, (ms, note) in time_backend(b, cfg, sets, H, device, dtype).items():
                     if ms is not None:
                         times[b][p].append(ms)
                     notes[b][p] = note
