@@ -156,6 +156,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         if attn_mask.requires_grad and torch.is_grad_enabled():
             _not_implemented("the gradient of attn_mask (pass a mask that does not require "
                              "grad, e.g. attn_mask.detach())")
+        if attn_mask.dim() == 0:
+            raise RuntimeError("flash_attn_ext: attn_mask must have at least one dimension "
+                               "(broadcastable to [batch, heads, seqlen_q, seqlen_k]), got a "
+                               "0-dim tensor")
         if attn_mask.stride(-1) != 1 and attn_mask.size(-1) != 1:
             attn_mask = attn_mask.contiguous()
     if not enable_gqa and key.shape[1] != query.shape[1]:

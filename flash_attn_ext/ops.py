@@ -149,7 +149,7 @@ def new_rng_state(device):
     """A fresh dropout rng_state (int64 [2] = {seed, offset}) on `device`, drawn from torch's
     default generator of that device: torch.manual_seed reproduces it, it needs no host
     synchronisation, and CUDA graphs and torch.compile capture it like any random op."""
-    return torch.empty(2, dtype=torch.int64, device=device).random_()
+    return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=device)
 
 
 def _last_dim_contiguous(t):

@@ -324,6 +324,10 @@ void fwd_impl(const AttentionFwdParams& p) {
           modify_scores(mask, sc, m0 + r, n0, vis, nullptr);
           const int n = vis.hi - vis.lo;
           const float new_max = std::max(row_max[r], row_max_of(sc + vis.lo, n));
+          if (new_max == kNegInf) {  // every score so far is -inf (an attn_mask): no mass yet
+            std::fill(sc, sc + cols, 0.f);
+            continue;
+          }
           const float correction = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - new_max);
           const float tile_sum = exp_shifted_sum(sc + vis.lo, n, new_max);
           std::fill(sc, sc + vis.lo, 0.f);
