@@ -24,12 +24,16 @@
 //     accuracy), P = exp(f - lse) with the forward's lse of the modified
 //     scores, and dS = P o (dP - D) o dfds (dfds = 1 - tanh^2 with softcap,
 //     else 1): the gradient with respect to scale * q.k, so dK and dQ take the
-//     softmax scale as before (store_dk_dv, bwd_convert_dq).
+//     softmax scale as before (store_dk_dv, bwd_convert_dq);
+//   * dropout (csrc/dropout.h, Z = keep ? scale : 0): dV from P o Z and
+//     dS = P o (dP o Z - D) (o dfds), with the forward's undropped lse and D
+//     computed from the dropped output as usual.
 // Rows without a visible key have lse = -inf: P = 0, so zero gradients.
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
+#include "../../dropout.h"
 #include "../common/bwd_preprocess.cuh"
 #include "bwd_fp32.h"
 #include "mask_fp32.cuh"
@@ -116,13 +120,14 @@ FAE_DEVICE void load_query_tile(float* sQ, float* sdO, float* sLse2, float* sDsu
 }
 
 // S = Q K^T, dP = dO V^T for query `lane` and keys 4*warp + r; P and
-// dS = P o (dP - D) -> shared memory.
+// dS = P o (dP - D) -> shared memory. Dropout (kVariants, Z = keep ? scale : 0):
+// P o Z -> sP (for dV) and dS = P o (dP o Z - D).
 template <int kD, bool kIsCausal, bool kVariants>
 FAE_DEVICE void scores_tile(float* sP, float* sdS, const float* sQ, const float* sdO,
                             const float* sK, const float* sV, const float* sLse2,
                             const float* sDsum, float scale_log2, int key0, int query0,
                             int seqlen_k, int causal_offset, int lane, int warp, const Mask& mask,
-                            float softmax_scale) {
+                            float softmax_scale, const Dropout* dropout) {
   constexpr int kPitch = Fp32Smem<kD>::kPitch, kPP = Fp32Smem<kD>::kPPitch;
   float s[4] = {0.f, 0.f, 0.f, 0.f}, dp[4] = {0.f, 0.f, 0.f, 0.f};
   const float* q_row = sQ + lane * kPitch;
@@ -143,6 +148,17 @@ FAE_DEVICE void scores_tile(float* sP, float* sdS, const float* sQ, const float*
   if constexpr (kVariants) {
     const int key_begin = mask.key_begin(query), key_end = mask.key_end(query);  // <= seqlen_k
     const bool score_mod = mask.has_score_mod();  // CTA-uniform
+    // Dropout: keys key0 + 4 warp + r (key0 % 32 == 0) are bit 2 (warp / 2) + r % 2
+    // of the Philox group (query, u = (2 warp + r / 2) % 4) (csrc/dropout.h).
+    static_assert(kBwdFp32BlockN == 32 && kThreads == 256, "8 warps x 4 keys = one 32-key group");
+    const bool dropout_on = dropout != nullptr && dropout->active();  // CTA-uniform
+    uint32_t keep[2] = {0u, 0u};
+    if (dropout_on) {
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        keep[rh] = dropout->keep_bits(query, key0 + 4 * warp + 2 * rh) >> (2 * (warp >> 1));
+      }
+    }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int key = key0 + 4 * warp + r;
@@ -150,8 +166,14 @@ FAE_DEVICE void scores_tile(float* sP, float* sdS, const float* sQ, const float*
       if (score_mod) x = score_fp32(mask, s[r] * softmax_scale, query, key, &dfds) * kLog2e;
       const bool visible = key >= key_begin && key < key_end;
       const float p = visible ? exp2f(x - lse2) : 0.f;
-      sP[lane * kPP + 4 * warp + r] = p;
-      sdS[lane * kPP + 4 * warp + r] = p * (dp[r] - dsum) * dfds;
+      float pz = p, dpz = dp[r];
+      if (dropout_on) {
+        const float z = ((keep[r >> 1] >> (r & 1)) & 1u) ? dropout->scale : 0.f;
+        pz = p * z;
+        dpz = dp[r] * z;
+      }
+      sP[lane * kPP + 4 * warp + r] = pz;
+      sdS[lane * kPP + 4 * warp + r] = p * (dpz - dsum) * dfds;
     }
   } else {
 #pragma unroll
@@ -285,7 +307,13 @@ __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdPa
   const int split = kDeterministic ? blockIdx.x : 0;
   float* dq_bh = params.dq_accum + (split * params.q_rows_total + stats_row0) * kD;
   Mask mask;
-  if constexpr (kVariants) mask = make_mask(params, seq, b, h);
+  Dropout dropout_v;
+  const Dropout* dropout = nullptr;
+  if constexpr (kVariants) {
+    mask = make_mask(params, seq, b, h);
+    dropout_v = make_dropout(params, b, h);
+    dropout = &dropout_v;
+  }
 
   for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
     // ---- prologue: this key tile's K / V, the first query tile it meets ------
@@ -318,7 +346,7 @@ __global__ void __launch_bounds__(kThreads) bwd_fp32_kernel(const AttentionBwdPa
       scores_tile<kD, kIsCausal, kVariants>(sP, sdS, sQ, sdO, sK, sV, sLse2, sDsum,
                                             params.scale_log2, key0, query0, seqlen_k,
                                             seq.causal_offset, lane, warp, mask,
-                                            params.softmax_scale);
+                                            params.softmax_scale, dropout);
       __syncthreads();
       accumulate_dk_dv<kD>(acc_dk, acc_dv, sP, sdS, sQ, sdO, lane, warp);
       accumulate_dq<kD, kDeterministic>(dq_bh, sdS, sK, query0, seqlen_q, head_dim, lane, warp);

@@ -27,13 +27,17 @@
 //   * with softcap / ALiBi (a CTA-uniform branch), replaces scale * q.k by
 //     score_fp32(mask, scale * q.k, i, j) (Mask::score at fp32 accuracy) before
 //     the log2-domain online softmax; lse is then the LSE of the modified
-//     scores, as the backward expects.
+//     scores, as the backward expects;
+//   * with dropout (csrc/dropout.h; a CTA-uniform branch), multiplies the
+//     probabilities that P V reads by Z = keep ? scale : 0 (row sums and lse
+//     stay those of the undropped probabilities).
 // Rows without a visible key keep row_sum 0 and are stored as O = 0, lse = -inf.
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
 #include "../../params.h"
+#include "../../dropout.h"
 #include "../common/fwd_softmax.cuh"
 #include "../common/ptx.cuh"
 #include "fwd_fp32.h"
@@ -133,8 +137,42 @@ FAE_DEVICE void qk_tile(float (&s)[Fp32Tile<kHeadDim>::kRowsPerThread][4], const
   }
 }
 
+// Dropout keep bits of the thread's elements of key tile n_block (rows
+// row_base + 16i, keys n_block * kBlockN + tx + 16j): bit 4i + j. Key tx + 16j
+// is bit 2((tx / 8) + 2(j % 2)) + tx % 2 of the Philox group (row, 32-key chunk
+// j / 2, u = (tx / 2) % 4) (csrc/dropout.h); the 4 lanes of a row group with the
+// same u need the same 2 groups for each row, so lane tx computes row
+// 2k + tx % 2, chunk tx / 8 of row pair k and the others read it by shuffle.
+// All threads of the warp must call this.
+template <int kRows>
+FAE_DEVICE uint32_t fp32_dropout_bits(const Dropout& d, int n_block, int row_base, int tx) {
+  static_assert(kRows % 2 == 0 && 4 * kRows <= 32, "row pairs, 4 bits per row");
+  const int lane = threadIdx.x % 32;
+  const int bit = 2 * (tx >> 3) + (tx & 1);  // of key tx (j = 0); j = 1: + 4
+  uint32_t bits = 0;
+#pragma unroll
+  for (int k = 0; k < kRows / 2; ++k) {
+    const uint32_t w = d.keep_bits(row_base + 16 * (2 * k + (tx & 1)),
+                                   n_block * kFp32BlockN + 32 * (tx >> 3) + (tx & 6));
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const uint32_t word = __shfl_sync(0xffffffffu, w, (lane & ~9) | r | (c << 3));
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          bits |= ((word >> (bit + 4 * jj)) & 1u) << (4 * (2 * k + r) + 2 * c + jj);
+        }
+      }
+    }
+  }
+  return bits;
+}
+
 // Scale, mask, online softmax of key tile n_block: P -> smem_p, O and the
 // row sums rescaled to the new row max (log2 domain, as OnlineSoftmax).
+// Dropout (kVariants): smem_p gets P o Z, Z = keep ? scale : 0; the row sums
+// are of the undropped P.
 template <int kHeadDim, bool kIsCausal, bool kVariants>
 FAE_DEVICE void softmax_tile(float (&s)[Fp32Tile<kHeadDim>::kRowsPerThread][4],
                              float (&row_max)[Fp32Tile<kHeadDim>::kRowsPerThread],
@@ -143,9 +181,15 @@ FAE_DEVICE void softmax_tile(float (&s)[Fp32Tile<kHeadDim>::kRowsPerThread][4],
                                            [Fp32Tile<kHeadDim>::kColGroups][4],
                              float* smem_p, float scale_log2, bool needs_mask, int n_block,
                              int row_base, const SeqBounds& seq, int tx, int ty,
-                             const Mask& mask, float softmax_scale) {
+                             const Mask& mask, float softmax_scale, const Dropout& dropout) {
   using Tile = Fp32Tile<kHeadDim>;
   constexpr float kLog2e = 1.4426950408889634f;
+  uint32_t keep = 0;
+  if constexpr (kVariants) {
+    if (dropout.active()) {  // uniform
+      keep = fp32_dropout_bits<Tile::kRowsPerThread>(dropout, n_block, row_base, tx);
+    }
+  }
 #pragma unroll
   for (int i = 0; i < Tile::kRowsPerThread; ++i) {
     float tile_max = row_max[i];
@@ -182,8 +226,11 @@ FAE_DEVICE void softmax_tile(float (&s)[Fp32Tile<kHeadDim>::kRowsPerThread][4],
     float tile_sum = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float p = fast_exp2(s[i][j] - base);
+      float p = fast_exp2(s[i][j] - base);
       tile_sum += p;
+      if constexpr (kVariants) {
+        if (dropout.active()) p = ((keep >> (4 * i + j)) & 1u) ? p * dropout.scale : 0.f;
+      }
       smem_p[(ty + 16 * i) * Tile::kPStride + tx + 16 * j] = p;
     }
     row_sum[i] = row_sum[i] * rescale + tile_sum;
@@ -295,8 +342,10 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
   if (m_block * kBlockM >= seq.seqlen_q) return;  // varlen: past this sequence (CTA-uniform)
   KeyTileRange range;
   Mask mask;
+  Dropout dropout;
   if constexpr (kVariants) {
     mask = make_mask(params, seq, batch, head);
+    dropout = make_dropout(params, batch, head);
     mask_key_tiles<kBlockN>(mask, m_block * kBlockM, min(kBlockM, seq.seqlen_q - m_block * kBlockM),
                             range.begin, range.end);
   } else {
@@ -369,7 +418,8 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
     }
     softmax_tile<kHeadDim, kIsCausal, kVariants>(s, row_max, row_sum, acc_o, smem_p,
                                                  params.scale_log2, needs_mask, n_block, row_base,
-                                                 seq, tx, ty, mask, params.softmax_scale);
+                                                 seq, tx, ty, mask, params.softmax_scale,
+                                                 dropout);
 
     cp_async_wait<1>();  // V_n landed (K_{n+1} may still be in flight)
     __syncthreads();     // ... for every thread's chunks, and P is complete

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "../../params.h"
+#include "../common/dropout_tile.cuh"
 #include "../common/fwd_softmax.cuh"
 #include "../common/ptx.cuh"
 #include "bwd_kernel_traits.cuh"
@@ -144,14 +145,28 @@ FAE_DEVICE void store_a_fragment(typename Kt::T* tile, const uint32_t (&a)[4], i
 // fully-masked rows (so P = exp2(-inf) = 0, never NaN); dsum = D per query.
 // kHasVariants: P from the modified score (ScoreVariants::score_log2), keys
 // outside the query's [key_begin, key_end) masked, and dS multiplied by the
-// softcap's 1 - tanh^2 (the chain factor of the dK / dQ products).
+// softcap's 1 - tanh^2 (the chain factor of the dK / dQ products). Dropout
+// (dropout != nullptr and active; Z = keep ? scale : 0, csrc/dropout.h):
+//   dS^T = P^T o (dP^T o Z^T - D),  and acc_s leaves as P^T o Z^T (for dV);
+// key0 must then be a multiple of Kt::kKeysPerWarp (dropout_bits_transposed),
+// and every lane of the warp must be here (shuffles).
 template <typename Kt, bool kIsCausal, int kM, int kN, bool kHasVariants = false>
 FAE_DEVICE void softmax_backward(float (&acc_s)[kM][kN][4], float (&acc_dp)[kM][kN][4],
                                  const float* lse2, const float* dsum, float scale_log2,
                                  bool apply_mask, int key0, int query0, int seqlen_k,
                                  int causal_offset, int lane,
-                                 const ScoreVariants* variants = nullptr) {
+                                 const ScoreVariants* variants = nullptr,
+                                 const Dropout* dropout = nullptr) {
   const int g = lane / 4, q4 = lane % 4;
+  // Dropout: the keep bits of the lane's elements (bit 4kM j + 4m + c), and
+  // dP^T o Z^T before the element loop below.
+  DropoutBitsT<kM, kN> keep = 0;
+  if constexpr (kHasVariants) {
+    if (dropout != nullptr && dropout->active()) {  // uniform
+      keep = dropout_bits_transposed<Kt::kKeysPerWarp, kM, kN>(*dropout, key0, query0, lane);
+      apply_dropout_transposed(acc_dp, keep, dropout->scale);
+    }
+  }
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
     const int q_local = j * 8 + 2 * q4;
@@ -186,6 +201,11 @@ FAE_DEVICE void softmax_backward(float (&acc_s)[kM][kN][4], float (&acc_dp)[kM][
         acc_s[m][j][c] = p;
         acc_dp[m][j][c] = p * (acc_dp[m][j][c] - ((c & 1) ? dd.y : dd.x));
       }
+    }
+  }
+  if constexpr (kHasVariants) {
+    if (dropout != nullptr && dropout->active()) {
+      apply_dropout_transposed(acc_s, keep, dropout->scale);  // P^T o Z^T, for dV
     }
   }
 }

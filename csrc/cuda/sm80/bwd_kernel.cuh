@@ -143,7 +143,7 @@ FAE_DEVICE void scores_and_dkdv_in_registers(
     float (&acc_dv)[Kt::kMmaKeys][Kt::kDimPerWarp / 8][4],
     float (&acc_dk)[Kt::kMmaKeys][Kt::kDimPerWarp / 8][4], const BwdSmem<Kt>& smem,
     const QueryTile<Kt>& tile, float scale_log2, int key0, int seqlen_k, int causal_offset,
-    const BwdThread<Kt>& th, const ScoreVariants* variants) {
+    const BwdThread<Kt>& th, const ScoreVariants* variants, const Dropout* dropout) {
   using T = typename Kt::T;
   constexpr int kQTiles = Kt::kQTiles, kPitch = Kt::kRowPitch;
   const int lane = th.lane, warp_key0 = th.warp_key0;
@@ -157,7 +157,7 @@ FAE_DEVICE void scores_and_dkdv_in_registers(
   gemm_keys_by_queries<Kt, 1, kQTiles>(acc_dp, smem.sV + warp_key0 * kPitch, tile.sdO, lane);
   softmax_backward<Kt, kIsCausal, 1, kQTiles, kHasVariants>(
       acc_s, acc_dp, tile.lse2, tile.dsum, scale_log2, tile.apply_mask, key0 + warp_key0,
-      tile.query0, seqlen_k, causal_offset, lane, variants);
+      tile.query0, seqlen_k, causal_offset, lane, variants, dropout);
 #pragma unroll
   for (int kq = 0; kq < Kt::kBlockM / 16; ++kq) {
     uint32_t a_p[1][4], a_ds[1][4];
@@ -173,7 +173,8 @@ FAE_DEVICE void scores_and_dkdv_in_registers(
 template <typename Kt, bool kIsCausal, bool kHasVariants>
 FAE_DEVICE void scores_tiled(const BwdSmem<Kt>& smem, const QueryTile<Kt>& tile,
                              float scale_log2, int key0, int seqlen_k, int causal_offset,
-                             const BwdThread<Kt>& th, const ScoreVariants* variants) {
+                             const BwdThread<Kt>& th, const ScoreVariants* variants,
+                             const Dropout* dropout) {
   constexpr int kM = Kt::kMmaKeys, kQTiles = Kt::kQTiles, kPitch = Kt::kRowPitch;
   const int lane = th.lane, warp_key0 = th.warp_key0;
   const int warp_q0 = th.wd * Kt::kQueriesPerWarpS;
@@ -192,7 +193,7 @@ FAE_DEVICE void scores_tiled(const BwdSmem<Kt>& smem, const QueryTile<Kt>& tile,
                                         tile.sdO + warp_q0 * kPitch, lane);
   softmax_backward<Kt, kIsCausal, kM, kQTiles, kHasVariants>(
       acc_s, acc_dp, tile.lse2 + warp_q0, tile.dsum + warp_q0, scale_log2, tile.apply_mask,
-      key0 + warp_key0, tile.query0 + warp_q0, seqlen_k, causal_offset, lane, variants);
+      key0 + warp_key0, tile.query0 + warp_q0, seqlen_k, causal_offset, lane, variants, dropout);
   store_key_query_tile<Kt, kM, kQTiles>(smem.sP, acc_s, warp_key0, warp_q0, lane);
   store_key_query_tile<Kt, kM, kQTiles>(smem.sdS, acc_dp, warp_key0, warp_q0, lane);
 }
@@ -202,7 +203,8 @@ FAE_DEVICE void scores_tiled(const BwdSmem<Kt>& smem, const QueryTile<Kt>& tile,
 template <typename Kt, bool kIsCausal, bool kHasVariants>
 FAE_DEVICE void scores_split(const BwdSmem<Kt>& smem, const QueryTile<Kt>& tile,
                              float scale_log2, int key0, int seqlen_k, int causal_offset,
-                             const BwdThread<Kt>& th, const ScoreVariants* variants) {
+                             const BwdThread<Kt>& th, const ScoreVariants* variants,
+                             const Dropout* dropout) {
   constexpr int kQTiles = Kt::kQTiles, kPitch = Kt::kRowPitch;
   const int lane = th.lane, wd = th.wd, warp_key0 = th.warp_key0;
   float acc[1][kQTiles][4];
@@ -231,7 +233,7 @@ FAE_DEVICE void scores_split(const BwdSmem<Kt>& smem, const QueryTile<Kt>& tile,
     }
     softmax_backward<Kt, kIsCausal, 1, kQTiles, kHasVariants>(
         acc, acc_dp, tile.lse2, tile.dsum, scale_log2, tile.apply_mask, key0 + warp_key0,
-        tile.query0, seqlen_k, causal_offset, lane, variants);
+        tile.query0, seqlen_k, causal_offset, lane, variants, dropout);
     store_key_query_tile<Kt, 1, kQTiles>(smem.sP, acc, warp_key0, 0, lane);
     store_key_query_tile<Kt, 1, kQTiles>(smem.sdS, acc_dp, warp_key0, 0, lane);
   }
@@ -385,8 +387,9 @@ FAE_DEVICE void store_dk_dv(const float (&acc_dv)[Kt::kMmaKeys][Kt::kDimPerWarp 
 
 // ---------------------------------------------------------------------------
 // Main kernel. Grid: x = key tile (deterministic: dQ split), y = head, z = batch.
-// kHasVariants: window / softcap / ALiBi (csrc/mask.h, ScoreVariants),
-// instantiated with kIsCausal = false and kVarSeq = true (run_bwd_variants_impl).
+// kHasVariants: window / softcap / ALiBi / attn_mask (csrc/mask.h, ScoreVariants)
+// and dropout (csrc/dropout.h; softmax_backward), instantiated with
+// kIsCausal = false and kVarSeq = true (run_bwd_variants_impl).
 // ---------------------------------------------------------------------------
 template <typename Kt, bool kIsCausal, bool kDeterministic, bool kVarSeq,
           bool kHasVariants = false>
@@ -504,18 +507,28 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_main_kernel(const Attent
                                smem.sdO + stage * kBlockM * kPitch, smem.sLse2 + stage * kBlockM,
                                smem.sDsum + stage * kBlockM, query0, apply_mask};
 
+      // Dropout (variants): built per query tile, so that its seed and offset
+      // do not hold registers across the loop (the kernels are at 255).
+      Dropout dropout_v;
+      const Dropout* dropout = nullptr;
+      if constexpr (kHasVariants) {
+        dropout_v = make_dropout(params, b, h);
+        dropout = &dropout_v;
+      }
       if constexpr (Kt::kLayout == BwdLayout::kRegisters) {
         scores_and_dkdv_in_registers<Kt, kIsCausal, kHasVariants>(
             acc_dv, acc_dk, smem, tile, params.scale_log2, key0, seqlen_k, causal_offset, th,
-            &variants);
+            &variants, dropout);
         __syncthreads();  // dS^T complete before the dQ product reads all of it
       } else {
         if constexpr (Kt::kTiledSdP) {
           scores_tiled<Kt, kIsCausal, kHasVariants>(smem, tile, params.scale_log2, key0,
-                                                    seqlen_k, causal_offset, th, &variants);
+                                                    seqlen_k, causal_offset, th, &variants,
+                                                    dropout);
         } else {
           scores_split<Kt, kIsCausal, kHasVariants>(smem, tile, params.scale_log2, key0,
-                                                    seqlen_k, causal_offset, th, &variants);
+                                                    seqlen_k, causal_offset, th, &variants,
+                                                    dropout);
         }
         __syncthreads();  // P^T, dS^T complete (also for the dQ product below)
         accumulate_dkdv_from_smem<Kt>(acc_dv, acc_dk, smem, tile, th);

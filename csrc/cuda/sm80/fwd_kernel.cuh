@@ -11,8 +11,9 @@
 //                S = Q K_n^T                       (fp32, in registers)
 //                scale to log2 domain, mask        (only on boundary tiles)
 //                online softmax: P = exp2(S - m), rescale O and row sums
+//                (variants: P -> 16 bits; dropout clears dropped elements)
 //                wait V_n;  O += P V_n             (P straight from registers)
-//   epilogue   O /= row_sum, lse = m*ln2 + ln(row_sum);
+//   epilogue   O /= row_sum, lse = m*ln2 + ln(row_sum);  (dropout: O *= scale)
 //              O -> shared memory -> 16-byte global stores (or fp32 partials
 //              to out_accum / lse_accum when split-KV is on)
 #pragma once
@@ -22,6 +23,7 @@
 #include "../common/ptx.cuh"
 #include "fwd_kernel_traits.cuh"
 #include "fwd_merge.cuh"
+#include "../common/dropout_tile.cuh"
 #include "../common/fwd_softmax.cuh"
 
 namespace flash_attn_ext {
@@ -170,6 +172,63 @@ FAE_DEVICE void gemm_pv(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
       for (int m = 0; m < Traits::kMmaM; ++m) {
         mma_16816<T>(o[m][2 * jd], a[m], b_lo);
         mma_16816<T>(o[m][2 * jd + 1], a[m], b_hi);
+      }
+    }
+  }
+}
+
+// The variant kernels' P V, in two steps: P -> 16-bit A fragments right after
+// the softmax (half the registers of fp32 P while the V tile is awaited and
+// the dropout's Philox calls run), then O += P V from them. Dropout clears the
+// dropped halves (dropout_pair_mask); its scale is applied to O in the
+// epilogue (O is linear in P, and the row sums are of the undropped P).
+template <typename Traits>
+using PFragments = uint32_t[Traits::kStepsN][Traits::kMmaM][4];
+
+template <typename Traits>
+FAE_DEVICE void pack_p(PFragments<Traits>& a, const float (&p)[Traits::kMmaM][Traits::kTilesN][4]) {
+  using T = typename Traits::T;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kStepsN; ++kk) {
+#pragma unroll
+    for (int m = 0; m < Traits::kMmaM; ++m) {
+      a[kk][m][0] = pack2<T>(p[m][2 * kk][0], p[m][2 * kk][1]);          // row g,   keys lo
+      a[kk][m][1] = pack2<T>(p[m][2 * kk][2], p[m][2 * kk][3]);          // row g+8, keys lo
+      a[kk][m][2] = pack2<T>(p[m][2 * kk + 1][0], p[m][2 * kk + 1][1]);  // row g,   keys hi
+      a[kk][m][3] = pack2<T>(p[m][2 * kk + 1][2], p[m][2 * kk + 1][3]);  // row g+8, keys hi
+    }
+  }
+}
+
+// Dropout's keep mask on packed P: s[m][j][2h + e] is half e of a[j / 2][m][2 (j % 2) + h].
+template <typename Traits>
+FAE_DEVICE void dropout_packed_p(PFragments<Traits>& a, const Dropout& d, int row_base,
+                                 int col_base) {
+  for_each_dropout_pair<Traits::kWarpKeys, Traits::kMmaM, Traits::kTilesN>(
+      d, row_base, col_base, [&](int m, int h, int j, uint32_t pair) {
+        a[j / 2][m][2 * (j % 2) + h] &= dropout_pair_mask(pair);
+      });
+}
+
+// O[m] += P[m] V from packed P (gemm_pv's product).
+template <typename Traits>
+FAE_DEVICE void gemm_pv_packed(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
+                               const PFragments<Traits>& a, const typename Traits::T* smem_v,
+                               int lane) {
+  using T = typename Traits::T;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kStepsN; ++kk) {
+#pragma unroll
+    for (int jd = 0; jd < Traits::kHeadDim / 16; ++jd) {
+      uint32_t b[4];
+      const int key = kk * 16 + (lane & 15);
+      ldmatrix_x4_trans(b, smem_v + Traits::KVLayout::offset(key, 2 * jd + (lane >> 4)));
+      const uint32_t b_lo[2] = {b[0], b[1]};
+      const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+      for (int m = 0; m < Traits::kMmaM; ++m) {
+        mma_16816<T>(o[m][2 * jd], a[kk][m], b_lo);
+        mma_16816<T>(o[m][2 * jd + 1], a[kk][m], b_hi);
       }
     }
   }
@@ -377,8 +436,9 @@ FAE_DEVICE void store_split_partials(const float (&acc_o)[Traits::kMmaM][Traits:
 
 // ---------------------------------------------------------------------------
 // Main kernel. Grid: x = m-tile + num_m_blocks * (batch*heads + head), y = KV split.
-// kHasVariants: window / softcap / ALiBi (csrc/mask.h, ScoreVariants), instead
-// of the causal-only mask (instantiated with kIsCausal = false, kVarSeq = true:
+// kHasVariants: window / softcap / ALiBi / attn_mask (csrc/mask.h, ScoreVariants)
+// and dropout (csrc/dropout.h, common/dropout_tile.cuh), instead of the
+// causal-only mask (instantiated with kIsCausal = false, kVarSeq = true:
 // causal is the window's right bound 0; see run_fwd_variants_impl).
 // ---------------------------------------------------------------------------
 template <typename Traits, bool kIsCausal, bool kVarSeq, bool kClusterMerge = false,
@@ -493,11 +553,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                          seq.seqlen_k, seq.causal_offset);
       }
       softmax.update(acc_s, acc_o);
+      PFragments<Traits> p16;  // variants: P, 16-bit (gemm_pv_packed)
+      if constexpr (kHasVariants) {
+        pack_p<Traits>(p16, acc_s);
+        // Dropout: the dropped elements of P cleared for the P V product (the
+        // row sums above, and so lse, are of the undropped P; the scale comes
+        // in the epilogue). Keys are numbered within the sequence (col_base),
+        // so split-KV and the key-warp decode tile draw the same mask. Built
+        // per tile: its seed and offset would otherwise hold registers across
+        // the whole loop.
+        const Dropout dropout = make_dropout(params, batch, head);
+        if (dropout.active()) {  // uniform
+          dropout_packed_p<Traits>(p16, dropout, row_base, col_base);
+        }
+      }
 
       // Groups newer than V_tile: 2 per tile tile+1 .. tile+kStages-1.
       cp_async_wait<2 * kStages - 2>();
       __syncthreads();  // V_tile visible to all threads
-      gemm_pv<Traits>(acc_o, acc_s, smem_v_tile, th.lane);
+      if constexpr (kHasVariants) {
+        gemm_pv_packed<Traits>(acc_o, p16, smem_v_tile, th.lane);
+      } else {
+        gemm_pv<Traits>(acc_o, acc_s, smem_v_tile, th.lane);
+      }
     }
     cp_async_wait<0>();  // only empty groups remain; keeps the smem reuse below obviously safe
   }
@@ -505,6 +583,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // ---- epilogue: normalise, merge key warps / splits, store ------------------
   float lse[kMmaM][2];
   softmax.finalize(acc_o, lse);
+  if constexpr (kHasVariants) {
+    // Dropout's scale of the kept probabilities (dropout_packed_p), on the
+    // normalised O: the key-warp and split-KV merges are linear in O.
+    if (params.dropout_threshold > 0) {
+      const float scale = params.dropout_scale;
+#pragma unroll
+      for (int m = 0; m < kMmaM; ++m)
+#pragma unroll
+        for (int d = 0; d < Traits::kTilesD; ++d)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc_o[m][d][r] *= scale;
+    }
+  }
   const bool holds_output = merge_key_warps<Traits>(acc_o, lse, smem_raw, th.warp, th.lane);
 
   const int row_in_head0 = m_block * kBlockM + th.warp_row0;  // sequence row of warp row 0
