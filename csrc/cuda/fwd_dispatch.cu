@@ -146,14 +146,13 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
 // and the call is one it implements: 16-bit, kernel head dim 64/128/256,
 // padded batch without seqused_k, no split-KV, not the small-M decode tile,
 // softmax_scale > 0 (the kernel folds the scale into exp2 after the max),
-// no broadcast (stride-0) dimension, no dropout (the mma.sync variant kernels
-// apply it). Window / softcap / ALiBi / attn_mask calls take its variant
-// instantiation (run_fwd_sm90_variants_impl).
+// no broadcast (stride-0) dimension. Window / softcap / ALiBi / attn_mask /
+// dropout calls take its variant instantiation (run_fwd_sm90_variants_impl).
 bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 #ifdef FAE_HAS_SM90A
   if (kernel_impl_requested("FLASH_ATTN_EXT_FWD_IMPL") == KernelImpl::kMma) return false;
   return params.dtype != DType::kFloat32 && fwd_sm90_head_dim(kernel_dim) &&
-         !has_var_seqs(params) && !has_dropout(params) && params.num_splits <= 1 &&
+         !has_var_seqs(params) && params.num_splits <= 1 &&
          params.fwd_tile == kFwdTileAuto && !fwd_uses_decode_tile(params) &&
          params.scale_log2 > 0.f && params.heads <= 65535 && params.batch <= 65535 &&
          tma_strides_ok(params.q_strides, params.seqlen_q, params.heads, params.batch) &&

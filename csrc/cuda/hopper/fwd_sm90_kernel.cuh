@@ -33,6 +33,7 @@
 
 #include "../../params.h"
 #include "../common/ptx.cuh"
+#include "../common/dropout_tile.cuh"
 #include "../common/fwd_softmax.cuh"
 #include "sm90_primitives.cuh"
 #include "wgmma_ops.cuh"
@@ -159,7 +160,8 @@ struct FwdSm90Traits {
 // window's right bound (kIsCausal = false then): the key tiles of a query
 // tile are those its window reaches (key_tile_range_variants), tiles the
 // window cuts get the element mask, and softcap / ALiBi turn every score into
-// ScoreVariants::score_log2 before a plain (unfolded) online softmax.
+// ScoreVariants::score_log2 before a plain (unfolded) online softmax; dropout
+// multiplies P by its keep factor after the row sums.
 template <typename Traits, bool kIsCausal, bool kHasVariants = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmap_q,
@@ -398,7 +400,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // With variants: this warpgroup's rows (the window bounds of its first
     // and last row decide which tiles it must mask) and the score modifiers.
     ScoreVariants variants;
-    if constexpr (kHasVariants) variants = ScoreVariants::make(params, seq, tile.b, tile.h);
+    Dropout dropout;  // inactive without variants
+    if constexpr (kHasVariants) {
+      variants = ScoreVariants::make(params, seq, tile.b, tile.h);
+      dropout = make_dropout(params, tile.b, tile.h);
+    }
     const int wg_first_row = tile.m_block * kBlockM + wg * 64;
     const int wg_last_row = min(wg_first_row + 64, seq.seqlen_q) - 1;
     auto softmax_tile = [&](OnlineSoftmax<1>& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
@@ -408,13 +414,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (variants.mask.has_score_mod()) {
           score_and_mask_variants(s, variants, row_base, col_base);
           softmax.update_scores(s, rescale);
-          return;
+        } else {
+          if (!key_tile_inside_window<kBlockN>(variants.mask, wg_first_row, wg_last_row,
+                                               n_block)) {
+            score_and_mask_variants<1, kBlockN / 8, /*kScore=*/false>(s, variants, row_base,
+                                                                     col_base);
+          }
+          softmax.update_scores_folded(s, params.scale_log2, rescale);
         }
-        if (!key_tile_inside_window<kBlockN>(variants.mask, wg_first_row, wg_last_row, n_block)) {
-          score_and_mask_variants<1, kBlockN / 8, /*kScore=*/false>(s, variants, row_base,
-                                                                   col_base);
-        }
-        softmax.update_scores_folded(s, params.scale_log2, rescale);
+        // Dropout on P after the row sums (csrc/dropout.h): the accumulator layout
+        // is mma.sync's, so one Philox call per row per 32 keys.
+        if (dropout.active()) apply_dropout<kBlockN, 1, kBlockN / 8>(s, dropout, row_base, col_base);
         return;
       }
       if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, n_block)) {
