@@ -142,38 +142,53 @@ FAE_DEVICE void gemm_qk(float (&s)[Traits::kMmaM][Traits::kTilesN][4], const QFr
 
 // O[m] += P[m] V. The accumulator layout of S for n-tiles (2kk, 2kk+1) is
 // exactly the A-fragment layout of a 16x16 operand, so P is only converted
-// to 16 bits and re-packed, never staged through shared memory.
+// to 16 bits and re-packed, never staged through shared memory. One k-step
+// (16 keys) at a time: pack_p_step, then pv_step.
+template <typename Traits>
+FAE_DEVICE void pack_p_step(uint32_t (&a)[Traits::kMmaM][4],
+                            const float (&p)[Traits::kMmaM][Traits::kTilesN][4], int kk) {
+  using T = typename Traits::T;
+#pragma unroll
+  for (int m = 0; m < Traits::kMmaM; ++m) {
+    a[m][0] = pack2<T>(p[m][2 * kk][0], p[m][2 * kk][1]);          // row g,   keys lo
+    a[m][1] = pack2<T>(p[m][2 * kk][2], p[m][2 * kk][3]);          // row g+8, keys lo
+    a[m][2] = pack2<T>(p[m][2 * kk + 1][0], p[m][2 * kk + 1][1]);  // row g,   keys hi
+    a[m][3] = pack2<T>(p[m][2 * kk + 1][2], p[m][2 * kk + 1][3]);  // row g+8, keys hi
+  }
+}
+
+template <typename Traits>
+FAE_DEVICE void pv_step(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
+                        const uint32_t (&a)[Traits::kMmaM][4], const typename Traits::T* smem_v,
+                        int kk, int lane) {
+  using T = typename Traits::T;
+#pragma unroll
+  for (int jd = 0; jd < Traits::kHeadDim / 16; ++jd) {
+    // V is [key][dim]; the B operand wants (k = key, n = dim) pairs along k,
+    // hence ldmatrix.trans. Matrices: (keys 0-7, dims lo) (keys 8-15, dims lo)
+    // (keys 0-7, dims hi) (keys 8-15, dims hi) = b0/b1 of d-tile 2jd, 2jd+1.
+    uint32_t b[4];
+    const int key = kk * 16 + (lane & 15);
+    ldmatrix_x4_trans(b, smem_v + Traits::KVLayout::offset(key, 2 * jd + (lane >> 4)));
+    const uint32_t b_lo[2] = {b[0], b[1]};
+    const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+    for (int m = 0; m < Traits::kMmaM; ++m) {
+      mma_16816<T>(o[m][2 * jd], a[m], b_lo);
+      mma_16816<T>(o[m][2 * jd + 1], a[m], b_hi);
+    }
+  }
+}
+
 template <typename Traits>
 FAE_DEVICE void gemm_pv(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
                         const float (&p)[Traits::kMmaM][Traits::kTilesN][4],
                         const typename Traits::T* smem_v, int lane) {
-  using T = typename Traits::T;
 #pragma unroll
   for (int kk = 0; kk < Traits::kStepsN; ++kk) {
     uint32_t a[Traits::kMmaM][4];
-#pragma unroll
-    for (int m = 0; m < Traits::kMmaM; ++m) {
-      a[m][0] = pack2<T>(p[m][2 * kk][0], p[m][2 * kk][1]);          // row g,   keys lo
-      a[m][1] = pack2<T>(p[m][2 * kk][2], p[m][2 * kk][3]);          // row g+8, keys lo
-      a[m][2] = pack2<T>(p[m][2 * kk + 1][0], p[m][2 * kk + 1][1]);  // row g,   keys hi
-      a[m][3] = pack2<T>(p[m][2 * kk + 1][2], p[m][2 * kk + 1][3]);  // row g+8, keys hi
-    }
-#pragma unroll
-    for (int jd = 0; jd < Traits::kHeadDim / 16; ++jd) {
-      // V is [key][dim]; the B operand wants (k = key, n = dim) pairs along k,
-      // hence ldmatrix.trans. Matrices: (keys 0-7, dims lo) (keys 8-15, dims lo)
-      // (keys 0-7, dims hi) (keys 8-15, dims hi) = b0/b1 of d-tile 2jd, 2jd+1.
-      uint32_t b[4];
-      const int key = kk * 16 + (lane & 15);
-      ldmatrix_x4_trans(b, smem_v + Traits::KVLayout::offset(key, 2 * jd + (lane >> 4)));
-      const uint32_t b_lo[2] = {b[0], b[1]};
-      const uint32_t b_hi[2] = {b[2], b[3]};
-#pragma unroll
-      for (int m = 0; m < Traits::kMmaM; ++m) {
-        mma_16816<T>(o[m][2 * jd], a[m], b_lo);
-        mma_16816<T>(o[m][2 * jd + 1], a[m], b_hi);
-      }
-    }
+    pack_p_step<Traits>(a, p, kk);
+    pv_step<Traits>(o, a, smem_v, kk, lane);
   }
 }
 
@@ -187,17 +202,8 @@ using PFragments = uint32_t[Traits::kStepsN][Traits::kMmaM][4];
 
 template <typename Traits>
 FAE_DEVICE void pack_p(PFragments<Traits>& a, const float (&p)[Traits::kMmaM][Traits::kTilesN][4]) {
-  using T = typename Traits::T;
 #pragma unroll
-  for (int kk = 0; kk < Traits::kStepsN; ++kk) {
-#pragma unroll
-    for (int m = 0; m < Traits::kMmaM; ++m) {
-      a[kk][m][0] = pack2<T>(p[m][2 * kk][0], p[m][2 * kk][1]);          // row g,   keys lo
-      a[kk][m][1] = pack2<T>(p[m][2 * kk][2], p[m][2 * kk][3]);          // row g+8, keys lo
-      a[kk][m][2] = pack2<T>(p[m][2 * kk + 1][0], p[m][2 * kk + 1][1]);  // row g,   keys hi
-      a[kk][m][3] = pack2<T>(p[m][2 * kk + 1][2], p[m][2 * kk + 1][3]);  // row g+8, keys hi
-    }
-  }
+  for (int kk = 0; kk < Traits::kStepsN; ++kk) pack_p_step<Traits>(a[kk], p, kk);
 }
 
 // Dropout's keep mask on packed P: s[m][j][2h + e] is half e of a[j / 2][m][2 (j % 2) + h].
@@ -210,28 +216,13 @@ FAE_DEVICE void dropout_packed_p(PFragments<Traits>& a, const Dropout& d, int ro
       });
 }
 
-// O[m] += P[m] V from packed P (gemm_pv's product).
+// O[m] += P[m] V from packed P.
 template <typename Traits>
 FAE_DEVICE void gemm_pv_packed(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
                                const PFragments<Traits>& a, const typename Traits::T* smem_v,
                                int lane) {
-  using T = typename Traits::T;
 #pragma unroll
-  for (int kk = 0; kk < Traits::kStepsN; ++kk) {
-#pragma unroll
-    for (int jd = 0; jd < Traits::kHeadDim / 16; ++jd) {
-      uint32_t b[4];
-      const int key = kk * 16 + (lane & 15);
-      ldmatrix_x4_trans(b, smem_v + Traits::KVLayout::offset(key, 2 * jd + (lane >> 4)));
-      const uint32_t b_lo[2] = {b[0], b[1]};
-      const uint32_t b_hi[2] = {b[2], b[3]};
-#pragma unroll
-      for (int m = 0; m < Traits::kMmaM; ++m) {
-        mma_16816<T>(o[m][2 * jd], a[kk][m], b_lo);
-        mma_16816<T>(o[m][2 * jd + 1], a[kk][m], b_hi);
-      }
-    }
-  }
+  for (int kk = 0; kk < Traits::kStepsN; ++kk) pv_step<Traits>(o, a[kk], smem_v, kk, lane);
 }
 
 // ---------------------------------------------------------------------------
