@@ -83,9 +83,11 @@ struct Mask {
   }
 
   // The attn_mask term of row i, key j (natural-log units): the additive value,
-  // or 0 / -inf for a boolean mask. 0 without a mask.
+  // or 0 / -inf for a boolean mask. 0 without a mask, and for a row or key past
+  // the sequence: tile loops score padded rows / keys before they mask them,
+  // and the mask must not be read there (it may end right after the last row).
   FAE_HOST_DEVICE float bias_at(int i, int j) const {
-    if (bias == nullptr) return 0.f;
+    if (bias == nullptr || i >= seqlen_q || j >= seqlen_k) return 0.f;
     const int64_t e = i * bias_row_stride + j * bias_col_stride;
     switch (bias_type) {
       case BiasType::kBool: return bias[e] ? 0.f : -INFINITY;

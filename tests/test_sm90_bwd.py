@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flash_attn_ext as fa
-from helpers import (assert_fa_rule, check_out_and_grads, kernel_names, make_qkv, make_varlen,
-                     padded_attention, randn, ref_and_base, reference_and_baseline,
+from helpers import (assert_fa_rule, check_out_and_grads, gqa_attention, kernel_names, make_qkv,
+                     make_varlen, padded_attention, randn, ref_and_base, reference_and_baseline,
                      varlen_attention)
 
 pytestmark = pytest.mark.gpu
@@ -261,3 +261,181 @@ def test_seqused_k_ignores_cache_garbage(sm90, head_dim, causal):
     check_out_and_grads(out, grads, ref, base, torch.bfloat16)
     for b, n in enumerate(used.tolist()):
         assert torch.all(grads[1][b, n:] == 0) and torch.all(grads[2][b, n:] == 0)
+
+
+# ---- attention variants (window / softcap / ALiBi / attn_mask: the kHasVariants kernel) -----
+def _alibi(heads, batch=None):
+    if batch is None:  # [heads], the geometric ALiBi series
+        return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], device=DEVICE)
+    gen = torch.Generator().manual_seed(7)
+    return (torch.rand((batch, heads), generator=gen) * 0.5).to(DEVICE)
+
+
+# (causal, window_size, softcap, alibi): windows that cut key tiles on both sides, one side
+# only, a one-key window, causal as the right bound, and the score modifiers alone and together.
+VARIANT_CASES = {
+    "sliding": (False, (100, 30), 0.0, None),
+    "causal_window": (True, (200, -1), 0.0, None),
+    "left_only": (False, (130, -1), 0.0, None),
+    "right_only": (False, (-1, 70), 0.0, None),
+    "window_0_0": (False, (0, 0), 0.0, None),
+    "softcap": (False, (-1, -1), 5.0, None),
+    "softcap_causal": (True, (-1, -1), 30.0, None),
+    "alibi": (False, (-1, -1), 0.0, "head"),
+    "all_causal": (True, (150, -1), 3.0, "batch"),
+    "all": (False, (90, 40), 8.0, "head"),
+}
+
+
+def _variant_kwargs(case, heads, batch):
+    causal, window, softcap, alibi = VARIANT_CASES[case]
+    slopes = None if alibi is None else _alibi(heads, batch if alibi == "batch" else None)
+    return causal, dict(window_size=window, softcap=softcap, alibi_slopes=slopes)
+
+
+def _check_variant_grads(q, k, v, case, deterministic=False, seqused_k=None):
+    """Our gradients (the Hopper kernel ran) against the float64 reference, FA rule."""
+    causal, variant = _variant_kwargs(case, q.shape[2], q.shape[0])
+    scale = 0.25  # larger scores than 1/sqrt(d): the softcap bends them
+    kwargs = dict(softmax_scale=scale, causal=causal, deterministic=deterministic,
+                  seqused_k=seqused_k, **variant)
+    assert backward_ran_sm90(q, k, v, **kwargs)
+    out = fa.flash_attn_func(q, k, v, **kwargs)
+    dout = randn(out.shape, q.dtype, DEVICE, 4)
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=deterministic)
+    ref, base = ref_and_base(
+        lambda q, k, v: padded_attention(q, k, v, causal, seqused_k, scale=scale, **variant),
+        (q, k, v), dout)
+    check_out_and_grads(out, grads, ref, base, q.dtype,
+                        grad_atol=1e-5 * max(1, q.shape[-1] // 64))
+    if deterministic:
+        for _ in range(5):
+            again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            for a, b in zip(grads, again):
+                assert torch.equal(a, b)
+    return grads
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", list(VARIANT_CASES))
+@pytest.mark.parametrize("seqlen_q,seqlen_k,dtype", [(300, 1000, torch.bfloat16),
+                                                     (1000, 300, torch.float16),
+                                                     (777, 777, torch.bfloat16)], ids=str)
+def test_variants(sm90, head_dim, case, seqlen_q, seqlen_k, dtype):
+    # GQA (query heads 4, kv heads 2); Sq > Sk leaves the first rows of bottom-right windows
+    # without keys, Sq < Sk the last keys without rows (zero dK / dV).
+    q = randn((2, seqlen_q, 4, head_dim), dtype, DEVICE, 1, True)
+    k = randn((2, seqlen_k, 2, head_dim), dtype, DEVICE, 2, True)
+    v = randn((2, seqlen_k, 2, head_dim), dtype, DEVICE, 3, True)
+    _check_variant_grads(q, k, v, case)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", ["sliding", "causal_window", "right_only", "all_causal", "all"])
+def test_variants_deterministic(sm90, head_dim, case):
+    # The dQ order counts only the key tiles that a query tile's window reaches.
+    q = randn((2, 1031, 3, head_dim), torch.bfloat16, DEVICE, 1, True)
+    k = randn((2, 1500, 3, head_dim), torch.bfloat16, DEVICE, 2, True)
+    v = randn((2, 1500, 3, head_dim), torch.bfloat16, DEVICE, 3, True)
+    _check_variant_grads(q, k, v, case, deterministic=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", ["sliding", "softcap_causal", "all"])
+def test_variants_seqused_k(sm90, head_dim, case):
+    used = torch.tensor([0, 1, 130, 300, 64], dtype=torch.int32, device=DEVICE)
+    q = randn((5, 150, 4, head_dim), torch.bfloat16, DEVICE, 1, True)
+    k = randn((5, 300, 2, head_dim), torch.bfloat16, DEVICE, 2, True)
+    v = randn((5, 300, 2, head_dim), torch.bfloat16, DEVICE, 3, True)
+    grads = _check_variant_grads(q, k, v, case, seqused_k=used)
+    for b, n in enumerate(used.tolist()):
+        assert torch.all(grads[1][b, n:] == 0) and torch.all(grads[2][b, n:] == 0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", ["sliding", "causal_window", "all"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_variants_varlen(sm90, head_dim, case, deterministic):
+    lens_q, lens_k = [0, 1, 63, 200, 128, 77, 5], [5, 0, 63, 129, 300, 77, 1]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, 4, 2, head_dim,
+                                                    torch.bfloat16, DEVICE, pad_q=9, pad_k=70)
+    causal, variant = _variant_kwargs(case, 4, len(lens_q))
+    kwargs = dict(causal=causal, deterministic=deterministic, **variant)
+    assert varlen_ran_sm90(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    rows, keys = sum(lens_q), sum(lens_k)
+    dout = randn(out.shape, torch.bfloat16, DEVICE, 21)
+    dout[rows:] = 0
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=deterministic)
+    clean = [t.detach().clone() for t in (q, k, v)]
+    for t, n in zip(clean, (rows, keys, keys)):
+        t[n:] = 0
+    ref, base = ref_and_base(
+        lambda q, k, v: varlen_attention(q, k, v, cu_q, cu_k, causal, **variant), clean, dout)
+    check_out_and_grads(out, grads, ref, base, torch.bfloat16, rows=rows)
+    dq, dk, dv = grads
+    assert torch.all(dq[rows:] == 0) and torch.all(dk[keys:] == 0) and torch.all(dv[keys:] == 0)
+    if deterministic:
+        again = torch.autograd.grad(out, (q, k, v), dout)
+        for a, b in zip(grads, again):
+            assert torch.equal(a, b)
+
+
+def test_variants_rows_and_keys_nobody_sees(sm90):
+    # Bottom-right window (0, 0) with Sq > Sk: the first 700 rows see no key (zero dQ);
+    # top-left-style reach with Sq < Sk: a narrow window leaves key tiles that no row sees
+    # (their CTAs visit no query tile and write dK = dV = 0).
+    q = randn((1, 1000, 2, 128), torch.bfloat16, DEVICE, 1, True)
+    k = randn((1, 300, 2, 128), torch.bfloat16, DEVICE, 2, True)
+    v = randn((1, 300, 2, 128), torch.bfloat16, DEVICE, 3, True)
+    dq, _, _ = _check_variant_grads(q, k, v, "window_0_0")
+    assert torch.all(dq[:, :700] == 0)
+    q = randn((1, 100, 2, 64), torch.bfloat16, DEVICE, 1, True)
+    k = randn((1, 2000, 2, 64), torch.bfloat16, DEVICE, 2, True)
+    v = randn((1, 2000, 2, 64), torch.bfloat16, DEVICE, 3, True)
+    _, dk, dv = _check_variant_grads(q, k, v, "window_0_0")
+    assert torch.all(dk[:, :1900] == 0) and torch.all(dv[:, :1900] == 0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attn_mask(sm90, head_dim, kind, causal):
+    # torch SDPA's attn_mask through the Hopper backward (its attn_mask kernel): bool (some
+    # rows fully masked: zero dQ) and additive (fp16 with -inf entries), broadcast over the
+    # batch, GQA.
+    sq, sk = 333, 555
+    q = randn((2, 4, sq, head_dim), torch.float16, DEVICE, 1, True)
+    k = randn((2, 2, sk, head_dim), torch.float16, DEVICE, 2, True)
+    v = randn((2, 2, sk, head_dim), torch.float16, DEVICE, 3, True)
+    gen = torch.Generator().manual_seed(5)
+    u = torch.rand((1, 4, sq, sk), generator=gen)
+    if kind == "bool":
+        mask = u > 0.3
+        mask[:, :, 5] = False  # a row that sees nothing
+        mask = mask.to(DEVICE)
+    else:
+        mask = (torch.randn((1, 4, sq, sk), generator=gen) * 2).masked_fill(u < 0.2, float("-inf"))
+        mask = mask.to(torch.float16).to(DEVICE)
+    out = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          enable_gqa=True)
+    dout = randn(out.shape, torch.float16, DEVICE, 4)
+    names = kernel_names(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    assert any(SM90_BWD_KERNEL in n for n in names)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, base = ref_and_base(
+        lambda q, k, v: gqa_attention(q, k, v, causal, bottom_right=False, layout="bhsd",
+                                      attn_mask=mask), (q, k, v), dout)
+    check_out_and_grads(out, grads, ref, base, torch.float16,
+                        grad_atol=1e-5 * max(1, head_dim // 64))
+    seen = torch.isfinite(ref[1])  # [B, H, Sq]
+    assert torch.equal(grads[0][~seen], torch.zeros_like(grads[0][~seen]))
+
+
+def test_dropout_stays_on_mma(sm90):
+    # The Hopper backward takes no dropout (use_sm90_backward): the mma.sync kernels do.
+    q, k, v = make_qkv(1, 300, 300, 2, 128, torch.bfloat16, DEVICE, layout="bhsd")
+    out = fa.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    dout = torch.randn_like(out)
+    names = kernel_names(lambda: torch.autograd.grad(out, (q, k, v), dout))
+    assert not any(SM90_BWD_KERNEL in n for n in names)

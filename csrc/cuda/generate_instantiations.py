@@ -2,8 +2,8 @@
 """Writes one .cu file per (pass, dtype, head dim, causal) into instantiations/.
 
 The attention-variant passes (window / softcap / ALiBi; mma.sync kernels and
-the Hopper forward) have no causal dimension: one file per (pass, dtype, head dim), where causal is the
-window's right bound (fwd_var_*, bwd_var_*, fwd_sm90_var_*).
+the Hopper forward and backward) have no causal dimension: one file per (pass, dtype, head dim), where causal is the
+window's right bound (fwd_var_*, bwd_var_*, fwd_sm90_var_*, bwd_sm90_var_*).
 
 Each file explicitly instantiates one launcher template, so nvcc compiles the
 configurations in parallel (MAX_JOBS) and setup.py can leave some out
@@ -33,6 +33,9 @@ VARIANT_PASSES = {
     # Hopper forward with variants: device code only for sm_90a targets.
     "fwd_sm90_var": ("hopper/fwd_sm90_launch.cuh", "run_fwd_sm90_variants_impl",
                      "AttentionFwdParams", (64, 128, 256)),
+    # Hopper backward with variants (not dropout): device code only for sm_90a targets.
+    "bwd_sm90_var": ("hopper/bwd_sm90_launch.cuh", "run_bwd_sm90_variants_impl",
+                     "AttentionBwdParams", (64, 128, 256)),
 }
 
 TEMPLATE = """\

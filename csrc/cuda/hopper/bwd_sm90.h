@@ -1,6 +1,6 @@
 // The Hopper backward's interface to the dispatcher (bwd_dispatch.cu): when it
 // applies, and the per-(dtype, head dim, causal) launchers generated into
-// instantiations/bwd_sm90_*.cu.
+// instantiations/bwd_sm90_*.cu (variants: per (dtype, head dim), bwd_sm90_var_*.cu).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -21,6 +21,10 @@ constexpr int bwd_sm90_block_n(int kernel_dim) { return kernel_dim > 128 ? 64 : 
 
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream);
+
+// Window / softcap / ALiBi / attn_mask (has_variants without dropout), causal or not.
+template <typename T, int kHeadDim>
+void run_bwd_sm90_variants_impl(const AttentionBwdParams& params, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace flash_attn_ext

@@ -42,20 +42,37 @@
 //
 // How the consumers share the work per head dim, the measured choices and the
 // shared-memory layout: bwd_sm90_traits.cuh.
+//
+// Attention variants (kHasVariants: window / softcap / ALiBi / attn_mask,
+// csrc/mask.h; not dropout, which stays on mma.sync) with causal as the
+// window's right bound (kIsCausal = false then): a key tile walks the query
+// tiles whose rows see one of its keys (bwd_sm90_variants.cuh), P^T comes from
+// ScoreVariants::score_log2 with the element mask on tiles the window cuts (a
+// plain window skips it on the others), and softcap multiplies dS^T by its
+// df/ds = 1 - tanh^2, which P^T then waits for dP^T to carry (no registers
+// held for it; head-dim split: consumer 0 hands over P^T o df/ds instead of
+// P^T, and P^T for consumer 1's dV as 16-bit fragments in the step's dS^T
+// buffer, which consumer 1 then overwrites with dS^T). kHasAttnMask: the
+// variant kernel of attn_mask calls, whose per-element mask loads need
+// registers that spill (ptxas -v; bwd_sm90_launch.cuh picks it per call), so
+// the other variant calls get a kernel without them.
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "../../params.h"
+#include "../common/fwd_softmax.cuh"
 #include "../common/ptx.cuh"
 #include "bwd_sm90_traits.cuh"
+#include "bwd_sm90_variants.cuh"
 #include "sm90_primitives.cuh"
 #include "wgmma_ops.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {
 
-template <typename Traits, bool kIsCausal, bool kVarSeq>
+template <typename Traits, bool kIsCausal, bool kVarSeq, bool kHasVariants = false,
+          bool kHasAttnMask = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmap_q,
                           const __grid_constant__ CUtensorMap tmap_k,
@@ -103,15 +120,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int h_k = h / (params.heads / params.heads_k);
   const SeqBounds seq = seq_bounds<kVarSeq>(params, b);
   const int n_tiles = (seq.seqlen_k + kBlockN - 1) / kBlockN;
-  // Deterministic and causal: the last key tile first (see the dQ writer).
-  const int n_block = kIsCausal && params.deterministic ? n_tiles - 1 - static_cast<int>(blockIdx.x)
-                                                        : static_cast<int>(blockIdx.x);
+  // Deterministic and causal (or with variants): the last key tile first (see
+  // the dQ writer).
+  const int n_block = (kIsCausal || kHasVariants) && params.deterministic
+                          ? n_tiles - 1 - static_cast<int>(blockIdx.x)
+                          : static_cast<int>(blockIdx.x);
   if (n_block < 0 || n_block >= n_tiles) return;  // a shorter sequence of a varlen batch
   const int n0 = n_block * kBlockN;
   // Query tiles that see a key of this tile: causal, query m sees key n iff
-  // n <= m + offset, so the first is the one holding m = n0 - offset.
-  const int m_begin = kIsCausal ? max(0, n0 - seq.causal_offset) / kBlockM : 0;
-  const int m_end = (seq.seqlen_q + kBlockM - 1) / kBlockM;
+  // n <= m + offset, so the first is the one holding m = n0 - offset. With
+  // variants: those the window lets see one (possibly none).
+  BwdSm90QueryTiles query_tiles;
+  if constexpr (kHasVariants) {
+    query_tiles = bwd_sm90_query_tiles<kBlockM, kBlockN>(make_window(params, seq), n0);
+  } else {
+    query_tiles = {kIsCausal ? max(0, n0 - seq.causal_offset) / kBlockM : 0,
+                   (seq.seqlen_q + kBlockM - 1) / kBlockM};
+  }
+  const int m_begin = query_tiles.begin, m_end = query_tiles.end;
   // Packed (varlen) tensors are one batch entry of total rows; this
   // sequence's rows start at row0 (params.h).
   const bool packed = kVarSeq && params.cu_seqlens_q != nullptr;
@@ -195,9 +221,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // Without causal masking every key tile sees every query tile, and rank =
       // key tile. With it, query tile m is seen by key tiles 0..last(m) and
       // rank = last(m) - key tile: the last tile, which starts with m, comes
-      // first. A CTA only ever waits for tiles of smaller blockIdx.x (the grid
-      // launches causal tiles last-first), which started before it, so the
-      // order cannot deadlock.
+      // first. With variants, query tile m is seen by the key tiles from
+      // key_begin(its first row) / kBlockN to bwd_sm90_key_tiles_end(m) - 1
+      // (exactly those that visit it, bwd_sm90_variants.cuh) and rank =
+      // end - 1 - key tile, last first as with causal. A CTA only ever waits
+      // for tiles of smaller blockIdx.x (the grid launches causal and variant
+      // tiles last-first), which started before it, so the order cannot
+      // deadlock.
       const int w = threadIdx.x / 32 - 1;
       prefetch_tensor_map(&tmap_dq_accum);
       const int dq_slice = (packed ? 0 : b * params.heads) + h;  // make_dq_accum_tensor_map
@@ -213,9 +243,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         int* turn = nullptr;
         if (params.deterministic) {
           turn = order + m_block * Traits::kConsumerWarpgroups;
-          const int last =
-              min(n_tiles - 1, (m_block * kBlockM + kBlockM - 1 + seq.causal_offset) / kBlockN);
-          wait_flag_equal(turn, kIsCausal ? last - n_block : n_block);
+          int rank;
+          if constexpr (kHasVariants) {
+            rank = bwd_sm90_key_tiles_end<kBlockM, kBlockN>(make_window(params, seq), m_block) - 1 -
+                   n_block;
+          } else {
+            const int last =
+                min(n_tiles - 1, (m_block * kBlockM + kBlockM - 1 + seq.causal_offset) / kBlockN);
+            rank = kIsCausal ? last - n_block : n_block;
+          }
+          wait_flag_equal(turn, rank);
         }
 #pragma unroll
         for (int c = 0; c < Traits::kDqChunks; ++c) {
@@ -263,6 +300,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
   }
   const int key_row = wg_key0 + warp * 16 + lane / 4;  // + 8 * (e / 2), within the tile
+  // With variants: the Mask of this sequence and query head (GQA: each CTA has
+  // one query head, so its own ALiBi slope and attn_mask slice) and the score
+  // modifiers, made where used: most fields stay in the constant bank, and
+  // none holds a register across the step's GEMMs (the consumers are at the
+  // register limit).
+  auto make_variants = [&]() { return ScoreVariants::make(params, seq, b, h); };
 
   // X^T = A B^T for K-major A (this warpgroup's 64 keys) and B (queries):
   // kHeadDim / 16 k-steps, 32 bytes apart inside a 64-column chunk.
@@ -334,8 +377,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The step's lse (log2, +inf where P = 0) or D for the thread's accumulator
   // columns 8j + 2q + {0, 1}, from the stage's row statistics: with 64-query
   // steps preloaded while the score GEMMs run (RowStat), with 128-query steps
-  // read where used (another 2 x 32 registers beside S^T and dP^T would spill).
-  constexpr bool kPreloadRowStats = kBlockM == 64;
+  // read where used (another 2 x 32 registers beside S^T and dP^T would spill;
+  // so does the variant kernel of the key split: ptxas -v, 32 registers).
+  constexpr bool kPreloadRowStats = kBlockM == 64 && (!kHasVariants || Traits::kSplitHeadDim);
   using RowStat = float[kPreloadRowStats ? kBlockM / 8 : 1][2];
   auto load_row_stat = [&](uint32_t row_stat, RowStat& out) {
     if constexpr (kPreloadRowStats) {
@@ -354,10 +398,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
   // S^T -> P^T in place. Causal: only tiles crossing the diagonal need the
-  // per-element test.
+  // per-element test. Variants: every tile with score modifiers, and those
+  // the window cuts for this warpgroup's keys, take bwd_sm90_variant_scores
+  // first (then P = exp2(score - lse)); softcapped: the caller has applied
+  // the softcap (and kept df/ds).
   auto scores_to_probs = [&](int m_block, float (&s)[kBlockM / 8][4], uint32_t lse_row_stat,
-                             const RowStat& lse_pre) {
+                             const RowStat& lse_pre, bool softcapped) {
     const int query_base = m_block * kBlockM + 2 * (lane % 4);  // + 8j + e % 2
+    float scale_log2 = params.scale_log2;
+    if constexpr (kHasVariants) {
+      const ScoreVariants variants = make_variants();
+      if (variants.mask.has_score_mod() ||
+          !bwd_sm90_keys_inside_window<kBlockM, 64>(variants.mask, m_block, n0 + wg_key0)) {
+        bwd_sm90_variant_scores<kBlockM, kHasAttnMask>(s, variants, query_base, n0 + key_row,
+                                                       softcapped);
+        scale_log2 = 1.f;
+      }
+    }
     const bool needs_mask = kIsCausal && n0 + kBlockN - 1 > m_block * kBlockM + seq.causal_offset;
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
@@ -365,7 +422,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       row_stat_pair(lse_row_stat, lse_pre, j, lse_log2);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float p = exp2f(s[j][e] * params.scale_log2 - lse_log2[e % 2]);
+        float p = exp2f(s[j][e] * scale_log2 - lse_log2[e % 2]);
         if (needs_mask && n0 + key_row + 8 * (e / 2) > query_base + 8 * j + e % 2 + seq.causal_offset) {
           p = 0.f;
         }
@@ -493,15 +550,39 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       wgmma_wait<1>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
-      scores_to_probs(m_block, s, lse_smem(stage), lse_log2);
+      // Softcap: P^T after dP^T, which carries df/ds = 1 - tanh^2 from the
+      // softcap to dS^T = P^T o ((dP^T - D) o df/ds) (no registers held for it).
+      const bool softcap = kHasVariants && params.softcap > 0.f;
+      if (!softcap) scores_to_probs(m_block, s, lse_smem(stage), lse_log2, false);
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
+      if (softcap) {
+        const ScoreVariants variants = make_variants();
 #pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        float d[2];
-        row_stat_pair(dsum_smem(stage), dsum, j, d);
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          float d[2];
+          row_stat_pair(dsum_smem(stage), dsum, j, d);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - d[e % 2]);
+          for (int e = 0; e < 4; ++e) {
+            const float t = ScoreVariants::tanh_accurate(s[j][e] * variants.softcap_in);
+            s[j][e] = t * variants.softcap_log2;
+            dp[j][e] = (dp[j][e] - d[e % 2]) * (1.f - t * t);
+          }
+        }
+        scores_to_probs(m_block, s, lse_smem(stage), lse_log2, true);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dp[j][e] *= s[j][e];
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          float d[2];
+          row_stat_pair(dsum_smem(stage), dsum, j, d);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - d[e % 2]);
+        }
       }
       uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
       accumulators_to_a_fragments<T, kBlockM>(s, p_frag);
@@ -563,11 +644,44 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(acc));
 
       uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+      // Softcap: consumer 0 hands over P^T o df/ds (for dS^T) in the fp32 slots
+      // and P^T (for consumer 1's dV) as 16-bit A fragments in this step's dS^T
+      // buffer: the same thread of consumer 1 reads the same words (key_row
+      // does not depend on the consumer here), then writes dS^T over them. The
+      // buffer's last readers (step i - 2's dQ products) finished before
+      // kDsReady of step i - 1.
+      const bool softcap = kHasVariants && params.softcap > 0.f;
       if (wg == 0) {
-        scores_to_probs(m_block, acc, lse_smem(stage), row_terms);
+        if (softcap) {
+          // df/ds parked in the thread's own fp32 slots until P^T is known.
+          const ScoreVariants variants = make_variants();
 #pragma unroll
-        for (int q = 0; q < kBlockM / 8; ++q) {
-          st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
+          for (int q = 0; q < kBlockM / 8; ++q) {
+            float dfds[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float t = ScoreVariants::tanh_accurate(acc[q][e] * variants.softcap_in);
+              acc[q][e] = t * variants.softcap_log2;
+              dfds[e] = 1.f - t * t;
+            }
+            st_shared_v4_f32(p_slot + q * 128 * 16, dfds[0], dfds[1], dfds[2], dfds[3]);
+          }
+          scores_to_probs(m_block, acc, lse_smem(stage), row_terms, true);
+#pragma unroll
+          for (int q = 0; q < kBlockM / 8; ++q) {
+            float dfds[4];
+            ld_shared_v4_f32(p_slot + q * 128 * 16, dfds[0], dfds[1], dfds[2], dfds[3]);
+            st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0] * dfds[0], acc[q][1] * dfds[1],
+                             acc[q][2] * dfds[2], acc[q][3] * dfds[3]);
+          }
+          accumulators_to_a_fragments<T, kBlockM>(acc, p_frag);
+          store_ds(ds_buf, p_frag);
+        } else {
+          scores_to_probs(m_block, acc, lse_smem(stage), row_terms, false);
+#pragma unroll
+          for (int q = 0; q < kBlockM / 8; ++q) {
+            st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
+          }
         }
       }
       // One barrier instruction for both consumers: the same named barrier
@@ -576,7 +690,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (wg == 0) {
         accumulators_to_a_fragments<T, kBlockM>(acc, p_frag);
       } else {
-        float p[kBlockM / 8][4];
+        float p[kBlockM / 8][4];  // P^T (softcap: P^T o df/ds)
 #pragma unroll
         for (int q = 0; q < kBlockM / 8; ++q) {
           ld_shared_v4_f32(p_slot + q * 128 * 16, p[q][0], p[q][1], p[q][2], p[q][3]);
@@ -586,7 +700,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[j][e] = p[j][e] * (acc[j][e] - row_terms[j][e % 2]);
         }
-        accumulators_to_a_fragments<T, kBlockM>(p, p_frag);
+        if (softcap) {
+          load_ds(ds_buf, p_frag);
+        } else {
+          accumulators_to_a_fragments<T, kBlockM>(p, p_frag);
+        }
         accumulators_to_a_fragments<T, kBlockM>(acc, ds_frag);
         store_ds(ds_buf, ds_frag);
         fence_proxy_async_smem();

@@ -1,5 +1,6 @@
 // Host-side launcher of one Hopper backward configuration, included by the
-// generated instantiations/bwd_sm90_<dtype>_hdim<D>_<causal|full>.cu files:
+// generated instantiations/bwd_sm90_<dtype>_hdim<D>_<causal|full>.cu files
+// (window / softcap / ALiBi / attn_mask: bwd_sm90_var_<dtype>_hdim<D>_mask.cu):
 //   1. D = rowsum(dO o O), zeroed fp32 dQ accumulator, padded lse (log2) and D
 //      rows (bwd_preprocess.cuh, shared with mma.sync),
 //   2. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added into the
@@ -19,12 +20,13 @@
 namespace flash_attn_ext {
 namespace cuda {
 
-template <typename T, int kHeadDim, bool kIsCausal>
-void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
+template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants>
+void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream) {
   using Traits = BwdSm90Traits<T, kHeadDim>;
   static_assert(Traits::kBlockN == bwd_sm90_block_n(kHeadDim), "bwd_sm90.h names the key tile");
   if (params.head_dim > kHeadDim || params.num_splits != 1 ||
-      params.deterministic != (params.dq_semaphore != nullptr)) {
+      params.deterministic != (params.dq_semaphore != nullptr) ||
+      has_variants(params) != kHasVariants || has_dropout(params)) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "Hopper backward");
   }
@@ -60,8 +62,8 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
 
   // One CTA per key tile. blockIdx.x = 0 holds the first keys, which under
   // causal masking see the most queries, so the longest CTAs start first;
-  // deterministic and causal, the kernel maps blockIdx.x to the last tiles
-  // first (its dQ order needs that).
+  // deterministic and causal (or with variants), the kernel maps blockIdx.x
+  // to the last tiles first (its dQ order needs that).
   const int n_tiles = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const dim3 grid(n_tiles, params.heads, params.batch);
   auto launch = [&](auto kernel) {
@@ -75,13 +77,35 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   if (n_tiles > 0) {
     // Varlen and seqused_k read per-sequence bounds (and zero rows past them);
     // the padded batch keeps them in the constant bank.
+    // Variants: attn_mask calls (padded batches, maybe seqused_k) take the
+    // kernel that reads the mask.
     if (has_var_seqs(params)) {
-      launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true>);
+      if (kHasVariants && params.attn_bias != nullptr) {
+        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true, kHasVariants, kHasVariants>);
+      } else {
+        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true, kHasVariants>);
+      }
     } else {
-      launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false>);
+      if (kHasVariants && params.attn_bias != nullptr) {
+        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false, kHasVariants, kHasVariants>);
+      } else {
+        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false, kHasVariants>);
+      }
     }
   }
   launch_bwd_convert_dq<T>(params, kHeadDim, 1, stream);
+}
+
+template <typename T, int kHeadDim, bool kIsCausal>
+void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
+  run_bwd_sm90_kernels<T, kHeadDim, kIsCausal, /*kHasVariants=*/false>(params, stream);
+}
+
+// Window / softcap / ALiBi / attn_mask calls (has_variants, not dropout),
+// causal or not (the Mask's right bound).
+template <typename T, int kHeadDim>
+void run_bwd_sm90_variants_impl(const AttentionBwdParams& params, cudaStream_t stream) {
+  run_bwd_sm90_kernels<T, kHeadDim, /*kIsCausal=*/false, /*kHasVariants=*/true>(params, stream);
 }
 
 }  // namespace cuda
