@@ -121,5 +121,32 @@ fa.flash_attn_func(q, k, v, window_size=(100, 50))
 q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
 k, v = (torch.randn(2, 700, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 fa.flash_attn_func(q, k, v, causal=True, window_size=(300, 0), softcap=20.0, num_splits=3)
+# Variants on the Hopper backward (D 64/128/256: softcap at D = 256 hands P through the dS
+# buffer; deterministic windows order the dQ adds by the window's key tiles), attn_mask
+# (bool key padding and an additive mask whose tensor ends at the last row: no read past
+# it), dropout (forward on the Hopper kernel, backward on mma.sync; fp32 on the SIMT
+# kernels), varlen with dropout.
+for d in (64, 128, 256):
+    q, k, v = (torch.randn(2, s, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for s in (200, 333, 333))
+    for kw in (dict(softcap=5.0), dict(window_size=(70, 30), deterministic=True),
+               dict(causal=True, dropout_p=0.2)):
+        out = fa.flash_attn_func(q, k, v, **kw)
+        out.backward(torch.randn_like(out))
+    qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    for mask in (torch.rand(2, 1, 1, 333, device="cuda") > 0.3,
+                 torch.randn(200, 333, device="cuda", dtype=torch.bfloat16)):
+        out = fa.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=True)
+        out.backward(torch.randn_like(out))
+q, k, v = (torch.randn(1, s, 2, 64, device="cuda", dtype=torch.float32, requires_grad=True)
+           for s in (70, 90, 90))
+out = fa.flash_attn_func(q, k, v, dropout_p=0.3)
+out.backward(torch.randn_like(out))
+lens = [5, 0, 70, 33]
+cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+q, k, v = (torch.randn(sum(lens), 2, 128, device="cuda", dtype=torch.float16, requires_grad=True)
+           for _ in range(3))
+out = fa.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), dropout_p=0.1)
+out.backward(torch.randn_like(out))
 torch.cuda.synchronize()
 print("sanitize cases done")
