@@ -161,8 +161,9 @@ struct FwdSm90Traits {
 // tile are those its window reaches (key_tile_range_variants), tiles the
 // window cuts get the element mask, and softcap / ALiBi turn every score into
 // ScoreVariants::score_log2 before a plain (unfolded) online softmax; dropout
-// multiplies P by its keep factor after the row sums.
-template <typename Traits, bool kIsCausal, bool kHasVariants = false>
+// multiplies P by its keep factor after the row sums. kAttnMask: the variant
+// kernel of calls with an attn_mask.
+template <typename Traits, bool kIsCausal, bool kHasVariants = false, bool kAttnMask = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmap_q,
                           const __grid_constant__ CUtensorMap tmap_k,
@@ -399,26 +400,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // softmax_scale <= 0 to the mma.sync kernels).
     // With variants: this warpgroup's rows (the window bounds of its first
     // and last row decide which tiles it must mask) and the score modifiers.
-    ScoreVariants variants;
-    Dropout dropout;  // inactive without variants
-    if constexpr (kHasVariants) {
-      variants = ScoreVariants::make(params, seq, tile.b, tile.h);
-      dropout = make_dropout(params, tile.b, tile.h);
-    }
-    const int wg_first_row = tile.m_block * kBlockM + wg * 64;
-    const int wg_last_row = min(wg_first_row + 64, seq.seqlen_q) - 1;
+    // ScoreVariants and Dropout are rebuilt per key tile from the kernel
+    // parameters (constant bank) rather than held across the loop: kept live,
+    // their ~30 registers made the D = 128 / 256 consumers spill inside the
+    // softmax (5x slower with ALiBi, H100).
     auto softmax_tile = [&](OnlineSoftmax<1>& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
                             float (&rescale)[1][2]) {
       const int col_base = n_block * kBlockN + 2 * (lane % 4);
       if constexpr (kHasVariants) {
+        const ScoreVariants variants = ScoreVariants::make(params, seq, tile.b, tile.h);
+        const Dropout dropout = make_dropout(params, tile.b, tile.h);
+        const int wg_first_row = tile.m_block * kBlockM + wg * 64;
+        const int wg_last_row = min(wg_first_row + 64, seq.seqlen_q) - 1;
         if (variants.mask.has_score_mod()) {
-          score_and_mask_variants(s, variants, row_base, col_base);
+          score_and_mask_variants<kAttnMask>(s, variants, row_base, col_base);
           softmax.update_scores(s, rescale);
         } else {
           if (!key_tile_inside_window<kBlockN>(variants.mask, wg_first_row, wg_last_row,
                                                n_block)) {
-            score_and_mask_variants<1, kBlockN / 8, /*kScore=*/false>(s, variants, row_base,
-                                                                     col_base);
+            score_and_mask_variants<false, /*kScore=*/false>(s, variants, row_base, col_base);
           }
           softmax.update_scores_folded(s, params.scale_log2, rescale);
         }

@@ -25,7 +25,10 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   const CUtensorMap tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
   const CUtensorMap tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
 
-  auto kernel = flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants>;
+  // Calls with an attn_mask run a variant kernel of their own (fwd_softmax.cuh).
+  auto kernel = kHasVariants && params.attn_bias != nullptr
+                    ? flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, kHasVariants>
+                    : flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Traits::kSmemBytes);
   if (err != cudaSuccess) {

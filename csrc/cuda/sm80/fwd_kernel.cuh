@@ -433,7 +433,7 @@ FAE_DEVICE void store_split_partials(const float (&acc_o)[Traits::kMmaM][Traits:
 // causal is the window's right bound 0; see run_fwd_variants_impl).
 // ---------------------------------------------------------------------------
 template <typename Traits, bool kIsCausal, bool kVarSeq, bool kClusterMerge = false,
-          bool kHasVariants = false>
+          bool kHasVariants = false, bool kAttnMask = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_kernel(const __grid_constant__ AttentionFwdParams params) {
   using T = typename Traits::T;
@@ -535,7 +535,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       const int col_base = n_block * kBlockN + th.warp_key0 + 2 * th.q;
       if constexpr (kHasVariants) {
-        score_and_mask_variants(acc_s, variants, row_base, col_base);
+        score_and_mask_variants<kAttnMask>(acc_s, variants, row_base, col_base);
       } else if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block)) {
         scale_and_mask<true, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
                                         seq.seqlen_k, seq.causal_offset);

@@ -76,8 +76,9 @@ void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
   }
 
   // Varlen / seqused_k calls get their own instantiation (see seq_bounds).
-  if constexpr (kHasVariants) {
-    auto kernel = flash_fwd_kernel<Traits, false, true, false, true>;
+  if constexpr (kHasVariants) {  // with an attn_mask: a kernel of its own (fwd_softmax.cuh)
+    auto kernel = params.attn_bias != nullptr ? flash_fwd_kernel<Traits, false, true, false, true, true>
+                                              : flash_fwd_kernel<Traits, false, true, false, true>;
     allow_smem(kernel);
     kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(launch_params);
   } else {
