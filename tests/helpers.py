@@ -74,6 +74,18 @@ def gqa_attention(q, k, v, causal, bottom_right=True, layout="bshd", scale=None,
                          return_lse=True, **variant)
 
 
+def alibi_slopes(kind, batch=2, heads=4, device="cpu"):
+    """ALiBi slopes for the variant tests: None, per head ([heads], the geometric ALiBi
+    series) or per batch entry ([batch, heads], random)."""
+    if kind is None:
+        return None
+    if kind == "head":
+        return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)],
+                            device=device)
+    gen = torch.Generator().manual_seed(7)
+    return (torch.rand((batch, heads), generator=gen) * 0.5).to(device)
+
+
 def batch_entry(variant, b):
     """`variant` for batch entry b alone: [batch, heads] ALiBi slopes keep their row b."""
     slopes = variant.get("alibi_slopes")

@@ -17,8 +17,8 @@ import torch
 import flash_attn_ext as fa
 from flash_attn_ext.ops import FlashAttnFunction, new_rng_state
 from flash_attn_ext.reference import dropout_keep_scale
-from helpers import (check_lse, check_out_and_grads, gqa_attention, make_varlen, randn,
-                     ref_and_base)
+from helpers import (alibi_slopes, batch_entry, check_lse, check_out_and_grads,
+                     gqa_attention, make_varlen, randn, ref_and_base)
 
 HEADS, KV_HEADS = 4, 2  # every attention test below is grouped-query
 
@@ -154,13 +154,7 @@ def _peek_rng_state(device):
 
 
 def _slopes(kind, batch=2, heads=HEADS, device="cpu"):
-    if kind is None:
-        return None
-    if kind == "head":
-        return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)],
-                            device=device)
-    gen = torch.Generator().manual_seed(7)
-    return (torch.rand((batch, heads), generator=gen) * 0.5).to(device)
+    return alibi_slopes(kind, batch, heads, device)
 
 
 # (causal, window_size, softcap, alibi kind, dropout_p)
@@ -286,9 +280,7 @@ def _per_sequence_ref(q, k, v, cu_q, cu_k, causal, keep, p, seqused_k=None, **va
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
         k_end = cu_k[b + 1] if used is None else cu_k[b] + min(used[b], cu_k[b + 1] - cu_k[b])
-        slopes = variant.get("alibi_slopes")
-        var_b = variant if slopes is None or slopes.dim() == 1 else dict(
-            variant, alibi_slopes=slopes[b:b + 1])
+        var_b = batch_entry(variant, b)
         o, l = gqa_attention(q[cu_q[b]:cu_q[b + 1]].unsqueeze(0), k[cu_k[b]:k_end].unsqueeze(0),
                              v[cu_k[b]:k_end].unsqueeze(0), causal, dropout_p=p,
                              dropout_mask=keep[b:b + 1], **var_b)

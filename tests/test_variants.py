@@ -11,8 +11,8 @@ import torch
 
 import flash_attn_ext as fa
 from flash_attn_ext.ops import FlashAttnFunction
-from helpers import (check_lse, check_out_and_grads, gqa_attention, make_varlen,
-                     padded_attention, randn, ref_and_base, varlen_attention)
+from helpers import (alibi_slopes, check_lse, check_out_and_grads, gqa_attention,
+                     make_varlen, padded_attention, randn, ref_and_base, varlen_attention)
 
 HEADS, KV_HEADS = 4, 2  # every test below is grouped-query
 
@@ -20,15 +20,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _slopes(kind, batch=2, heads=HEADS, device="cpu"):
-    """ALiBi slopes: None, per head ([heads], the geometric ALiBi series) or per batch entry
-    ([batch, heads], random)."""
-    if kind is None:
-        return None
-    if kind == "head":
-        return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)],
-                            device=device)
-    gen = torch.Generator().manual_seed(7)
-    return (torch.rand((batch, heads), generator=gen) * 0.5).to(device)
+    return alibi_slopes(kind, batch, heads, device)
 
 
 # (causal, window_size, softcap, alibi kind): each variant alone, with causal, and combined.
