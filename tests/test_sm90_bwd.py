@@ -432,10 +432,109 @@ def test_attn_mask(sm90, head_dim, kind, causal):
     assert torch.equal(grads[0][~seen], torch.zeros_like(grads[0][~seen]))
 
 
-def test_dropout_stays_on_mma(sm90):
-    # The Hopper backward takes no dropout (use_sm90_backward): the mma.sync kernels do.
+# ---- dropout (the variant kernels' dropout branch) -------------------------------------------
+def _check_dropout_grads(q, k, v, p, causal, deterministic=False, scale=None, **variant):
+    """Our output and gradients (the Hopper backward ran) against the float64 reference with the
+    call's own keep-mask (return_attn_probs), FA rule; deterministic: bit-identical repeats."""
+    kwargs = dict(dropout_p=p, causal=causal, deterministic=deterministic, softmax_scale=scale,
+                  **variant)
+    assert backward_ran_sm90(q, k, v, **kwargs)
+    out, _, keep = fa.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+    assert keep.shape == (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    dout = randn(out.shape, q.dtype, DEVICE, 4)
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=deterministic)
+    ref, base = ref_and_base(lambda q, k, v: gqa_attention(
+        q, k, v, causal, scale=scale, dropout_p=p, dropout_mask=keep, **variant), (q, k, v), dout)
+    check_out_and_grads(out, grads, ref, base, q.dtype,
+                        grad_atol=1e-5 * max(1, q.shape[-1] // 64))
+    if deterministic:
+        for _ in range(3):
+            again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            for a, b in zip(grads, again):
+                assert torch.equal(a, b)
+    return grads
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,dtype,p", [(300, 1000, torch.bfloat16, 0.17),
+                                                       (1000, 300, torch.float16, 0.5),
+                                                       (777, 777, torch.bfloat16, 0.9)], ids=str)
+def test_dropout(sm90, head_dim, causal, seqlen_q, seqlen_k, dtype, p):
+    # GQA (query heads 4, kv heads 2): the mask is per query head; key and query tiles cut
+    # by the sequence ends (keys / rows past them are never kept in the reference).
+    q = randn((2, seqlen_q, 4, head_dim), dtype, DEVICE, 1, True)
+    k = randn((2, seqlen_k, 2, head_dim), dtype, DEVICE, 2, True)
+    v = randn((2, seqlen_k, 2, head_dim), dtype, DEVICE, 3, True)
+    _check_dropout_grads(q, k, v, p, causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_with_window_and_softcap(sm90, head_dim, causal):
+    # Softcap's df/ds and dropout's Z in one dS (head-dim split: both handed to consumer 1
+    # in the sign-marked fp32 P^T), a window that cuts key tiles, ALiBi.
+    q = randn((2, 555, 4, head_dim), torch.bfloat16, DEVICE, 1, True)
+    k = randn((2, 700, 2, head_dim), torch.bfloat16, DEVICE, 2, True)
+    v = randn((2, 700, 2, head_dim), torch.bfloat16, DEVICE, 3, True)
+    _check_dropout_grads(q, k, v, 0.3, causal, scale=0.25, window_size=(150, 60), softcap=5.0,
+                         alibi_slopes=_alibi(4))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_dropout_deterministic(sm90, head_dim):
+    q = randn((2, 1031, 3, head_dim), torch.bfloat16, DEVICE, 1, True)
+    k = randn((2, 1500, 3, head_dim), torch.bfloat16, DEVICE, 2, True)
+    v = randn((2, 1500, 3, head_dim), torch.bfloat16, DEVICE, 3, True)
+    _check_dropout_grads(q, k, v, 0.25, True, deterministic=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_dropout_varlen(sm90, head_dim):
+    # Rows and keys numbered within each sequence: sequence b takes keep[b, :, :len_q, :len_k].
+    lens_q, lens_k = [0, 1, 63, 200, 128, 77, 5], [5, 0, 63, 129, 300, 77, 1]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, 4, 2, head_dim,
+                                                    torch.bfloat16, DEVICE, pad_q=9, pad_k=70)
+    p, causal = 0.3, True
+    kwargs = dict(dropout_p=p, causal=causal)
+    assert varlen_ran_sm90(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    out, _, keep = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                             return_attn_probs=True, **kwargs)
+    assert keep.shape == (len(lens_q), 4, max_q, max_k)
+    rows, keys = sum(lens_q), sum(lens_k)
+    dout = randn(out.shape, torch.bfloat16, DEVICE, 21)
+    dout[rows:] = 0
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    clean = [t.detach().clone() for t in (q, k, v)]
+    for t, n in zip(clean, (rows, keys, keys)):
+        t[n:] = 0
+
+    def per_sequence(q, k, v):
+        outs, lses = [], []
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        for b in range(len(lens_q)):
+            o, l = gqa_attention(q[cq[b]:cq[b + 1]].unsqueeze(0), k[ck[b]:ck[b + 1]].unsqueeze(0),
+                                 v[ck[b]:ck[b + 1]].unsqueeze(0), causal, dropout_p=p,
+                                 dropout_mask=keep[b:b + 1, :, :lens_q[b], :lens_k[b]])
+            outs.append(o[0])
+            lses.append(l[0])
+        outs.append(q.new_zeros((q.shape[0] - cq[-1], q.shape[1], v.shape[-1])))
+        return torch.cat(outs), torch.cat(lses, dim=-1)
+
+    ref, base = ref_and_base(per_sequence, clean, dout)
+    check_out_and_grads(out, grads, ref, base, torch.bfloat16, rows=rows)
+    dq, dk, dv = grads
+    assert torch.all(dq[rows:] == 0) and torch.all(dk[keys:] == 0) and torch.all(dv[keys:] == 0)
+
+
+def test_dropout_sdpa_runs_sm90(sm90, impl):
+    # The SDPA entry's dropout calls run the Hopper backward too (FLASH_ATTN_EXT_BWD_IMPL=mma
+    # still sends them to mma.sync).
     q, k, v = make_qkv(1, 300, 300, 2, 128, torch.bfloat16, DEVICE, layout="bhsd")
     out = fa.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
     dout = torch.randn_like(out)
+    names = kernel_names(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    assert any(SM90_BWD_KERNEL in n for n in names)
+    impl("mma")
     names = kernel_names(lambda: torch.autograd.grad(out, (q, k, v), dout))
     assert not any(SM90_BWD_KERNEL in n for n in names)

@@ -98,9 +98,8 @@ int64_t dq_semaphore_ints(const AttentionBwdParams& p) {
 // the call is one it implements: 16-bit, kernel head dim 64/128/256, no
 // broadcast (stride-0) dimension, packed rows addressable by TMA's int32
 // coordinates (README "Hopper backward"). Varlen, seqused_k and deterministic
-// calls included, and window / softcap / ALiBi / attn_mask calls (its variant
-// instantiation, run_bwd_sm90_variants_impl); dropout calls run the mma.sync
-// kernels.
+// calls included, and window / softcap / ALiBi / attn_mask / dropout calls (its
+// variant instantiation, run_bwd_sm90_variants_impl).
 #ifdef FAE_HAS_SM90A
 bool use_sm90_backward(const AttentionBwdParams& p) {
   if (kernel_impl_requested("FLASH_ATTN_EXT_BWD_IMPL") == KernelImpl::kMma) return false;
@@ -110,7 +109,7 @@ bool use_sm90_backward(const AttentionBwdParams& p) {
   const int64_t rows_q = packed ? p.total_q : p.seqlen_q, rows_k = packed ? p.total_k : p.seqlen_k;
   const int map_batch = packed ? 1 : p.batch;
   const bool rows_fit = rows_q < (int64_t{1} << 31) - 64 && rows_k < (int64_t{1} << 31) - 128;
-  return !is_fp32(p) && !has_dropout(p) && bwd_sm90_head_dim(bwd_rounded_head_dim(p.head_dim)) &&
+  return !is_fp32(p) && bwd_sm90_head_dim(bwd_rounded_head_dim(p.head_dim)) &&
          rows_fit &&
          p.heads <= 65535 && p.batch <= 65535 &&
          tma_strides_ok(p.q_strides, rows_q, p.heads, map_batch) &&

@@ -22,7 +22,7 @@ constexpr int bwd_sm90_block_n(int kernel_dim) { return kernel_dim > 128 ? 64 : 
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream);
 
-// Window / softcap / ALiBi / attn_mask (has_variants without dropout), causal or not.
+// Window / softcap / ALiBi / attn_mask / dropout (has_variants), causal or not.
 template <typename T, int kHeadDim>
 void run_bwd_sm90_variants_impl(const AttentionBwdParams& params, cudaStream_t stream);
 

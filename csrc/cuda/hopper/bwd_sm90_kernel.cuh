@@ -44,8 +44,8 @@
 // shared-memory layout: bwd_sm90_traits.cuh.
 //
 // Attention variants (kHasVariants: window / softcap / ALiBi / attn_mask,
-// csrc/mask.h; not dropout, which stays on mma.sync) with causal as the
-// window's right bound (kIsCausal = false then): a key tile walks the query
+// csrc/mask.h, and dropout, csrc/dropout.h) with causal as the window's right
+// bound (kIsCausal = false then): a key tile walks the query
 // tiles whose rows see one of its keys (bwd_sm90_variants.cuh), P^T comes from
 // ScoreVariants::score_log2 with the element mask on tiles the window cuts (a
 // plain window skips it on the others), and softcap multiplies dS^T by its
@@ -56,6 +56,15 @@
 // variant kernel of attn_mask calls, whose per-element mask loads need
 // registers that spill (ptxas -v; bwd_sm90_launch.cuh picks it per call), so
 // the other variant calls get a kernel without them.
+//
+// Dropout (a uniform branch in the variant kernels; Z = keep ? scale : 0):
+// dS^T = P^T o (dP^T o Z^T - D) (o df/ds) and dV += (P^T o Z^T) dO. The keep
+// bits of a thread's S^T elements (bwd_sm90_dropout_bits, one Philox call per
+// 4 elements) are computed while the step's score GEMMs run. Key split: held
+// in 1-2 registers until dP^T and P^T have taken Z. Head-dim split: consumer 0
+// computes them and hands them to consumer 1 as the sign bits of the fp32
+// P^T (softcap: P^T o df/ds; both >= 0), its 16-bit P^T fragments (softcap)
+// already times Z.
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -547,6 +556,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       RowStat lse_log2, dsum;  // while the GEMMs run
       load_row_stat(lse_smem(stage), lse_log2);
       load_row_stat(dsum_smem(stage), dsum);
+      // Dropout: the keep bits of the warp's 16 keys, also while the GEMMs run.
+      const bool dropout_on = kHasVariants && has_dropout(params);
+      BwdSm90DropoutBits<kBlockM> keep = 0;
+      if constexpr (kHasVariants) {
+        if (dropout_on) {  // uniform
+          keep = bwd_sm90_dropout_bits<kBlockM>(make_dropout(params, b, h), n0 + wg_key0 + warp * 16,
+                                                m_block * kBlockM, lane);
+        }
+      }
 
       wgmma_wait<1>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
@@ -556,7 +574,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (!softcap) scores_to_probs(m_block, s, lse_smem(stage), lse_log2, false);
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
+      // Dropout: dS^T = P^T o (dP^T o Z^T - D) (o df/ds), and dV takes P^T o Z^T.
       if (softcap) {
+        if constexpr (kHasVariants) {
+          if (dropout_on) bwd_sm90_apply_dropout<kBlockM>(dp, keep, params.dropout_scale);
+        }
         const ScoreVariants variants = make_variants();
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
@@ -574,6 +596,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) dp[j][e] *= s[j][e];
+        }
+        if constexpr (kHasVariants) {
+          if (dropout_on) bwd_sm90_apply_dropout<kBlockM>(s, keep, params.dropout_scale);
+        }
+      } else if (dropout_on) {
+        const float scale = params.dropout_scale;
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          float d[2];
+          row_stat_pair(dsum_smem(stage), dsum, j, d);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            dp[j][e] = s[j][e] * (dropout_select(dp[j][e], keep, 4 * j + e, scale) - d[e % 2]);
+            s[j][e] = dropout_select(s[j][e], keep, 4 * j + e, scale);
+          }
         }
       } else {
 #pragma unroll
@@ -640,6 +677,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       static_assert(kPreloadRowStats, "the head-dim split takes 64-query steps");
       RowStat row_terms;  // consumer 0: lse (log2); consumer 1: D
       load_row_stat(wg == 0 ? lse_smem(stage) : dsum_smem(stage), row_terms);
+      // Dropout: consumer 0's keep bits while its S^T GEMM runs (consumer 1
+      // reads them from the sign bits of the fp32 P^T it is handed).
+      const bool dropout_on = kHasVariants && has_dropout(params);
+      BwdSm90DropoutBits<kBlockM> keep = 0;
+      if constexpr (kHasVariants) {
+        if (dropout_on && wg == 0) {  // uniform per warp
+          keep = bwd_sm90_dropout_bits<kBlockM>(make_dropout(params, b, h), n0 + warp * 16,
+                                                m_block * kBlockM, lane);
+        }
+      }
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(acc));
 
@@ -653,7 +700,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const bool softcap = kHasVariants && params.softcap > 0.f;
       if (wg == 0) {
         if (softcap) {
-          // df/ds parked in the thread's own fp32 slots until P^T is known.
+          // df/ds parked in the thread's own fp32 slots until P^T is known
+          // (dropout: marked, so that the keep bits die here; P^T o df/ds >= 0
+          // then carries the mark).
           const ScoreVariants variants = make_variants();
 #pragma unroll
           for (int q = 0; q < kBlockM / 8; ++q) {
@@ -663,24 +712,49 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               const float t = ScoreVariants::tanh_accurate(acc[q][e] * variants.softcap_in);
               acc[q][e] = t * variants.softcap_log2;
               dfds[e] = 1.f - t * t;
+              if (dropout_on) dfds[e] = bwd_sm90_mark_dropped(dfds[e], keep >> (4 * q + e));
             }
             st_shared_v4_f32(p_slot + q * 128 * 16, dfds[0], dfds[1], dfds[2], dfds[3]);
           }
           scores_to_probs(m_block, acc, lse_smem(stage), row_terms, true);
+          const float dropout_scale = params.dropout_scale;
 #pragma unroll
           for (int q = 0; q < kBlockM / 8; ++q) {
             float dfds[4];
             ld_shared_v4_f32(p_slot + q * 128 * 16, dfds[0], dfds[1], dfds[2], dfds[3]);
             st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0] * dfds[0], acc[q][1] * dfds[1],
                              acc[q][2] * dfds[2], acc[q][3] * dfds[3]);
+            // Dropout: consumer 1's dV operand is P^T o Z^T.
+            if (dropout_on) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                acc[q][e] = bwd_sm90_is_dropped(dfds[e]) ? 0.f : acc[q][e] * dropout_scale;
+              }
+            }
           }
           accumulators_to_a_fragments<T, kBlockM>(acc, p_frag);
           store_ds(ds_buf, p_frag);
         } else {
           scores_to_probs(m_block, acc, lse_smem(stage), row_terms, false);
+          if constexpr (kHasVariants) {
+            if (dropout_on) {
+#pragma unroll
+              for (int q = 0; q < kBlockM / 8; ++q) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                  acc[q][e] = bwd_sm90_mark_dropped(acc[q][e], keep >> (4 * q + e));
+                }
+              }
+            }
+          }
 #pragma unroll
           for (int q = 0; q < kBlockM / 8; ++q) {
             st_shared_v4_f32(p_slot + q * 128 * 16, acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
+          }
+          // Dropout: this consumer's dV operand is P^T o Z^T (the marked
+          // elements are the dropped ones, which become 0).
+          if constexpr (kHasVariants) {
+            if (dropout_on) bwd_sm90_apply_dropout<kBlockM>(acc, keep, params.dropout_scale);
           }
         }
       }
@@ -695,10 +769,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int q = 0; q < kBlockM / 8; ++q) {
           ld_shared_v4_f32(p_slot + q * 128 * 16, p[q][0], p[q][1], p[q][2], p[q][3]);
         }
+        if (dropout_on) {
+          // Z from the sign bits: dS^T = P^T o (dP^T o Z^T - D), and the dV
+          // operand P^T o Z^T (softcap: consumer 0's 16-bit fragments instead).
+          const float scale = params.dropout_scale;
 #pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
+          for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][e] = p[j][e] * (acc[j][e] - row_terms[j][e % 2]);
+            for (int e = 0; e < 4; ++e) {
+              const bool dropped = bwd_sm90_is_dropped(p[j][e]);
+              const float pa = fabsf(p[j][e]);
+              acc[j][e] = pa * ((dropped ? 0.f : acc[j][e] * scale) - row_terms[j][e % 2]);
+              p[j][e] = dropped ? 0.f : pa * scale;
+            }
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] = p[j][e] * (acc[j][e] - row_terms[j][e % 2]);
+          }
         }
         if (softcap) {
           load_ds(ds_buf, p_frag);

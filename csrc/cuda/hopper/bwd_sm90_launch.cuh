@@ -1,6 +1,6 @@
 // Host-side launcher of one Hopper backward configuration, included by the
 // generated instantiations/bwd_sm90_<dtype>_hdim<D>_<causal|full>.cu files
-// (window / softcap / ALiBi / attn_mask: bwd_sm90_var_<dtype>_hdim<D>_mask.cu):
+// (window / softcap / ALiBi / attn_mask / dropout: bwd_sm90_var_<dtype>_hdim<D>_mask.cu):
 //   1. D = rowsum(dO o O), zeroed fp32 dQ accumulator, padded lse (log2) and D
 //      rows (bwd_preprocess.cuh, shared with mma.sync),
 //   2. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added into the
@@ -26,7 +26,7 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   static_assert(Traits::kBlockN == bwd_sm90_block_n(kHeadDim), "bwd_sm90.h names the key tile");
   if (params.head_dim > kHeadDim || params.num_splits != 1 ||
       params.deterministic != (params.dq_semaphore != nullptr) ||
-      has_variants(params) != kHasVariants || has_dropout(params)) {
+      has_variants(params) != kHasVariants) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "Hopper backward");
   }
@@ -101,8 +101,8 @@ void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   run_bwd_sm90_kernels<T, kHeadDim, kIsCausal, /*kHasVariants=*/false>(params, stream);
 }
 
-// Window / softcap / ALiBi / attn_mask calls (has_variants, not dropout),
-// causal or not (the Mask's right bound).
+// Window / softcap / ALiBi / attn_mask / dropout calls (has_variants), causal
+// or not (the Mask's right bound).
 template <typename T, int kHeadDim>
 void run_bwd_sm90_variants_impl(const AttentionBwdParams& params, cudaStream_t stream) {
   run_bwd_sm90_kernels<T, kHeadDim, /*kIsCausal=*/false, /*kHasVariants=*/true>(params, stream);

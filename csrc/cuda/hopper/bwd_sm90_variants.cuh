@@ -1,7 +1,8 @@
-// Attention variants (window / softcap / ALiBi / attn_mask; csrc/mask.h) in
-// the Hopper backward (bwd_sm90_kernel.cuh, kHasVariants), whose CTAs own a
-// key tile and walk the query tiles that see it: which query tiles those are,
-// which key tiles add into a query tile's dQ (the deterministic order), and
+// Attention variants (window / softcap / ALiBi / attn_mask, csrc/mask.h; and
+// dropout, csrc/dropout.h, at the end) in the Hopper backward
+// (bwd_sm90_kernel.cuh, kHasVariants), whose CTAs own a key tile and walk the
+// query tiles that see it: which query tiles those are, which key tiles add
+// into a query tile's dQ (the deterministic order), and
 // which tiles need no element mask, and the scores of the tiles that do
 // (ScoreVariants' score_log2, common/fwd_softmax.cuh, taken apart into one
 // pass per modifier: the consumers are at the register limit, and one
@@ -20,7 +21,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../../dropout.h"
 #include "../../mask.h"
+#include "../common/dropout_tile.cuh"
 #include "../common/fwd_softmax.cuh"
 #include "../common/ptx.cuh"
 
@@ -156,6 +159,63 @@ FAE_DEVICE void bwd_sm90_variant_scores(float (&s)[kCols / 8][4], const ScoreVar
     }
   }
 }
+
+// ---------------------------------------------------------------------------
+// Dropout (Z = keep ? scale : 0 per element, csrc/dropout.h) on the S^T / dP^T
+// accumulators: a warp's m64nN fragment rows are keys key_base + g and
+// key_base + 8 + g (key_base = the warp's first key, a multiple of 16), its
+// columns queries query_base + 8j + 2u + {0, 1}: acc[j][e] is
+// dropout_tile.cuh's transposed acc[m = 0][j][c = e], so its bit 4j + e.
+// ---------------------------------------------------------------------------
+template <int kCols>
+using BwdSm90DropoutBits = DropoutBitsT<1, kCols / 8>;
+
+// The lane's keep bits of the warp's [16 keys x kCols queries]: kCols / 8
+// Philox calls per lane, lanes g and g ^ 1 (lane ^ 4) sharing them, as
+// dropout_bits_transposed<16, 1, kCols / 8> (dropout_tile.cuh, whose bit
+// layout this returns), but one call at a time: the consumers are at the
+// register limit (ptxas -v: four calls in flight spilled more in the D = 128
+// varlen kernel, two or four in the D = 64 attn_mask kernels). Every lane of the warp
+// must call this (shuffles). Pure ALU work: the kernel runs it while the
+// step's score GEMMs are in flight.
+template <int kCols>
+FAE_DEVICE BwdSm90DropoutBits<kCols> bwd_sm90_dropout_bits(const Dropout& d, int key_base,
+                                                           int query_base, int lane) {
+  using Bits = BwdSm90DropoutBits<kCols>;
+  const int g = lane / 4, u = lane % 4, e = g & 1;
+  // The lane's keys key_base + g + {0, 8} are bits 2t + e of the Philox group
+  // of keys 32c + (g & 6) + {0, 1} + 8t, t = t0 + {0, 1}.
+  const int group_key = key_base + (g & 6);
+  const int shift = e + 2 * ((key_base >> 3) & 3);
+  Bits bits = 0;
+#pragma unroll 1
+  for (int j = 0; j < kCols / 8; ++j) {
+    // This lane's query 2u + e of n-tile j, its partner's 2u + (1 - e).
+    const uint32_t mine = d.keep_bits(query_base + 8 * j + 2 * u + e, group_key);
+    const uint32_t other = __shfl_xor_sync(0xffffffffu, mine, 4);
+    const uint32_t w0 = (e ? other : mine) >> shift;  // query 2u
+    const uint32_t w1 = (e ? mine : other) >> shift;  // query 2u + 1
+    // Bit 4j + c: key g + 8 (c / 2) (bits 0, 2 of w), query 2u + c % 2.
+    bits |= static_cast<Bits>((w0 & 5u) | ((w1 & 5u) << 1)) << (4 * j);
+  }
+  return bits;
+}
+
+// acc[j][e] *= Z.
+template <int kCols>
+FAE_DEVICE void bwd_sm90_apply_dropout(float (&acc)[kCols / 8][4], BwdSm90DropoutBits<kCols> bits,
+                                       float scale) {
+  apply_dropout_transposed(reinterpret_cast<float(&)[1][kCols / 8][4]>(acc), bits, scale);
+}
+
+// Head-dim split: consumer 0 hands consumer 1 P^T (softcap: P^T o df/ds,
+// also >= 0) in fp32 with the dropped elements' sign bit set, so that one
+// word carries both the undropped value (for dS^T) and Z (for dP^T and the
+// dV operand). x >= 0 (+0 included) for every element.
+FAE_DEVICE float bwd_sm90_mark_dropped(float x, uint32_t keep) {
+  return __uint_as_float(__float_as_uint(x) | ((keep & 1u) ^ 1u) << 31);
+}
+FAE_DEVICE bool bwd_sm90_is_dropped(float x) { return (__float_as_uint(x) >> 31) != 0u; }
 
 }  // namespace cuda
 }  // namespace flash_attn_ext
