@@ -9,7 +9,6 @@
 // so index (m, h = e / 2) names one of the lane's 2*kMmaM rows.
 #pragma once
 #include <cmath>
-#include <cstdint>
 
 #include "../../mask.h"
 #include "../../params.h"
@@ -193,28 +192,23 @@ FAE_DEVICE void for_each_score(float (&s)[kMmaM][kTilesN][4], int row_base, int 
 // one element type (Elem: uint8_t for a boolean mask, float, or the 16-bit
 // types' bits). Rows and keys past the sequence read its last row / key
 // instead (never past the tensor); those elements are masked afterwards.
-template <BiasType kType, typename Elem>
-FAE_DEVICE float add_attn_mask_term(float x, Elem b) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  if constexpr (kType == BiasType::kBool) {
-    return b ? x : -INFINITY;
-  } else if constexpr (kType == BiasType::kFloat32) {
-    return x + b * kLog2e;
-  } else if constexpr (kType == BiasType::kFloat16) {
-    return x + fp16_bits_to_float(b) * kLog2e;
-  } else {
-    return x + bf16_bits_to_float(b) * kLog2e;
-  }
-}
-
 template <typename Elem, BiasType kType, int kMmaM, int kTilesN>
 FAE_DEVICE void add_attn_mask(float (&s)[kMmaM][kTilesN][4], const Mask& mask, int row_base,
                               int col_base) {
+  constexpr float kLog2e = 1.4426950408889634f;
   const Elem* bias = reinterpret_cast<const Elem*>(mask.bias);
   for_each_score(s, row_base, col_base, [&](float& x, int row, int col) {
     const Elem b = bias[min(row, mask.seqlen_q - 1) * mask.bias_row_stride +
                         min(col, mask.seqlen_k - 1) * mask.bias_col_stride];
-    x = add_attn_mask_term<kType>(x, b);
+    if constexpr (kType == BiasType::kBool) {
+      x = b ? x : -INFINITY;
+    } else if constexpr (kType == BiasType::kFloat32) {
+      x += b * kLog2e;
+    } else if constexpr (kType == BiasType::kFloat16) {
+      x += fp16_bits_to_float(b) * kLog2e;
+    } else {
+      x += bf16_bits_to_float(b) * kLog2e;
+    }
   });
 }
 
@@ -242,23 +236,9 @@ FAE_DEVICE void score_and_mask_variants(float (&s)[kMmaM][kTilesN][4], const Sco
       for_each_score(s, row_base, col_base, [&](float& x, int, int) { x *= v.scale_log2; });
     }
     if (v.alibi_log2 != 0.f) {
-      // |i + diag - j| as (i + diag - col_base) - (8j + e) in fp32 (integers below 2^24:
-      // exact): one FADD and one FFMA per score, no int-to-float conversion (a
-      // quarter-rate instruction, like the exp2 the softmax is already bound by).
-#pragma unroll
-      for (int m = 0; m < kMmaM; ++m) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float d0 = static_cast<float>(row_base + m * 16 + h * 8 + v.mask.diag - col_base);
-#pragma unroll
-          for (int j = 0; j < kTilesN; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              s[m][j][2 * h + e] -= v.alibi_log2 * fabsf(d0 - static_cast<float>(8 * j + e));
-            }
-          }
-        }
-      }
+      for_each_score(s, row_base, col_base, [&](float& x, int row, int col) {
+        x -= v.alibi_log2 * fabsf(static_cast<float>(row + v.mask.diag - col));
+      });
     }
     if constexpr (kAttnMask) switch (v.mask.bias_type) {
       case BiasType::kBool:
