@@ -96,8 +96,8 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1 = unbounded;
     causal=True sets right = 0). softcap > 0: scores s (already scaled by softmax_scale)
     become softcap * tanh(s / softcap). alibi_slopes: float32 [heads] or [batch, heads], adds
-    -slope * |i + seqlen_k - seqlen_q - j| to the scores (after the softcap). The three work
-    on the CPU and on CUDA in fp16 / bf16; CUDA fp32 raises NotImplementedError for now.
+    -slope * |i + seqlen_k - seqlen_q - j| to the scores (after the softcap). All of them
+    work on the CPU and on CUDA in every dtype.
     deterministic=True makes the backward bit-reproducible.
     num_splits: split-KV for the CUDA forward (0 = heuristic, 1 = off, n = force n).
     seqused_k: optional int32 tensor [batch] on q's device: batch b only attends to keys
