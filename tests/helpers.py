@@ -176,3 +176,29 @@ def make_varlen(lens_q, lens_k, heads, kv_heads, head_dim, dtype, device, pad_q=
     k = randn((total_k, kv_heads, head_dim), dtype, device, seed + 1, requires_grad)
     v = randn((total_k, kv_heads, head_dim), dtype, device, seed + 2, requires_grad)
     return q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)
+
+
+# opcheck's checks for our operators (the autograd check runs through FlashAttnFunction).
+OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_autograd_registration")
+
+
+def opcheck_varlen_ops(var, causal, heads=4, kv_heads=2):
+    """torch.library.opcheck of varlen_fwd and varlen_bwd on a small CPU batch (an empty
+    sequence, GQA), with the operators' trailing variant arguments `var`."""
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([7, 0, 13], [5, 9, 0], heads, kv_heads, 16,
+                                                    torch.float32, "cpu", requires_grad=False)
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, 0.25, causal, None, *var)
+    torch.library.opcheck(torch.ops.flash_attn_ext.varlen_fwd.default, args,
+                          test_utils=OPCHECK_UTILS)
+    out, lse = torch.ops.flash_attn_ext.varlen_fwd(*args)
+    torch.library.opcheck(torch.ops.flash_attn_ext.varlen_bwd.default,
+                          (torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                           0.25, causal, False, None, *var), test_utils=OPCHECK_UTILS)
+
+
+def assert_grads_repeat(out, inputs, dout, grads, repeats):
+    """The backward of `out` run `repeats` more times gives bit-identical `grads`."""
+    for _ in range(repeats):
+        again = torch.autograd.grad(out, inputs, dout, retain_graph=True)
+        for a, b in zip(grads, again):
+            assert torch.equal(a, b)

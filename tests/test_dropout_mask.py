@@ -17,8 +17,9 @@ import torch
 import flash_attn_ext as fa
 from flash_attn_ext.ops import FlashAttnFunction, new_rng_state
 from flash_attn_ext.reference import dropout_keep_scale
-from helpers import (alibi_slopes, batch_entry, check_lse, check_out_and_grads,
-                     gqa_attention, make_varlen, randn, ref_and_base)
+from helpers import (OPCHECK_UTILS, alibi_slopes, batch_entry, check_lse,
+                     check_out_and_grads, gqa_attention, make_varlen, opcheck_varlen_ops, randn,
+                     ref_and_base)
 
 HEADS, KV_HEADS = 4, 2  # every attention test below is grouped-query
 
@@ -772,7 +773,6 @@ def test_cuda_arguments_on_another_device():
 
 
 # ---- opcheck and torch.compile --------------------------------------------------------------
-OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_autograd_registration")
 
 
 @pytest.mark.parametrize("with_mask", [False, True])
@@ -792,16 +792,7 @@ def test_opcheck(with_mask):
                                False, None, *var), test_utils=OPCHECK_UTILS)
     torch.library.opcheck(torch.ops.flash_attn_ext.dropout_mask.default,
                           (rng_state, 2, 3, 5, 45, 0.4), test_utils=OPCHECK_UTILS)
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([7, 0, 13], [5, 9, 0], HEADS, KV_HEADS, 16,
-                                                    torch.float32, "cpu", requires_grad=False)
-    var = (-1, -1, 0.0, None, 0.3, rng_state)
-    args = (q, k, v, cu_q, cu_k, max_q, max_k, 0.25, True, None, *var)
-    torch.library.opcheck(torch.ops.flash_attn_ext.varlen_fwd.default, args,
-                          test_utils=OPCHECK_UTILS)
-    out, lse = torch.ops.flash_attn_ext.varlen_fwd(*args)
-    torch.library.opcheck(torch.ops.flash_attn_ext.varlen_bwd.default,
-                          (torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                           0.25, True, False, None, *var), test_utils=OPCHECK_UTILS)
+    opcheck_varlen_ops((-1, -1, 0.0, None, 0.3, rng_state), True, HEADS, KV_HEADS)
 
 
 def test_torch_compile_attn_mask():

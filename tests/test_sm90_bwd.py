@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import flash_attn_ext as fa
-from helpers import (assert_fa_rule, check_out_and_grads, gqa_attention, kernel_names, make_qkv,
-                     make_varlen, padded_attention, randn, ref_and_base, reference_and_baseline,
-                     varlen_attention)
+from helpers import (assert_fa_rule, assert_grads_repeat, check_out_and_grads, gqa_attention,
+                     kernel_names, make_qkv, make_varlen, padded_attention, randn, ref_and_base,
+                     reference_and_baseline, varlen_attention)
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -309,10 +309,7 @@ def _check_variant_grads(q, k, v, case, deterministic=False, seqused_k=None):
     check_out_and_grads(out, grads, ref, base, q.dtype,
                         grad_atol=1e-5 * max(1, q.shape[-1] // 64))
     if deterministic:
-        for _ in range(5):
-            again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-            for a, b in zip(grads, again):
-                assert torch.equal(a, b)
+        assert_grads_repeat(out, (q, k, v), dout, grads, 5)
     return grads
 
 
@@ -448,10 +445,7 @@ def _check_dropout_grads(q, k, v, p, causal, deterministic=False, scale=None, **
     check_out_and_grads(out, grads, ref, base, q.dtype,
                         grad_atol=1e-5 * max(1, q.shape[-1] // 64))
     if deterministic:
-        for _ in range(3):
-            again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-            for a, b in zip(grads, again):
-                assert torch.equal(a, b)
+        assert_grads_repeat(out, (q, k, v), dout, grads, 3)
     return grads
 
 

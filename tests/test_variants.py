@@ -11,8 +11,9 @@ import torch
 
 import flash_attn_ext as fa
 from flash_attn_ext.ops import FlashAttnFunction
-from helpers import (alibi_slopes, check_lse, check_out_and_grads, gqa_attention,
-                     make_varlen, padded_attention, randn, ref_and_base, varlen_attention)
+from helpers import (OPCHECK_UTILS, alibi_slopes, check_lse, check_out_and_grads,
+                     gqa_attention, make_varlen, opcheck_varlen_ops, padded_attention, randn,
+                     ref_and_base, varlen_attention)
 
 HEADS, KV_HEADS = 4, 2  # every test below is grouped-query
 
@@ -298,7 +299,6 @@ def test_torch_compile(with_variants):
 
 
 # ---- operators: opcheck -------------------------------------------------------------------
-OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_autograd_registration")
 VARIANT_ARGS = [(-1, -1, 0.0, None), (7, 3, 0.0, None), (-1, -1, 20.0, None), (-1, -1, 0.0, "head"),
                 (11, -1, 3.0, "batch")]
 
@@ -314,16 +314,7 @@ def test_opcheck(variant):
     torch.library.opcheck(torch.ops.flash_attn_ext.bwd.default,
                           (torch.randn_like(out), q, k, v, out, lse, 0.25, True, True, False,
                            None, *var), test_utils=OPCHECK_UTILS)
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([7, 0, 13], [5, 9, 0], HEADS, KV_HEADS, 16,
-                                                    torch.float32, "cpu", requires_grad=False)
-    var = (left, right, softcap, _slopes(alibi, batch=3))
-    args = (q, k, v, cu_q, cu_k, max_q, max_k, 0.25, False, None, *var)
-    torch.library.opcheck(torch.ops.flash_attn_ext.varlen_fwd.default, args,
-                          test_utils=OPCHECK_UTILS)
-    out, lse = torch.ops.flash_attn_ext.varlen_fwd(*args)
-    torch.library.opcheck(torch.ops.flash_attn_ext.varlen_bwd.default,
-                          (torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                           0.25, False, False, None, *var), test_utils=OPCHECK_UTILS)
+    opcheck_varlen_ops((left, right, softcap, _slopes(alibi, batch=3)), False, HEADS, KV_HEADS)
 
 
 # ---- bad values: clear errors ---------------------------------------------------------------
