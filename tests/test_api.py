@@ -99,6 +99,23 @@ def test_deterministic_flag(device):
 
 
 # ---- unsupported features raise, never silently ignored ----------------------
+def test_inference_calls_skip_autograd(device):
+    """Without grad (torch.no_grad, or inputs that need none) the entry points call the
+    operator directly: the same outputs, bit for bit, and nothing recorded."""
+    q, k, v = make_qkv(2, 37, 45, 4, 32, torch.float32, device, requires_grad=True)
+    for fn in (lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True),
+               lambda q, k, v: fa.scaled_dot_product_attention(
+                   q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)):
+        recorded = fn(q, k, v)
+        assert recorded.grad_fn is not None
+        with torch.no_grad():
+            plain = fn(q, k, v)
+        detached = fn(*(t.detach() for t in (q, k, v)))
+        for out in (plain, detached):
+            assert out.grad_fn is None and not out.requires_grad
+            assert torch.equal(out, recorded.detach())
+
+
 def test_not_implemented_sdpa_mask_grad():
     """No gradient is computed for attn_mask: a mask that requires grad is refused."""
     q, k, v = make_qkv(1, 8, 8, 2, 16, torch.float32, "cpu", layout="bhsd", requires_grad=False)
