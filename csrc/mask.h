@@ -46,6 +46,21 @@ FAE_HOST_DEVICE float fp16_bits_to_float(uint16_t bits) {
   return f;
 }
 
+// Element e of an attn_mask whose element type is known at compile time, in
+// natural-log units: a boolean mask gives 0 (attend) or -inf.
+template <BiasType kType>
+FAE_HOST_DEVICE float bias_value(const unsigned char* bias, int64_t e) {
+  if constexpr (kType == BiasType::kBool) {
+    return bias[e] ? 0.f : -INFINITY;
+  } else if constexpr (kType == BiasType::kFloat32) {
+    return reinterpret_cast<const float*>(bias)[e];
+  } else if constexpr (kType == BiasType::kFloat16) {
+    return fp16_bits_to_float(reinterpret_cast<const uint16_t*>(bias)[e]);
+  } else {
+    return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(bias)[e]);
+  }
+}
+
 struct Mask {
   int seqlen_q = 0;   // query rows of the sequence
   int seqlen_k = 0;   // keys it may attend to (after seqused_k)
@@ -90,10 +105,10 @@ struct Mask {
     if (bias == nullptr || i >= seqlen_q || j >= seqlen_k) return 0.f;
     const int64_t e = i * bias_row_stride + j * bias_col_stride;
     switch (bias_type) {
-      case BiasType::kBool: return bias[e] ? 0.f : -INFINITY;
-      case BiasType::kFloat32: return reinterpret_cast<const float*>(bias)[e];
-      case BiasType::kFloat16: return fp16_bits_to_float(reinterpret_cast<const uint16_t*>(bias)[e]);
-      case BiasType::kBFloat16: return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(bias)[e]);
+      case BiasType::kBool: return bias_value<BiasType::kBool>(bias, e);
+      case BiasType::kFloat32: return bias_value<BiasType::kFloat32>(bias, e);
+      case BiasType::kFloat16: return bias_value<BiasType::kFloat16>(bias, e);
+      case BiasType::kBFloat16: return bias_value<BiasType::kBFloat16>(bias, e);
       default: return 0.f;
     }
   }

@@ -9,6 +9,7 @@
 // so index (m, h = e / 2) names one of the lane's 2*kMmaM rows.
 #pragma once
 #include <cmath>
+#include <type_traits>
 
 #include "../../mask.h"
 #include "../../params.h"
@@ -188,27 +189,31 @@ FAE_DEVICE void for_each_score(float (&s)[kMmaM][kTilesN][4], int row_base, int 
   }
 }
 
-// The attn_mask term (Mask::bias_at, log2 domain) added to every element, for
-// one element type (Elem: uint8_t for a boolean mask, float, or the 16-bit
-// types' bits). Rows and keys past the sequence read its last row / key
-// instead (never past the tensor); those elements are masked afterwards.
-template <typename Elem, BiasType kType, int kMmaM, int kTilesN>
+// f(std::integral_constant<BiasType, t>{}) for the run-time attn_mask type t
+// (nothing without a mask): code that reads the mask is instantiated once per
+// element type, with no branch per element.
+template <typename F>
+FAE_DEVICE void with_bias_type(BiasType t, F&& f) {
+  switch (t) {
+    case BiasType::kBool: f(std::integral_constant<BiasType, BiasType::kBool>{}); break;
+    case BiasType::kFloat32: f(std::integral_constant<BiasType, BiasType::kFloat32>{}); break;
+    case BiasType::kFloat16: f(std::integral_constant<BiasType, BiasType::kFloat16>{}); break;
+    case BiasType::kBFloat16: f(std::integral_constant<BiasType, BiasType::kBFloat16>{}); break;
+    default: break;
+  }
+}
+
+// The attn_mask term (Mask::bias_at, log2 domain) added to every element.
+// Rows and keys past the sequence read its last row / key instead (never past
+// the tensor); those elements are masked afterwards.
+template <BiasType kType, int kMmaM, int kTilesN>
 FAE_DEVICE void add_attn_mask(float (&s)[kMmaM][kTilesN][4], const Mask& mask, int row_base,
                               int col_base) {
   constexpr float kLog2e = 1.4426950408889634f;
-  const Elem* bias = reinterpret_cast<const Elem*>(mask.bias);
   for_each_score(s, row_base, col_base, [&](float& x, int row, int col) {
-    const Elem b = bias[min(row, mask.seqlen_q - 1) * mask.bias_row_stride +
-                        min(col, mask.seqlen_k - 1) * mask.bias_col_stride];
-    if constexpr (kType == BiasType::kBool) {
-      x = b ? x : -INFINITY;
-    } else if constexpr (kType == BiasType::kFloat32) {
-      x += b * kLog2e;
-    } else if constexpr (kType == BiasType::kFloat16) {
-      x += fp16_bits_to_float(b) * kLog2e;
-    } else {
-      x += bf16_bits_to_float(b) * kLog2e;
-    }
+    x += bias_value<kType>(mask.bias, min(row, mask.seqlen_q - 1) * mask.bias_row_stride +
+                                          min(col, mask.seqlen_k - 1) * mask.bias_col_stride) *
+         kLog2e;
   });
 }
 
@@ -240,20 +245,10 @@ FAE_DEVICE void score_and_mask_variants(float (&s)[kMmaM][kTilesN][4], const Sco
         x -= v.alibi_log2 * fabsf(static_cast<float>(row + v.mask.diag - col));
       });
     }
-    if constexpr (kAttnMask) switch (v.mask.bias_type) {
-      case BiasType::kBool:
-        add_attn_mask<uint8_t, BiasType::kBool>(s, v.mask, row_base, col_base);
-        break;
-      case BiasType::kFloat32:
-        add_attn_mask<float, BiasType::kFloat32>(s, v.mask, row_base, col_base);
-        break;
-      case BiasType::kFloat16:
-        add_attn_mask<uint16_t, BiasType::kFloat16>(s, v.mask, row_base, col_base);
-        break;
-      case BiasType::kBFloat16:
-        add_attn_mask<uint16_t, BiasType::kBFloat16>(s, v.mask, row_base, col_base);
-        break;
-      default: break;
+    if constexpr (kAttnMask) {
+      with_bias_type(v.mask.bias_type, [&](auto type) {
+        add_attn_mask<decltype(type)::value>(s, v.mask, row_base, col_base);
+      });
     }
   }
 #pragma unroll

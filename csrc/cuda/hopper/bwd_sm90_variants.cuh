@@ -73,20 +73,6 @@ FAE_DEVICE BwdSm90QueryTiles bwd_sm90_rows_seeing(const Mask& window, int key) {
   return {window.query_begin(key), window.query_end(key)};
 }
 
-// Mask::bias_at with the element type a template argument.
-template <BiasType kType>
-FAE_DEVICE float bwd_sm90_bias_value(const unsigned char* bias, int64_t e) {
-  if constexpr (kType == BiasType::kBool) {
-    return bias[e] ? 0.f : -INFINITY;
-  } else if constexpr (kType == BiasType::kFloat32) {
-    return reinterpret_cast<const float*>(bias)[e];
-  } else if constexpr (kType == BiasType::kFloat16) {
-    return fp16_bits_to_float(reinterpret_cast<const uint16_t*>(bias)[e]);
-  } else {
-    return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(bias)[e]);
-  }
-}
-
 // The S^T fragments of the kernel (wgmma accumulators, keys as rows): s[j][e]
 // of a thread holds query row query_base + 8j + e % 2 and key key0 + 8 (e / 2).
 template <BiasType kType, int kCols>
@@ -100,8 +86,8 @@ FAE_DEVICE void bwd_sm90_add_attn_mask(float (&s)[kCols / 8][4], const Mask& mas
     for (int e = 0; e < 4; ++e) {
       const int query = query_base + 8 * j + e % 2, key = key0 + 8 * (e / 2);
       if (query >= rows[e / 2].begin && query < rows[e / 2].end) {
-        s[j][e] += bwd_sm90_bias_value<kType>(
-                       mask.bias, query * mask.bias_row_stride + key * mask.bias_col_stride) *
+        s[j][e] += bias_value<kType>(mask.bias, query * mask.bias_row_stride +
+                                                    key * mask.bias_col_stride) *
                    kLog2e;
       }
     }
@@ -140,23 +126,10 @@ FAE_DEVICE void bwd_sm90_variant_scores(float (&s)[kCols / 8][4], const ScoreVar
       }
     }
   }
-  if (kAttnMask && v.mask.bias != nullptr) {
-    switch (v.mask.bias_type) {
-      case BiasType::kBool:
-        bwd_sm90_add_attn_mask<BiasType::kBool, kCols>(s, v.mask, query_base, key0, rows);
-        break;
-      case BiasType::kFloat32:
-        bwd_sm90_add_attn_mask<BiasType::kFloat32, kCols>(s, v.mask, query_base, key0, rows);
-        break;
-      case BiasType::kFloat16:
-        bwd_sm90_add_attn_mask<BiasType::kFloat16, kCols>(s, v.mask, query_base, key0, rows);
-        break;
-      case BiasType::kBFloat16:
-        bwd_sm90_add_attn_mask<BiasType::kBFloat16, kCols>(s, v.mask, query_base, key0, rows);
-        break;
-      default:
-        break;
-    }
+  if constexpr (kAttnMask) {
+    with_bias_type(v.mask.bias_type, [&](auto type) {
+      bwd_sm90_add_attn_mask<decltype(type)::value, kCols>(s, v.mask, query_base, key0, rows);
+    });
   }
 }
 
