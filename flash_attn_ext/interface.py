@@ -49,7 +49,8 @@ def _dropout_args(dropout_p, device):
     """dropout_p -> (dropout_p, rng_state) for the operators: a fresh rng_state from torch's
     generator of `device` when dropout is on (the backward reuses it), else None."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"flash_attn_ext: dropout_p must be a float, got {type(dropout_p).__name__}")
+        raise TypeError("flash_attn_ext: dropout_p must be a float, got "
+                        f"{type(dropout_p).__name__}")
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"flash_attn_ext: dropout_p must be in [0, 1), got {dropout_p}")
     dropout_p = float(dropout_p)
@@ -149,7 +150,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     is_causal=True uses torch's top-left alignment (key j visible to query i iff j <= i).
     scale defaults to 1/sqrt(head_dim). attn_mask: bool (True = attend) or an additive float
     (float32 / float16 / bfloat16) mask broadcastable to [batch, heads, seqlen_q, seqlen_k],
-    read in place (broadcast dimensions are never expanded); it may be combined with
+    read in place with its strides (broadcast dimensions are never expanded, nothing is
+    copied); it may be combined with
     is_causal. Rows that a mask leaves without any key give zeros (torch's math backend gives
     NaN there). A mask that requires grad raises NotImplementedError (no gradient is computed
     for it). dropout_p as torch's (applied whenever > 0; from torch's generator).
@@ -169,8 +171,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
             raise RuntimeError("flash_attn_ext: attn_mask must have at least one dimension "
                                "(broadcastable to [batch, heads, seqlen_q, seqlen_k]), got a "
                                "0-dim tensor")
-        if attn_mask.stride(-1) != 1 and attn_mask.size(-1) != 1:
-            attn_mask = attn_mask.contiguous()
     if not enable_gqa and key.shape[1] != query.shape[1]:
         raise RuntimeError(
             f"flash_attn_ext: query has {query.shape[1]} heads but key/value have "

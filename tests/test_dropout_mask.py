@@ -566,9 +566,9 @@ def test_sdpa_attn_mask(kind, shape, mask_dtype, dtype, causal, seqlen_q, seqlen
 @pytest.mark.parametrize("layout", ["transposed", "row_sliced", "col_stepped", "expanded",
                                     "expanded_last", "channels_last"])
 def test_sdpa_attn_mask_strided(layout, device="cpu", dtype=torch.float32, head_dim=32):
-    """Views: a transposed mask (copied), a row slice (row stride > Sk, read in place), every
-    other key (copied), broadcasts by expand (stride 0, read in place or copied), and a
-    permuted-memory mask; the same results as the contiguous mask."""
+    """Views, all read in place through their strides (nothing is copied): a transposed mask,
+    a row slice (row stride > Sk), every other key, broadcasts by expand (stride 0, also
+    along the keys), a permuted-memory mask; the same results as the contiguous mask."""
     sq, sk = 70, 45
     q, k, v = _sdpa_inputs(sq, sk, dtype, device, head_dim)
     gen = torch.Generator().manual_seed(3)
