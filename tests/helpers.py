@@ -202,3 +202,14 @@ def assert_grads_repeat(out, inputs, dout, grads, repeats):
         again = torch.autograd.grad(out, inputs, dout, retain_graph=True)
         for a, b in zip(grads, again):
             assert torch.equal(a, b)
+
+
+def assert_compiled_matches_eager(f, inputs):
+    """torch.compile(f, fullgraph=True) gives f's scalar loss and its gradients."""
+    loss = torch.compile(f, fullgraph=True)(*inputs)
+    grads = torch.autograd.grad(loss, inputs)
+    eager = f(*inputs)
+    eager_grads = torch.autograd.grad(eager, inputs)
+    torch.testing.assert_close(loss, eager)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e)

@@ -17,9 +17,9 @@ import torch
 import flash_attn_ext as fa
 from flash_attn_ext.ops import FlashAttnFunction, new_rng_state
 from flash_attn_ext.reference import dropout_keep_scale
-from helpers import (OPCHECK_UTILS, alibi_slopes, batch_entry, check_lse,
-                     check_out_and_grads, gqa_attention, make_varlen, opcheck_varlen_ops, randn,
-                     ref_and_base)
+from helpers import (OPCHECK_UTILS, alibi_slopes, assert_compiled_matches_eager, batch_entry,
+                     check_lse, check_out_and_grads, gqa_attention, make_varlen,
+                     opcheck_varlen_ops, randn, ref_and_base)
 
 HEADS, KV_HEADS = 4, 2  # every attention test below is grouped-query
 
@@ -807,13 +807,7 @@ def test_torch_compile_attn_mask():
         b = fa.scaled_dot_product_attention(q, k, v, attn_mask=add, enable_gqa=True)
         return (a.square() + b).sum()
 
-    loss = torch.compile(f, fullgraph=True)(q, k, v)
-    grads = torch.autograd.grad(loss, (q, k, v))
-    eager = f(q, k, v)
-    eager_grads = torch.autograd.grad(eager, (q, k, v))
-    torch.testing.assert_close(loss, eager)
-    for g, e in zip(grads, eager_grads):
-        torch.testing.assert_close(g, e)
+    assert_compiled_matches_eager(f, (q, k, v))
 
 
 def test_torch_compile_dropout():

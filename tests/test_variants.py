@@ -11,9 +11,9 @@ import torch
 
 import flash_attn_ext as fa
 from flash_attn_ext.ops import FlashAttnFunction
-from helpers import (OPCHECK_UTILS, alibi_slopes, check_lse, check_out_and_grads,
-                     gqa_attention, make_varlen, opcheck_varlen_ops, padded_attention, randn,
-                     ref_and_base, varlen_attention)
+from helpers import (OPCHECK_UTILS, alibi_slopes, assert_compiled_matches_eager, check_lse,
+                     check_out_and_grads, gqa_attention, make_varlen, opcheck_varlen_ops,
+                     padded_attention, randn, ref_and_base, varlen_attention)
 
 HEADS, KV_HEADS = 4, 2  # every test below is grouped-query
 
@@ -289,13 +289,7 @@ def test_torch_compile(with_variants):
     def f(q, k, v):
         return fa.flash_attn_func(q, k, v, causal=True, **kwargs).square().sum()
 
-    loss = torch.compile(f, fullgraph=True)(q, k, v)
-    grads = torch.autograd.grad(loss, (q, k, v))
-    eager = f(q, k, v)
-    eager_grads = torch.autograd.grad(eager, (q, k, v))
-    torch.testing.assert_close(loss, eager)
-    for g, e in zip(grads, eager_grads):
-        torch.testing.assert_close(g, e)
+    assert_compiled_matches_eager(f, (q, k, v))
 
 
 # ---- operators: opcheck -------------------------------------------------------------------
