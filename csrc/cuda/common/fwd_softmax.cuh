@@ -116,18 +116,24 @@ struct ScoreVariants {
     return v;
   }
 
-  // tanh to ~1e-7 absolute: tanhf compiles to tanh.approx.f32 under --use_fast_math
-  // (relative error up to 2^-11, i.e. ~0.015 on a logit of 30), this to one ex2 and one
-  // rcp (both ~2^-22). e^{2|x|} = inf gives 1.
-  static FAE_DEVICE float tanh_accurate(float x) {
-    const float e = exp2f(fabsf(x) * 2.8853900817779268f);  // e^{2|x|}
-    return copysignf(1.f - 2.f / (e + 1.f), x);
+  // tanh.approx.f32: one MUFU op, max relative error 2^-10.99 (flash-attn 2 and 3
+  // use it too). An accurate tanh (ex2 + rcp) made the MUFU unit, which the
+  // softmax's exp2 already keeps busy, the bottleneck of the Hopper kernels: H100,
+  // bf16, D = 128, softcap 30: forward 1.7x and backward 1.3x the plain kernel.
+  // The error it leaves, softcap * 2^-11 on a score (0.015 at softcap 30) and
+  // 2^-10 on df/ds = 1 - tanh^2, is below the 16-bit rounding of the scores
+  // that these kernels' inputs carry; the fp32 SIMT kernels use an accurate
+  // tanh (simt/mask_fp32.cuh).
+  static FAE_DEVICE float tanh_fast(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
   }
 
   // With softcap, *dfds = 1 - tanh^2 (the backward's chain factor; else untouched).
   FAE_DEVICE float score_log2(float x, int i, int j, float* dfds = nullptr) const {
     if (mask.has_softcap()) {
-      const float t = tanh_accurate(x * softcap_in);
+      const float t = tanh_fast(x * softcap_in);
       if (dfds != nullptr) *dfds = 1.f - t * t;
       x = t * softcap_log2;
     } else {
@@ -203,25 +209,29 @@ FAE_DEVICE void with_bias_type(BiasType t, F&& f) {
   }
 }
 
-// The attn_mask term (Mask::bias_at, log2 domain) added to every element.
+// The attn_mask term (Mask::bias_at, natural-log units) times factor added to
+// every element.
 // Rows and keys past the sequence read its last row / key instead (never past
 // the tensor); those elements are masked afterwards.
 template <BiasType kType, int kMmaM, int kTilesN>
 FAE_DEVICE void add_attn_mask(float (&s)[kMmaM][kTilesN][4], const Mask& mask, int row_base,
-                              int col_base) {
-  constexpr float kLog2e = 1.4426950408889634f;
+                              int col_base, float factor) {
   for_each_score(s, row_base, col_base, [&](float& x, int row, int col) {
     x += bias_value<kType>(mask.bias, min(row, mask.seqlen_q - 1) * mask.bias_row_stride +
                                           min(col, mask.seqlen_k - 1) * mask.bias_col_stride) *
-         kLog2e;
+         factor;
   });
 }
 
 // scale_and_mask with variants: every score becomes score_log2 (softcap,
-// ALiBi, attn_mask), and keys outside the row's [key_begin, key_end) become
-// -inf (every tile: the window may cut any of them). kScore = false only masks,
-// leaving the visible raw scores as they are (a window without score modifiers,
-// for OnlineSoftmax::update_scores_folded).
+// ALiBi, attn_mask) / unit, and keys outside the row's [key_begin, key_end)
+// become -inf. Returns unit, the factor that takes the results to the log2
+// domain: 1 with kFold = false; with kFold = true (callers whose scale is > 0)
+// softcap * log2(e) with softcap, else softmax_scale * log2(e), so that the
+// caller's OnlineSoftmax::update_scores_folded applies it inside its exp2 FMA
+// (no multiply pass; without modifiers the raw scores stay as they are).
+// mask_elements = false skips the element mask (a tile inside the window of
+// all the lane's rows: key_tile_inside_window).
 // One pass over the tile per modifier, each behind one uniform branch: with the
 // branches per element (score_log2 in the loop) the compiler issued every
 // element's dependent chain, attn_mask loads included, one after the other
@@ -229,44 +239,65 @@ FAE_DEVICE void add_attn_mask(float (&s)[kMmaM][kTilesN][4], const Mask& mask, i
 // of the plain Hopper forward). kAttnMask: the kernel instantiated for calls
 // with an attn_mask (its loads, issued together, cost registers the others
 // need not pay for).
-template <bool kAttnMask, bool kScore = true, int kMmaM, int kTilesN>
-FAE_DEVICE void score_and_mask_variants(float (&s)[kMmaM][kTilesN][4], const ScoreVariants& v,
-                                        int row_base, int col_base) {
-  if constexpr (kScore) {
-    if (v.mask.has_softcap()) {
-      for_each_score(s, row_base, col_base, [&](float& x, int, int) {
-        x = ScoreVariants::tanh_accurate(x * v.softcap_in) * v.softcap_log2;
-      });
-    } else {
-      for_each_score(s, row_base, col_base, [&](float& x, int, int) { x *= v.scale_log2; });
-    }
-    if (v.alibi_log2 != 0.f) {
-      for_each_score(s, row_base, col_base, [&](float& x, int row, int col) {
-        x -= v.alibi_log2 * fabsf(static_cast<float>(row + v.mask.diag - col));
-      });
-    }
-    if constexpr (kAttnMask) {
-      with_bias_type(v.mask.bias_type, [&](auto type) {
-        add_attn_mask<decltype(type)::value>(s, v.mask, row_base, col_base);
-      });
-    }
+template <bool kAttnMask, bool kFold, int kMmaM, int kTilesN>
+FAE_DEVICE float score_and_mask_variants(float (&s)[kMmaM][kTilesN][4], const ScoreVariants& v,
+                                         int row_base, int col_base, bool mask_elements) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const bool softcap = v.mask.has_softcap();
+  const float unit = kFold ? (softcap ? v.softcap_log2 : v.scale_log2) : 1.f;
+  if (softcap) {
+    for_each_score(s, row_base, col_base, [&](float& x, int, int) {
+      x = ScoreVariants::tanh_fast(x * v.softcap_in);
+      if constexpr (!kFold) x *= v.softcap_log2;
+    });
+  } else if constexpr (!kFold) {
+    for_each_score(s, row_base, col_base, [&](float& x, int, int) { x *= v.scale_log2; });
   }
+  if (v.alibi_log2 != 0.f) {
+    // The distance |row + diag - col| in fp32 from the lane's first key of the
+    // row (exact below 2^24): a constant per element instead of an int -> float
+    // conversion, which issues at the MUFU's quarter rate.
+    const float slope = v.alibi_log2 / unit;
 #pragma unroll
-  for (int m = 0; m < kMmaM; ++m) {
+    for (int m = 0; m < kMmaM; ++m) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = row_base + m * 16 + h * 8;
-      const int lo = v.mask.key_begin(row), hi = v.mask.key_end(row);
+      for (int h = 0; h < 2; ++h) {
+        const float dist0 = static_cast<float>(row_base + m * 16 + h * 8 + v.mask.diag - col_base);
 #pragma unroll
-      for (int j = 0; j < kTilesN; ++j) {
+        for (int j = 0; j < kTilesN; ++j) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = col_base + j * 8 + e;
-          if (col < lo || col >= hi) s[m][j][2 * h + e] = -INFINITY;
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[m][j][2 * h + e];
+            x -= slope * fabsf(dist0 - static_cast<float>(j * 8 + e));
+          }
         }
       }
     }
   }
+  if constexpr (kAttnMask) {
+    with_bias_type(v.mask.bias_type, [&](auto type) {
+      add_attn_mask<decltype(type)::value>(s, v.mask, row_base, col_base, kLog2e / unit);
+    });
+  }
+  if (mask_elements) {
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row_base + m * 16 + h * 8;
+        const int lo = v.mask.key_begin(row), hi = v.mask.key_end(row);
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = col_base + j * 8 + e;
+            if (col < lo || col >= hi) s[m][j][2 * h + e] = -INFINITY;
+          }
+        }
+      }
+    }
+  }
+  return unit;
 }
 
 // ---------------------------------------------------------------------------

@@ -409,19 +409,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // S^T -> P^T in place. Causal: only tiles crossing the diagonal need the
   // per-element test. Variants: every tile with score modifiers, and those
   // the window cuts for this warpgroup's keys, take bwd_sm90_variant_scores
-  // first (then P = exp2(score - lse)); softcapped: the caller has applied
-  // the softcap (and kept df/ds).
+  // first (then P = exp2(score * unit - lse), unit from it); softcapped: the
+  // caller has applied the softcap's tanh (and kept df/ds).
   auto scores_to_probs = [&](int m_block, float (&s)[kBlockM / 8][4], uint32_t lse_row_stat,
                              const RowStat& lse_pre, bool softcapped) {
     const int query_base = m_block * kBlockM + 2 * (lane % 4);  // + 8j + e % 2
     float scale_log2 = params.scale_log2;
     if constexpr (kHasVariants) {
       const ScoreVariants variants = make_variants();
-      if (variants.mask.has_score_mod() ||
-          !bwd_sm90_keys_inside_window<kBlockM, 64>(variants.mask, m_block, n0 + wg_key0)) {
-        bwd_sm90_variant_scores<kBlockM, kHasAttnMask>(s, variants, query_base, n0 + key_row,
-                                                       softcapped);
-        scale_log2 = 1.f;
+      const bool mask_elements =
+          !bwd_sm90_keys_inside_window<kBlockM, 64>(variants.mask, m_block, n0 + wg_key0);
+      if (variants.mask.has_score_mod() || mask_elements) {
+        scale_log2 = bwd_sm90_variant_scores<kBlockM, kHasAttnMask>(
+            s, variants, query_base, n0 + key_row, softcapped, mask_elements);
       }
     }
     const bool needs_mask = kIsCausal && n0 + kBlockN - 1 > m_block * kBlockM + seq.causal_offset;
@@ -586,8 +586,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           row_stat_pair(dsum_smem(stage), dsum, j, d);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float t = ScoreVariants::tanh_accurate(s[j][e] * variants.softcap_in);
-            s[j][e] = t * variants.softcap_log2;
+            const float t = ScoreVariants::tanh_fast(s[j][e] * variants.softcap_in);
+            s[j][e] = t;  // scores_to_probs applies softcap * log2(e)
             dp[j][e] = (dp[j][e] - d[e % 2]) * (1.f - t * t);
           }
         }
@@ -709,8 +709,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             float dfds[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const float t = ScoreVariants::tanh_accurate(acc[q][e] * variants.softcap_in);
-              acc[q][e] = t * variants.softcap_log2;
+              const float t = ScoreVariants::tanh_fast(acc[q][e] * variants.softcap_in);
+              acc[q][e] = t;  // scores_to_probs applies softcap * log2(e)
               dfds[e] = 1.f - t * t;
               if (dropout_on) dfds[e] = bwd_sm90_mark_dropped(dfds[e], keep >> (4 * q + e));
             }

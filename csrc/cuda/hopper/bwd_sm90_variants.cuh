@@ -75,11 +75,11 @@ FAE_DEVICE BwdSm90QueryTiles bwd_sm90_rows_seeing(const Mask& window, int key) {
 
 // The S^T fragments of the kernel (wgmma accumulators, keys as rows): s[j][e]
 // of a thread holds query row query_base + 8j + e % 2 and key key0 + 8 (e / 2).
+// The attn_mask term (natural-log units) times factor is added where visible.
 template <BiasType kType, int kCols>
 FAE_DEVICE void bwd_sm90_add_attn_mask(float (&s)[kCols / 8][4], const Mask& mask,
                                        int query_base, int key0,
-                                       const BwdSm90QueryTiles (&rows)[2]) {
-  constexpr float kLog2e = 1.4426950408889634f;
+                                       const BwdSm90QueryTiles (&rows)[2], float factor) {
 #pragma unroll
   for (int j = 0; j < kCols / 8; ++j) {
 #pragma unroll
@@ -88,49 +88,72 @@ FAE_DEVICE void bwd_sm90_add_attn_mask(float (&s)[kCols / 8][4], const Mask& mas
       if (query >= rows[e / 2].begin && query < rows[e / 2].end) {
         s[j][e] += bias_value<kType>(mask.bias, query * mask.bias_row_stride +
                                                     key * mask.bias_col_stride) *
-                   kLog2e;
+                   factor;
       }
     }
   }
 }
 
-// S^T (raw q.k; softcapped: already softcap * log2(e) * tanh(q.k * scale /
-// softcap)) -> ScoreVariants::score_log2 where the row sees the key, -inf
-// elsewhere (rows past seqlen_q and keys past seqlen_k included: the
-// attn_mask is read only where visible, it has no element there). The mask
-// per element is a range of query rows per key: a thread's keys are fixed.
+// S^T (raw q.k; softcapped: already tanh(q.k * scale / softcap)) ->
+// ScoreVariants::score_log2 / unit where the row sees the key, -inf elsewhere
+// (rows past seqlen_q and keys past seqlen_k included: the attn_mask is read
+// only where visible, it has no element there). Returns unit (softcap *
+// log2(e) with softcap, else softmax_scale * log2(e) when > 0, else 1), which
+// the caller's exp2(s * unit - lse) applies: no multiply pass. mask_elements = false: the
+// warpgroup's keys are inside the window of every row of the tile
+// (bwd_sm90_keys_inside_window), no element mask. The mask per element is a
+// range of query rows per key: a thread's keys are fixed.
 // kAttnMask: the kernel instantiated for attn_mask calls (its loads cost
 // registers that the others keep).
 template <int kCols, bool kAttnMask>
-FAE_DEVICE void bwd_sm90_variant_scores(float (&s)[kCols / 8][4], const ScoreVariants& v,
-                                        int query_base, int key0, bool softcapped) {
+FAE_DEVICE float bwd_sm90_variant_scores(float (&s)[kCols / 8][4], const ScoreVariants& v,
+                                         int query_base, int key0, bool softcapped,
+                                         bool mask_elements) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  float unit = softcapped ? v.softcap_log2 : v.scale_log2;
+  if (!(unit > 0.f)) {
+    // softmax_scale <= 0 (allowed, no softcap) is applied here: a -inf mask
+    // times a negative unit would turn into +inf.
+#pragma unroll
+    for (int j = 0; j < kCols / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] *= unit;
+    }
+    unit = 1.f;
+  }
   const BwdSm90QueryTiles rows[2] = {bwd_sm90_rows_seeing(v.mask, key0),
                                      bwd_sm90_rows_seeing(v.mask, key0 + 8)};
-#pragma unroll
-  for (int j = 0; j < kCols / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int query = query_base + 8 * j + e % 2;
-      const bool visible = query >= rows[e / 2].begin && query < rows[e / 2].end;
-      const float x = softcapped ? s[j][e] : s[j][e] * v.scale_log2;
-      s[j][e] = visible ? x : -INFINITY;
-    }
-  }
-  if (v.alibi_log2 != 0.f) {
+  if (mask_elements) {
 #pragma unroll
     for (int j = 0; j < kCols / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int dist = query_base + 8 * j + e % 2 + v.mask.diag - (key0 + 8 * (e / 2));
-        s[j][e] -= v.alibi_log2 * static_cast<float>(dist < 0 ? -dist : dist);
+        const int query = query_base + 8 * j + e % 2;
+        if (query < rows[e / 2].begin || query >= rows[e / 2].end) s[j][e] = -INFINITY;
+      }
+    }
+  }
+  if (v.alibi_log2 != 0.f) {
+    // |query + diag - key| in fp32 from the thread's first query (exact below
+    // 2^24): constants per element instead of int -> float conversions, which
+    // issue at the MUFU's quarter rate.
+    const float slope = v.alibi_log2 / unit;
+    const float dist0 = static_cast<float>(query_base + v.mask.diag - key0);
+#pragma unroll
+    for (int j = 0; j < kCols / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] -= slope * fabsf(dist0 + static_cast<float>(8 * j + e % 2 - 8 * (e / 2)));
       }
     }
   }
   if constexpr (kAttnMask) {
     with_bias_type(v.mask.bias_type, [&](auto type) {
-      bwd_sm90_add_attn_mask<decltype(type)::value, kCols>(s, v.mask, query_base, key0, rows);
+      bwd_sm90_add_attn_mask<decltype(type)::value, kCols>(s, v.mask, query_base, key0, rows,
+                                                           kLog2e / unit);
     });
   }
+  return unit;
 }
 
 // ---------------------------------------------------------------------------

@@ -412,16 +412,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const Dropout dropout = make_dropout(params, tile.b, tile.h);
         const int wg_first_row = tile.m_block * kBlockM + wg * 64;
         const int wg_last_row = min(wg_first_row + 64, seq.seqlen_q) - 1;
-        if (variants.mask.has_score_mod()) {
-          score_and_mask_variants<kAttnMask>(s, variants, row_base, col_base);
-          softmax.update_scores(s, rescale);
-        } else {
-          if (!key_tile_inside_window<kBlockN>(variants.mask, wg_first_row, wg_last_row,
-                                               n_block)) {
-            score_and_mask_variants<false, /*kScore=*/false>(s, variants, row_base, col_base);
-          }
-          softmax.update_scores_folded(s, params.scale_log2, rescale);
-        }
+        // Folded: the scale (softcap's with softcap) goes into the exp2 FMA.
+        const bool mask_elements =
+            !key_tile_inside_window<kBlockN>(variants.mask, wg_first_row, wg_last_row, n_block);
+        const float unit = score_and_mask_variants<kAttnMask, /*kFold=*/true>(
+            s, variants, row_base, col_base, mask_elements);
+        softmax.update_scores_folded(s, unit, rescale);
         // Dropout on P after the row sums (csrc/dropout.h): the accumulator layout
         // is mma.sync's, so one Philox call per row per 32 keys.
         if (dropout.active()) apply_dropout<kBlockN, 1, kBlockN / 8>(s, dropout, row_base, col_base);

@@ -535,7 +535,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       const int col_base = n_block * kBlockN + th.warp_key0 + 2 * th.q;
       if constexpr (kHasVariants) {
-        score_and_mask_variants<kAttnMask>(acc_s, variants, row_base, col_base);
+        score_and_mask_variants<kAttnMask, /*kFold=*/false>(acc_s, variants, row_base, col_base,
+                                                            /*mask_elements=*/true);
       } else if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block)) {
         scale_and_mask<true, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
                                         seq.seqlen_k, seq.causal_offset);
