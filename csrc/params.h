@@ -34,6 +34,11 @@ struct BiasStrides {
   int64_t col = 0;
 };
 
+// Rows and keys per block of the boolean attn_mask summary
+// (AttentionFwdParams::attn_mask_blocks): the Hopper kernels' query tiles are
+// 64 rows per warpgroup, their key tiles 64 to 176 keys.
+constexpr int kMaskBlock = 64;
+
 // Strides (in elements) of one [B, S, H, D] tensor.
 struct TensorStrides {
   int64_t batch = 0;
@@ -117,6 +122,16 @@ struct AttentionFwdParams {
   const void* attn_bias = nullptr;
   BiasType attn_bias_type = BiasType::kNone;
   BiasStrides attn_bias_strides;
+  // Summary of a boolean attn_mask per block of kMaskBlock x kMaskBlock
+  // elements (cuda/common/mask_blocks.cuh; CUDA only, computed on the stream
+  // before the Hopper kernels): bit 0 = some element attends, bit 1 = some
+  // element is masked. Block (b, h, i / kMaskBlock, j / kMaskBlock) sits at
+  // b*batch + h*head + (i / kMaskBlock)*row + (j / kMaskBlock)*col
+  // (attn_mask_block_strides, 0 where the mask broadcasts). Key tiles without
+  // an attending element are skipped, tiles without a masked one read no mask.
+  // nullptr = no summary (the kernels read every element).
+  uint8_t* attn_mask_blocks = nullptr;
+  BiasStrides attn_mask_block_strides;
   // Dropout on the attention probabilities (csrc/dropout.h): element (b, h, i, j)
   // is kept iff a 16-bit Philox random number is >= dropout_threshold
   // (round(dropout_p * 65536)), and kept values are scaled by dropout_scale =

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flash_attn_ext as fa
+from flash_attn_ext.ops import FlashAttnFunction
 from helpers import (assert_fa_rule, assert_grads_repeat, check_out_and_grads, gqa_attention,
                      kernel_names, make_qkv, make_varlen, padded_attention, randn, ref_and_base,
                      reference_and_baseline, varlen_attention)
@@ -427,6 +428,62 @@ def test_attn_mask(sm90, head_dim, kind, causal):
                         grad_atol=1e-5 * max(1, head_dim // 64))
     seen = torch.isfinite(ref[1])  # [B, H, Sq]
     assert torch.equal(grads[0][~seen], torch.zeros_like(grads[0][~seen]))
+
+
+def _structured_bool_mask(kind, batch, heads, sq, sk):
+    """Boolean masks whose 64-row x 64..176-key blocks are all masked, all attending or mixed
+    (the Hopper kernels' block summary, csrc/cuda/common/mask_blocks.cuh)."""
+    gen = torch.Generator().manual_seed(7)
+    if kind == "key_padding":  # [B, 1, 1, Sk]: trailing key tiles dropped; batch 1 sees nothing
+        lengths = torch.tensor([sk - 100, 0, 129][:batch])
+        return torch.arange(sk).view(1, 1, 1, sk) < lengths.view(batch, 1, 1, 1)
+    if kind == "key_prefix":  # leading key tiles masked
+        return (torch.arange(sk) >= 200).view(1, 1, 1, sk).expand(batch, 1, 1, sk)
+    if kind == "query_padding":  # [B, 1, Sq, 1]: trailing query tiles see nothing
+        lengths = torch.tensor([sq - 70, 65, sq][:batch])
+        return torch.arange(sq).view(1, 1, sq, 1) < lengths.view(batch, 1, 1, 1)
+    # [1, H, Sq, Sk] blocks: masked, attending and random, a hole in the middle of each row
+    # and a band of rows that see nothing
+    block = torch.randint(0, 3, (heads, (sq + 63) // 64, (sk + 63) // 64), generator=gen)
+    block[:, :, 2] = 0
+    full = block.repeat_interleave(64, 1).repeat_interleave(64, 2)[:, :sq, :sk]
+    rand = torch.rand((heads, sq, sk), generator=gen) > 0.4
+    mask = (full == 1) | ((full == 2) & rand)
+    mask[:, 130:200] = False
+    return mask.unsqueeze(0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kind", ["key_padding", "key_prefix", "query_padding", "blocks"])
+@pytest.mark.parametrize("causal,deterministic", [(False, False), (True, False), (False, True)])
+def test_attn_mask_block_summary(sm90, head_dim, kind, causal, deterministic):
+    # Boolean masks with whole blocks masked or attending: the forward and backward drop the
+    # key / query tiles at the ends of their ranges that nothing attends to and read no mask
+    # where nothing is masked; values and gradients as the reference, zeros where a row sees
+    # nothing, and bit-identical repeats in the deterministic mode.
+    batch, heads, sq, sk = 2, 4, 333, 555
+    dtype = torch.bfloat16
+    q = randn((batch, heads, sq, head_dim), dtype, DEVICE, 1, True)
+    k = randn((batch, 2, sk, head_dim), dtype, DEVICE, 2, True)
+    v = randn((batch, 2, sk, head_dim), dtype, DEVICE, 3, True)
+    mask = _structured_bool_mask(kind, batch, heads, sq, sk).to(DEVICE)
+    # The operator in the [B, S, H, D] layout, top-left causal (torch SDPA's), with the mask.
+    out = FlashAttnFunction.apply(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), head_dim ** -0.5, causal, False,
+        deterministic, 0, 0, None, -1, -1, 0.0, None, 0.0, None, mask)[0].transpose(1, 2)
+    dout = randn(out.shape, dtype, DEVICE, 4)
+    names = kernel_names(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    assert any(SM90_BWD_KERNEL in n for n in names)
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=deterministic)
+    ref, base = ref_and_base(
+        lambda q, k, v: gqa_attention(q, k, v, causal, bottom_right=False, layout="bhsd",
+                                      attn_mask=mask), (q, k, v), dout)
+    check_out_and_grads(out, grads, ref, base, dtype, grad_atol=1e-5 * max(1, head_dim // 64))
+    seen = torch.isfinite(ref[1])
+    assert torch.equal(out[~seen], torch.zeros_like(out[~seen]))
+    assert torch.equal(grads[0][~seen], torch.zeros_like(grads[0][~seen]))
+    if deterministic:
+        assert_grads_repeat(out, (q, k, v), dout, grads, 2)
 
 
 # ---- dropout (the variant kernels' dropout branch) -------------------------------------------

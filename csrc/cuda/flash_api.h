@@ -38,6 +38,15 @@ void fwd_set_kv_l2_policy(AttentionFwdParams& params, int64_t l2_cache_bytes);
 // (e.g. a head dim that was not compiled in).
 void run_fwd(AttentionFwdParams& params, cudaStream_t stream);
 
+// ---- boolean attn_mask summary (common/mask_blocks.cuh) --------------------
+// Bytes of the block summary of params' attn_mask: 0 unless it is a boolean
+// mask of a padded batch. The op layer allocates them (after any change to
+// params' shape) and calls set_attn_mask_blocks; the Hopper launchers then
+// fill them (compute_attn_mask_blocks, mask_blocks.cuh) on the stream before
+// their kernels.
+int64_t attn_mask_blocks_bytes(const AttentionFwdParams& params);
+void set_attn_mask_blocks(AttentionFwdParams& params, uint8_t* blocks);
+
 // ---- backward ------------------------------------------------------------
 // fp32 scratch (in floats) for D = rowsum(dO*O), the dQ accumulator(s), etc.
 int64_t bwd_workspace_floats(const AttentionBwdParams& params, int num_sms);

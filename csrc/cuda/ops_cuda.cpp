@@ -77,6 +77,17 @@ void point_at_inputs(AttentionFwdParams& p, const at::Tensor& q, const at::Tenso
   p.head_dim = static_cast<int>(q.size(-1));
 }
 
+// The block summary of a boolean attn_mask (cuda/common/mask_blocks.cuh),
+// allocated here and filled by the Hopper launchers; an undefined tensor when
+// the call has none. Keep the result alive until the kernels are queued.
+at::Tensor attach_attn_mask_blocks(AttentionFwdParams& p, const at::Tensor& q) {
+  const int64_t bytes = cuda::attn_mask_blocks_bytes(p);
+  if (bytes == 0) return {};
+  at::Tensor blocks = at::empty({bytes}, q.options().dtype(at::kByte));
+  cuda::set_attn_mask_blocks(p, blocks.data_ptr<uint8_t>());
+  return blocks;
+}
+
 // Grouped-query decode (one query per sequence): the `group` query heads that
 // share a kv head become `group` query rows of that kv head, so each K/V tile
 // is read once per kv head instead of once per query head. q [B, 1, H, D] is
@@ -157,6 +168,7 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
       workspace = at::empty({ws_floats}, q.options().dtype(at::kFloat));
       cuda::fwd_set_workspace(p, workspace.data_ptr<float>(), splits);
     }
+    const at::Tensor mask_blocks = attach_attn_mask_blocks(p, q);
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     call_kernels([&] { cuda::run_fwd(p, stream); });
   }
@@ -249,6 +261,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     at::Tensor workspace =
         at::empty({cuda::bwd_workspace_floats(p, sms)}, q.options().dtype(at::kFloat));
     cuda::bwd_set_workspace(p, workspace.data_ptr<float>(), sms);
+    const at::Tensor mask_blocks = attach_attn_mask_blocks(p, q);
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     call_kernels([&] { cuda::run_bwd(p, sms, stream); });
   }

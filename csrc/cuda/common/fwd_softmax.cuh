@@ -231,7 +231,8 @@ FAE_DEVICE void add_attn_mask(float (&s)[kMmaM][kTilesN][4], const Mask& mask, i
 // caller's OnlineSoftmax::update_scores_folded applies it inside its exp2 FMA
 // (no multiply pass; without modifiers the raw scores stay as they are).
 // mask_elements = false skips the element mask (a tile inside the window of
-// all the lane's rows: key_tile_inside_window).
+// all the lane's rows: key_tile_inside_window), read_attn_mask = false the
+// attn_mask (a tile that it masks nowhere: mask_blocks.cuh).
 // One pass over the tile per modifier, each behind one uniform branch: with the
 // branches per element (score_log2 in the loop) the compiler issued every
 // element's dependent chain, attn_mask loads included, one after the other
@@ -241,7 +242,8 @@ FAE_DEVICE void add_attn_mask(float (&s)[kMmaM][kTilesN][4], const Mask& mask, i
 // need not pay for).
 template <bool kAttnMask, bool kFold, int kMmaM, int kTilesN>
 FAE_DEVICE float score_and_mask_variants(float (&s)[kMmaM][kTilesN][4], const ScoreVariants& v,
-                                         int row_base, int col_base, bool mask_elements) {
+                                         int row_base, int col_base, bool mask_elements,
+                                         bool read_attn_mask = true) {
   constexpr float kLog2e = 1.4426950408889634f;
   const bool softcap = v.mask.has_softcap();
   const float unit = kFold ? (softcap ? v.softcap_log2 : v.scale_log2) : 1.f;
@@ -275,9 +277,11 @@ FAE_DEVICE float score_and_mask_variants(float (&s)[kMmaM][kTilesN][4], const Sc
     }
   }
   if constexpr (kAttnMask) {
-    with_bias_type(v.mask.bias_type, [&](auto type) {
-      add_attn_mask<decltype(type)::value>(s, v.mask, row_base, col_base, kLog2e / unit);
-    });
+    if (read_attn_mask) {
+      with_bias_type(v.mask.bias_type, [&](auto type) {
+        add_attn_mask<decltype(type)::value>(s, v.mask, row_base, col_base, kLog2e / unit);
+      });
+    }
   }
   if (mask_elements) {
 #pragma unroll

@@ -146,6 +146,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     query_tiles = {kIsCausal ? max(0, n0 - seq.causal_offset) / kBlockM : 0,
                    (seq.seqlen_q + kBlockM - 1) / kBlockM};
   }
+  if constexpr (kHasAttnMask) {
+    // A boolean attn_mask's summary: query tiles at either end of which no
+    // row attends to a key of this tile are dropped (not in the deterministic
+    // mode, whose dQ order expects every tile of the window).
+    if (params.attn_mask_blocks != nullptr && !params.deterministic) {
+      // Summary blocks: kMaskBlock rows x 64 keys (one consumer's keys).
+      const int c0 = n0 / 64, c1 = (min(n0 + kBlockN, seq.seqlen_k) - 1) / 64;
+      auto attends = [&](int m) {
+        const int r1 = (min((m + 1) * kBlockM, seq.seqlen_q) - 1) / kMaskBlock;
+        uint32_t bits = 0;
+        for (int r = m * kBlockM / kMaskBlock; r <= r1; ++r) {
+          for (int c = c0; c <= c1; ++c) bits |= attn_mask_block(params, b, h, r, c);
+        }
+        return (bits & kMaskBlockAttends) != 0u;
+      };
+      while (query_tiles.end > query_tiles.begin && !attends(query_tiles.end - 1)) --query_tiles.end;
+      while (query_tiles.begin < query_tiles.end && !attends(query_tiles.begin)) ++query_tiles.begin;
+    }
+  }
   const int m_begin = query_tiles.begin, m_end = query_tiles.end;
   // Packed (varlen) tensors are one batch entry of total rows; this
   // sequence's rows start at row0 (params.h).
@@ -297,6 +316,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // This warpgroup's 64 keys (rows of S^T, dK, dV) within the tile, and its
   // first dK / dV column.
   const int wg_key0 = Traits::kSplitHeadDim ? 0 : wg * 64;
+  static_assert(Traits::kSplitHeadDim ? kBlockN == 64 : kBlockN == 64 * Traits::kConsumerWarpgroups,
+                "each consumer's keys are one 64-key block of the attn_mask summary");
   const int wg_col0 = Traits::kSplitHeadDim ? wg * kGradCols : 0;
 
   // Accumulator layout of m64nN (per warp 16 rows, as mma.sync m16n8):
@@ -419,9 +440,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const ScoreVariants variants = make_variants();
       const bool mask_elements =
           !bwd_sm90_keys_inside_window<kBlockM, 64>(variants.mask, m_block, n0 + wg_key0);
+      bool read_attn_mask = true;
+      if constexpr (kHasAttnMask) {
+        if (params.attn_mask_blocks != nullptr && n0 + wg_key0 < seq.seqlen_k) {
+          const int r1 = (min((m_block + 1) * kBlockM, seq.seqlen_q) - 1) / kMaskBlock;
+          uint32_t bits = 0;
+          for (int r = m_block * kBlockM / kMaskBlock; r <= r1; ++r) {
+            bits |= attn_mask_block(params, b, h, r, (n0 + wg_key0) / 64);
+          }
+          read_attn_mask = (bits & kMaskBlockMasks) != 0u;
+        }
+      }
       if (variants.mask.has_score_mod() || mask_elements) {
         scale_log2 = bwd_sm90_variant_scores<kBlockM, kHasAttnMask>(
-            s, variants, query_base, n0 + key_row, softcapped, mask_elements);
+            s, variants, query_base, n0 + key_row, softcapped, mask_elements, read_attn_mask);
       }
     }
     const bool needs_mask = kIsCausal && n0 + kBlockN - 1 > m_block * kBlockM + seq.causal_offset;

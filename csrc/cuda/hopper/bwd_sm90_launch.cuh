@@ -66,15 +66,18 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // to the last tiles first (its dQ order needs that).
   const int n_tiles = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const dim3 grid(n_tiles, params.heads, params.batch);
+  AttentionBwdParams kernel_params = params;  // + the attn_mask summary's strides
   auto launch = [&](auto kernel) {
     bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Traits::kSmemBytes),
                    "shared-memory opt-in");
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, tmap_do,
-                                                                    tmap_dq_accum, params);
+                                                                    tmap_dq_accum, kernel_params);
     bwd_check_cuda(cudaGetLastError(), "Hopper kernel launch");
   };
   if (n_tiles > 0) {
+    // A boolean attn_mask's block summary, per consumer's 64 keys.
+    if (kHasVariants) compute_attn_mask_blocks(kernel_params, 64, stream);
     // Varlen and seqused_k read per-sequence bounds (and zero rows past them);
     // the padded batch keeps them in the constant bank.
     // Variants: attn_mask calls (padded batches, maybe seqused_k) take the

@@ -25,6 +25,7 @@
 #include "../../mask.h"
 #include "../common/dropout_tile.cuh"
 #include "../common/fwd_softmax.cuh"
+#include "../common/mask_blocks.cuh"
 #include "../common/ptx.cuh"
 
 namespace flash_attn_ext {
@@ -101,14 +102,15 @@ FAE_DEVICE void bwd_sm90_add_attn_mask(float (&s)[kCols / 8][4], const Mask& mas
 // log2(e) with softcap, else softmax_scale * log2(e) when > 0, else 1), which
 // the caller's exp2(s * unit - lse) applies: no multiply pass. mask_elements = false: the
 // warpgroup's keys are inside the window of every row of the tile
-// (bwd_sm90_keys_inside_window), no element mask. The mask per element is a
+// (bwd_sm90_keys_inside_window), no element mask; read_attn_mask = false: the
+// attn_mask masks nothing there (mask_blocks.cuh). The mask per element is a
 // range of query rows per key: a thread's keys are fixed.
 // kAttnMask: the kernel instantiated for attn_mask calls (its loads cost
 // registers that the others keep).
 template <int kCols, bool kAttnMask>
 FAE_DEVICE float bwd_sm90_variant_scores(float (&s)[kCols / 8][4], const ScoreVariants& v,
                                          int query_base, int key0, bool softcapped,
-                                         bool mask_elements) {
+                                         bool mask_elements, bool read_attn_mask) {
   constexpr float kLog2e = 1.4426950408889634f;
   float unit = softcapped ? v.softcap_log2 : v.scale_log2;
   if (!(unit > 0.f)) {
@@ -148,6 +150,7 @@ FAE_DEVICE float bwd_sm90_variant_scores(float (&s)[kCols / 8][4], const ScoreVa
     }
   }
   if constexpr (kAttnMask) {
+    if (!read_attn_mask) return unit;
     with_bias_type(v.mask.bias_type, [&](auto type) {
       bwd_sm90_add_attn_mask<decltype(type)::value, kCols>(s, v.mask, query_base, key0, rows,
                                                            kLog2e / unit);

@@ -35,6 +35,7 @@
 #include "../common/ptx.cuh"
 #include "../common/dropout_tile.cuh"
 #include "../common/fwd_softmax.cuh"
+#include "../common/mask_blocks.cuh"
 #include "sm90_primitives.cuh"
 #include "wgmma_ops.cuh"
 
@@ -131,10 +132,12 @@ struct FwdSm90Traits {
   // one); every slot beyond 2 lets one more slice load a whole tile ahead.
   static constexpr int kQRing = kQRing_;
   static constexpr int kQSliceRows = 64;
+  static_assert(kQSliceRows == kMaskBlock, "a warpgroup's rows are one row block of the attn_mask summary");
   static constexpr int kQSliceBytes = kQSliceRows * kHeadDim * 2;
-  // mbarriers, then the tile index the producer hands to the consumers (one
-  // int per Q slot).
-  static constexpr int kBarrierBytes = 8 * (2 * kQRing + 4 * kStages) + 4 * kQRing;
+  // mbarriers, then what the producer hands to the consumers: per Q slot the
+  // tile index and its key-tile range (3 ints), per K stage which warpgroups
+  // must read the attn_mask there (attn_mask kernels).
+  static constexpr int kBarrierBytes = 8 * (2 * kQRing + 4 * kStages) + 12 * kQRing + 4 * kStages;
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes =
       kQRing * kQSliceBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
@@ -205,7 +208,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // acquire) and rewrites it only after q_empty, i.e. after every consumer of
   // the slice has read it. An index >= num_tiles (sent without a Q load)
   // tells the consumers to stop.
-  auto tile_slot = [&](int slot) { return bar0 + 8 * (2 * kQRing + 4 * kStages) + 4 * slot; };
+  auto tile_slot = [&](int slot) { return bar0 + 8 * (2 * kQRing + 4 * kStages) + 12 * slot; };
+  // attn_mask kernels: bit w set = consumer warpgroup w reads the mask on the
+  // K tile of this stage (written before k_full's arrive, read before k_empty's).
+  auto mask_reads_slot = [&](int stage) {
+    return bar0 + 8 * (2 * kQRing + 4 * kStages) + 12 * kQRing + 4 * stage;
+  };
   // Slice u (= 2 * tile_count + warpgroup) of the ring: slot and phase.
   auto q_slot_of = [&](int u) { return u % kQRing; };
   auto q_phase_of = [&](int u) { return static_cast<uint32_t>((u / kQRing) & 1); };
@@ -223,7 +231,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     int m_block, h, b, h_k;
     KeyTileRange keys;
   };
-  auto tile_at = [&](int t) {
+  // trim (attn_mask kernels, producer only: the consumers get the range
+  // through the tile slot; the trimming loop would cost them registers).
+  auto tile_at = [&](int t, bool trim) {
     Tile tile;
     tile.m_block = num_m_blocks - 1 - t % num_m_blocks;
     const int bh = t / num_m_blocks;
@@ -234,6 +244,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if constexpr (kHasVariants) {
       tile.keys = key_tile_range_variants<kBlockM, kBlockN>(seq, make_window(params, seq),
                                                             tile.m_block, 0, 1);
+      if constexpr (kAttnMask) {
+        // A boolean attn_mask's summary: key tiles at either end that no row
+        // of the tile attends to are dropped (a padding mask's tail).
+        if (trim && params.attn_mask_blocks != nullptr) {
+          // Row blocks of the summary (kMaskBlock = 64 rows, one per warpgroup).
+          const int r0 = tile.m_block * kBlockM / kMaskBlock;
+          const int r1 = (min((tile.m_block + 1) * kBlockM, seq.seqlen_q) - 1) / kMaskBlock;
+          auto attends = [&](int n) {
+            uint32_t bits = 0;
+            for (int r = r0; r <= r1; ++r) bits |= attn_mask_block(params, tile.b, tile.h, r, n);
+            return (bits & kMaskBlockAttends) != 0u;
+          };
+          while (tile.keys.end > tile.keys.begin && !attends(tile.keys.end - 1)) --tile.keys.end;
+          while (tile.keys.begin < tile.keys.end && !attends(tile.keys.begin)) ++tile.keys.begin;
+        }
+      }
     } else {
       tile.keys = key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, 0, 1);
     }
@@ -276,6 +302,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             const int slot = q_slot_of(u);
             mbar_wait(q_empty(slot), q_phase_of(u) ^ 1);
             st_shared_b32(tile_slot(slot), static_cast<uint32_t>(t));
+            if (kAttnMask && tile != nullptr) {
+              st_shared_b32(tile_slot(slot) + 4, static_cast<uint32_t>(tile->keys.begin));
+              st_shared_b32(tile_slot(slot) + 8, static_cast<uint32_t>(tile->keys.end));
+            }
             if (tile == nullptr) {
               mbar_arrive(q_full(slot));
               continue;
@@ -290,12 +320,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           send_q(nullptr);
           break;
         }
-        const Tile tile = tile_at(t);
+        const Tile tile = tile_at(t, true);
         // K_n then V_n into ring stage (kv_count % kStages) once the
         // consumers released the K / V held there kStages key tiles earlier.
         auto load_k = [&](int n_block, int count) {
           const int stage = count % kStages;
           mbar_wait(k_empty(stage), ((count / kStages) & 1) ^ 1);
+          if constexpr (kAttnMask) {
+            uint32_t reads = 3u;  // without a summary both warpgroups read
+            if (params.attn_mask_blocks != nullptr) {
+              const SeqBounds seq = seq_bounds<false>(params, tile.b);
+              reads = 0u;
+              for (int w = 0; w < Traits::kConsumerWarpgroups; ++w) {
+                const int row0 = tile.m_block * kBlockM + w * 64;
+                if (row0 < seq.seqlen_q &&
+                    (attn_mask_block(params, tile.b, tile.h, row0 / kMaskBlock, n_block) &
+                     kMaskBlockMasks)) {
+                  reads |= 1u << w;
+                }
+              }
+            }
+            st_shared_b32(mask_reads_slot(stage), reads);
+          }
           mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
           tma_load_tile<kChunks>(&tmap_k, k_smem(stage), kBlockN, k_full(stage),
                                  n_block * kBlockN, tile.h_k, tile.b);
@@ -388,7 +434,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot(q_slot))) : 0, 0);
     if (t >= num_tiles) break;
     desc_q = smem_desc_sw128(q_smem(q_slot), 16, 1024);
-    const Tile tile = tile_at(t);
+    Tile tile = tile_at(t, false);
+    if constexpr (kAttnMask) {  // the producer's range (trimmed to the mask)
+      tile.keys.begin = __shfl_sync(
+          0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot(q_slot) + 4)) : 0, 0);
+      tile.keys.end = __shfl_sync(
+          0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot(q_slot) + 8)) : 0, 0);
+    }
     const SeqBounds seq = seq_bounds<false>(params, tile.b);
     const int n_tiles = tile.keys.end - tile.keys.begin;
     // Accumulator layout of m64nN (per warp: 16 rows, as mma.sync m16n8):
@@ -404,8 +456,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // parameters (constant bank) rather than held across the loop: kept live,
     // their ~30 registers made the D = 128 / 256 consumers spill inside the
     // softmax (5x slower with ALiBi, H100).
+    // mask_reads: this warpgroup reads the attn_mask on the tile (attn_mask
+    // kernels; from the producer's mask_reads_slot).
     auto softmax_tile = [&](OnlineSoftmax<1>& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
-                            float (&rescale)[1][2]) {
+                            float (&rescale)[1][2], bool mask_reads) {
       const int col_base = n_block * kBlockN + 2 * (lane % 4);
       if constexpr (kHasVariants) {
         const ScoreVariants variants = ScoreVariants::make(params, seq, tile.b, tile.h);
@@ -416,7 +470,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const bool mask_elements =
             !key_tile_inside_window<kBlockN>(variants.mask, wg_first_row, wg_last_row, n_block);
         const float unit = score_and_mask_variants<kAttnMask, /*kFold=*/true>(
-            s, variants, row_base, col_base, mask_elements);
+            s, variants, row_base, col_base, mask_elements, mask_reads);
         softmax.update_scores_folded(s, unit, rescale);
         // Dropout on P after the row sums (csrc/dropout.h): the accumulator layout
         // is mma.sync's, so one Philox call per row per 32 keys.
@@ -428,6 +482,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             s, params.scale_log2, row_base, col_base, seq.seqlen_k, seq.causal_offset);
       }
       softmax.update_scores_folded(s, params.scale_log2, rescale);
+    };
+
+    // Lane 0 reads the stage's word before it releases the stage (k_empty),
+    // after which the producer may rewrite it.
+    auto read_mask_flag = [&](int stage) {
+      if constexpr (!kAttnMask) return false;
+      const uint32_t reads = __shfl_sync(0xffffffffu, lane == 0 ? ld_shared_b32(mask_reads_slot(stage)) : 0u, 0);
+      return ((reads >> wg) & 1u) != 0u;
     };
 
     float o[1][kHeadDim / 8][4];
@@ -458,11 +520,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       gemm_turn_end();
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
+      bool mask_reads = read_mask_flag(stage_of(0));
       if (lane == 0) {
         mbar_arrive(k_empty(stage_of(0)));
         if (n_tiles == 1) mbar_arrive(q_empty(q_slot));
       }
-      softmax_tile(softmax, s, tile.keys.end - 1, rescale);  // O is still 0: no rescale
+      softmax_tile(softmax, s, tile.keys.end - 1, rescale, mask_reads);  // O is 0: no rescale
       accumulators_to_a_fragments<T, kBlockN>(s[0], p);  // P: A operand of P V
 
       for (int i = 1; i < n_tiles; ++i) {
@@ -475,11 +538,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         gemm_turn_end();
         wgmma_wait<1>();  // S_i done (groups retire in order), P V still running
         fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
+        mask_reads = read_mask_flag(stage_of(i));
         if (lane == 0) {
           mbar_arrive(k_empty(stage_of(i)));
           if (i == n_tiles - 1) mbar_arrive(q_empty(q_slot));
         }
-        softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale);
+        softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale, mask_reads);
         wgmma_wait<0>();
         fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
         fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(p));

@@ -60,9 +60,12 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
                                cudaGetErrorString(err));
     }
   }
+  // A boolean attn_mask's block summary, at this kernel's key tiles.
+  AttentionFwdParams kernel_params = params;
+  if (kHasVariants) compute_attn_mask_blocks(kernel_params, Traits::kBlockN, stream);
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, device_sm_count())));
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, params,
-                                                                  tile_counter);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v,
+                                                                  kernel_params, tile_counter);
   err = cudaGetLastError();
   if (err != cudaSuccess) {
     throw std::runtime_error(std::string("flash_attn_ext: Hopper forward kernel launch: ") +

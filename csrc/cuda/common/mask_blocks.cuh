@@ -1,0 +1,38 @@
+// Block summary of a boolean attn_mask (params.h, attn_mask_blocks): for
+// blocks of kMaskBlock query rows x block_cols keys (block_cols: the key tile
+// of the kernel that reads it, given to compute_attn_mask_blocks), whether
+// some element attends (bit 0) and whether some element is masked (bit 1).
+// The Hopper kernels trim key tiles (forward) or query tiles (backward) that
+// nothing attends to from the ends of their ranges, and skip the
+// per-element mask reads of tiles that nothing masks: a key-padding mask then
+// costs what the shorter sequence costs. One byte per block, so that the
+// forward's producer warp (24 registers) reads a tile's summary with one load.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../params.h"
+#include "ptx.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+constexpr uint32_t kMaskBlockAttends = 1u;  // some element attends
+constexpr uint32_t kMaskBlockMasks = 2u;    // some element is masked
+
+// Sets params.attn_mask_block_strides for blocks of kMaskBlock x block_cols
+// (block_cols a multiple of 16, >= kMaskBlock: the op layer sized the buffer
+// for kMaskBlock) and fills params.attn_mask_blocks (when set) from the mask
+// on `stream`; mask_blocks.cu.
+void compute_attn_mask_blocks(AttentionFwdParams& params, int block_cols, cudaStream_t stream);
+
+// The summary of row block r (rows [r, r + 1) * kMaskBlock) and column block
+// c of (b, h); broadcast dimensions have stride 0.
+FAE_DEVICE uint32_t attn_mask_block(const AttentionFwdParams& p, int b, int h, int r, int c) {
+  const BiasStrides& st = p.attn_mask_block_strides;
+  return p.attn_mask_blocks[b * st.batch + h * st.head + r * st.row + c * st.col];
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext
