@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1, help="repeat every config, rotating backends")
     p.add_argument("--backends", default="ours,plain,flex,cudnn")
     p.add_argument("--csv", default=None, help="write every row to this CSV file")
+    p.add_argument("--only", default=None,
+                   help="comma-separated variants to run (window, softcap, alibi, mask, dropout)")
     return p.parse_args(argv)
 
 
@@ -197,7 +199,10 @@ def main(argv=None):
         backends = [b for b in backends if b not in ("flex", "cudnn")]
     H, D = (4, 64) if args.quick else (16, args.head_dim)
     rows = []
+    wanted = set(args.only.split(",")) if args.only else None
     for cfg in configs(args.quick):
+        if wanted is not None and cfg["name"] not in wanted:
+            continue
         gen = torch.Generator(device="cpu").manual_seed(0)
         sets = [tuple(torch.randn(cfg["B"], H, cfg["S"], D, generator=gen).to(device, dtype)
                       .requires_grad_() for _ in range(3)) for _ in range(2)]

@@ -131,7 +131,9 @@ struct AttentionFwdParams {
   // an attending element are skipped, tiles without a masked one read no mask.
   // nullptr = no summary (the kernels read every element).
   uint8_t* attn_mask_blocks = nullptr;
-  BiasStrides attn_mask_block_strides;
+  struct {
+    int batch = 0, head = 0, row = 0, col = 0;  // int: the summary has < 2^31 blocks
+  } attn_mask_block_strides;
   // Dropout on the attention probabilities (csrc/dropout.h): element (b, h, i, j)
   // is kept iff a 16-bit Philox random number is >= dropout_threshold
   // (round(dropout_p * 65536)), and kept values are scaled by dropout_scale =

@@ -396,12 +396,13 @@ def test_variants_rows_and_keys_nobody_sees(sm90):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("kind", ["bool", "additive", "additive_staged"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attn_mask(sm90, head_dim, kind, causal):
-    # torch SDPA's attn_mask through the Hopper backward (its attn_mask kernel): bool (some
-    # rows fully masked: zero dQ) and additive (fp16 with -inf entries), broadcast over the
-    # batch, GQA.
+    # torch SDPA's attn_mask through the Hopper kernels (their attn_mask instantiations): bool
+    # (some rows fully masked: zero dQ) and additive (fp16 with -inf entries), broadcast over
+    # the batch, GQA; additive_staged: bf16 rows of even stride, which the forward stages
+    # through shared memory at D = 64 / 128 (stage_attn_mask).
     sq, sk = 333, 555
     q = randn((2, 4, sq, head_dim), torch.float16, DEVICE, 1, True)
     k = randn((2, 2, sk, head_dim), torch.float16, DEVICE, 2, True)
@@ -412,9 +413,14 @@ def test_attn_mask(sm90, head_dim, kind, causal):
         mask = u > 0.3
         mask[:, :, 5] = False  # a row that sees nothing
         mask = mask.to(DEVICE)
-    else:
+    elif kind == "additive":
         mask = (torch.randn((1, 4, sq, sk), generator=gen) * 2).masked_fill(u < 0.2, float("-inf"))
         mask = mask.to(torch.float16).to(DEVICE)
+    else:
+        mask = (torch.randn((1, 4, sq, sk + 1), generator=gen) * 2)
+        mask[..., :sk].masked_fill_(u < 0.2, float("-inf"))
+        mask = mask.to(torch.bfloat16).to(DEVICE)[..., :sk]
+        assert mask.stride(2) % 2 == 0
     out = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           enable_gqa=True)
     dout = randn(out.shape, torch.float16, DEVICE, 4)

@@ -45,7 +45,7 @@ __global__ void attn_mask_blocks_kernel(const AttentionFwdParams p, int heads, i
   const bool attends = __syncthreads_or(bits & kMaskBlockAttends);
   const bool masks = __syncthreads_or(bits & kMaskBlockMasks);
   if (threadIdx.x == 0) {
-    const BiasStrides& out = p.attn_mask_block_strides;
+    const auto& out = p.attn_mask_block_strides;
     p.attn_mask_blocks[b * out.batch + h * out.head + blockIdx.y * out.row + blockIdx.x * out.col] =
         static_cast<uint8_t>((attends ? kMaskBlockAttends : 0u) | (masks ? kMaskBlockMasks : 0u));
   }
@@ -74,12 +74,15 @@ void compute_attn_mask_blocks(AttentionFwdParams& params, int block_cols, cudaSt
   }
   const MaskBlockShape s = mask_block_shape(params, block_cols);
   const BiasStrides& st = params.attn_bias_strides;
-  params.attn_mask_block_strides = {st.batch == 0 ? 0 : s.heads * s.row_blocks * s.col_blocks,
-                                    st.head == 0 ? 0 : s.row_blocks * s.col_blocks,
-                                    st.row == 0 ? 0 : s.col_blocks, st.col == 0 ? 0 : 1};
-  if (s.batch * s.heads > 65535 || s.row_blocks > 65535) {
+  if (s.batch * s.heads > 65535 || s.row_blocks > 65535 ||
+      s.batch * s.heads * s.row_blocks * s.col_blocks > 0x7fffffff) {
     throw std::runtime_error("flash_attn_ext: attn_mask too large for its block summary");
   }
+  auto& out = params.attn_mask_block_strides;
+  out.batch = static_cast<int>(st.batch == 0 ? 0 : s.heads * s.row_blocks * s.col_blocks);
+  out.head = static_cast<int>(st.head == 0 ? 0 : s.row_blocks * s.col_blocks);
+  out.row = static_cast<int>(st.row == 0 ? 0 : s.col_blocks);
+  out.col = st.col == 0 ? 0 : 1;
   const dim3 grid(static_cast<unsigned>(s.col_blocks), static_cast<unsigned>(s.row_blocks),
                   static_cast<unsigned>(s.batch * s.heads));
   attn_mask_blocks_kernel<<<grid, kThreads, 0, stream>>>(params, static_cast<int>(s.heads),

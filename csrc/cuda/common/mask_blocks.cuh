@@ -27,11 +27,21 @@ constexpr uint32_t kMaskBlockMasks = 2u;    // some element is masked
 // on `stream`; mask_blocks.cu.
 void compute_attn_mask_blocks(AttentionFwdParams& params, int block_cols, cudaStream_t stream);
 
-// The summary of row block r (rows [r, r + 1) * kMaskBlock) and column block
-// c of (b, h); broadcast dimensions have stride 0.
+// The summary's row r (rows [r, r + 1) * kMaskBlock) of (b, h), as an offset
+// into params.attn_mask_blocks; broadcast dimensions have stride 0.
+FAE_DEVICE int attn_mask_block_row(const AttentionFwdParams& p, int b, int h, int r) {
+  const auto& st = p.attn_mask_block_strides;
+  return b * st.batch + h * st.head + r * st.row;
+}
+
+// The summary of column block c in the row at offset `row` (attn_mask_block_row).
+FAE_DEVICE uint32_t attn_mask_block_at(const AttentionFwdParams& p, int row, int c) {
+  return p.attn_mask_blocks[row + c * p.attn_mask_block_strides.col];
+}
+
+// The summary of row block r and column block c of (b, h).
 FAE_DEVICE uint32_t attn_mask_block(const AttentionFwdParams& p, int b, int h, int r, int c) {
-  const BiasStrides& st = p.attn_mask_block_strides;
-  return p.attn_mask_blocks[b * st.batch + h * st.head + r * st.row + c * st.col];
+  return attn_mask_block_at(p, attn_mask_block_row(p, b, h, r), c);
 }
 
 }  // namespace cuda

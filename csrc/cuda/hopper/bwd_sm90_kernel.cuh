@@ -124,6 +124,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto dq_empty = [&](int w, int buf) {
     return bar0 + 8 * (1 + 2 * kStages + (Traits::kConsumerWarpgroups + w) * kDqBuffers + buf);
   };
+  // attn_mask kernels: per Q/dO stage, bit w = consumer w's keys need the mask
+  // on that step (the loader writes it before qdo_full's arrive).
+  auto mask_reads_slot = [&](int stage) {
+    return bar0 + 8 * (1 + 2 * kStages + 2 * Traits::kConsumerWarpgroups * kDqBuffers) + 4 * stage;
+  };
 
   const int h = blockIdx.y, b = blockIdx.z;
   const int h_k = h / (params.heads / params.heads_k);
@@ -230,8 +235,31 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int i = 0; m_begin + i < m_end; ++i) {
         const int stage = i % kStages;
         mbar_wait(qdo_empty(stage), ((i / kStages) & 1) ^ 1);
-        mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes + Traits::kRowStatBytes);
         const int m0 = (m_begin + i) * kBlockM;
+        if constexpr (kHasAttnMask) {
+          // Bit w: consumer w's 64 keys need the mask on this step (the
+          // summary's blocks of kMaskBlock rows x 64 keys); all without one.
+          uint32_t reads = 3u;
+          if (params.attn_mask_blocks != nullptr) {
+            // The step's row blocks: one, or two of 128-query steps (the
+            // second only where it has rows).
+            const int row0 = attn_mask_block_row(params, b, h, m0 / kMaskBlock);
+            const int row1 = kBlockM > kMaskBlock && m0 + kMaskBlock < seq.seqlen_q
+                                 ? row0 + params.attn_mask_block_strides.row
+                                 : row0;
+            reads = 0u;
+#pragma unroll
+            for (int w = 0; w < kBlockN / 64; ++w) {
+              const int c = min(n0 / 64 + w, (seq.seqlen_k - 1) / 64);
+              if ((attn_mask_block_at(params, row0, c) | attn_mask_block_at(params, row1, c)) &
+                  kMaskBlockMasks) {
+                reads |= 1u << w;
+              }
+            }
+          }
+          st_shared_b32(mask_reads_slot(stage), reads);  // before qdo_full's arrive
+        }
+        mbar_arrive_expect_tx(qdo_full(stage), 2 * Traits::kQBytes + Traits::kRowStatBytes);
         bulk_load(lse_smem(stage), row_stats_head + m0, kBlockM * 4, qdo_full(stage));
         bulk_load(dsum_smem(stage), row_stats_head + dsum_offset + m0, kBlockM * 4,
                   qdo_full(stage));
@@ -432,24 +460,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // the window cuts for this warpgroup's keys, take bwd_sm90_variant_scores
   // first (then P = exp2(score * unit - lse), unit from it); softcapped: the
   // caller has applied the softcap's tanh (and kept df/ds).
-  auto scores_to_probs = [&](int m_block, float (&s)[kBlockM / 8][4], uint32_t lse_row_stat,
-                             const RowStat& lse_pre, bool softcapped) {
+  auto scores_to_probs = [&](int m_block, int stage, float (&s)[kBlockM / 8][4],
+                             uint32_t lse_row_stat, const RowStat& lse_pre, bool softcapped) {
     const int query_base = m_block * kBlockM + 2 * (lane % 4);  // + 8j + e % 2
     float scale_log2 = params.scale_log2;
     if constexpr (kHasVariants) {
       const ScoreVariants variants = make_variants();
       const bool mask_elements =
           !bwd_sm90_keys_inside_window<kBlockM, 64>(variants.mask, m_block, n0 + wg_key0);
+      // attn_mask: whether this consumer's keys need the mask on this step
+      // (the loader's word, from the mask's block summary).
       bool read_attn_mask = true;
       if constexpr (kHasAttnMask) {
-        if (params.attn_mask_blocks != nullptr && n0 + wg_key0 < seq.seqlen_k) {
-          const int r1 = (min((m_block + 1) * kBlockM, seq.seqlen_q) - 1) / kMaskBlock;
-          uint32_t bits = 0;
-          for (int r = m_block * kBlockM / kMaskBlock; r <= r1; ++r) {
-            bits |= attn_mask_block(params, b, h, r, (n0 + wg_key0) / 64);
-          }
-          read_attn_mask = (bits & kMaskBlockMasks) != 0u;
-        }
+        read_attn_mask = ((ld_shared_b32(mask_reads_slot(stage)) >> (wg_key0 / 64)) & 1u) != 0u;
       }
       if (variants.mask.has_score_mod() || mask_elements) {
         scale_log2 = bwd_sm90_variant_scores<kBlockM, kHasAttnMask>(
@@ -603,7 +626,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // Softcap: P^T after dP^T, which carries df/ds = 1 - tanh^2 from the
       // softcap to dS^T = P^T o ((dP^T - D) o df/ds) (no registers held for it).
       const bool softcap = kHasVariants && params.softcap > 0.f;
-      if (!softcap) scores_to_probs(m_block, s, lse_smem(stage), lse_log2, false);
+      if (!softcap) scores_to_probs(m_block, stage, s, lse_smem(stage), lse_log2, false);
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
       // Dropout: dS^T = P^T o (dP^T o Z^T - D) (o df/ds), and dV takes P^T o Z^T.
@@ -623,7 +646,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             dp[j][e] = (dp[j][e] - d[e % 2]) * (1.f - t * t);
           }
         }
-        scores_to_probs(m_block, s, lse_smem(stage), lse_log2, true);
+        scores_to_probs(m_block, stage, s, lse_smem(stage), lse_log2, true);
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
@@ -748,7 +771,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             }
             st_shared_v4_f32(p_slot + q * 128 * 16, dfds[0], dfds[1], dfds[2], dfds[3]);
           }
-          scores_to_probs(m_block, acc, lse_smem(stage), row_terms, true);
+          scores_to_probs(m_block, stage, acc, lse_smem(stage), row_terms, true);
           const float dropout_scale = params.dropout_scale;
 #pragma unroll
           for (int q = 0; q < kBlockM / 8; ++q) {
@@ -767,7 +790,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           accumulators_to_a_fragments<T, kBlockM>(acc, p_frag);
           store_ds(ds_buf, p_frag);
         } else {
-          scores_to_probs(m_block, acc, lse_smem(stage), row_terms, false);
+          scores_to_probs(m_block, stage, acc, lse_smem(stage), row_terms, false);
           if constexpr (kHasVariants) {
             if (dropout_on) {
 #pragma unroll

@@ -142,8 +142,10 @@ struct BwdSm90Traits {
   // the padded row statistics (params.h) that complete with Q and dO.
   static constexpr int kRowStatBytes = 2 * kBlockM * 4;
   // kv_full, qdo_full / qdo_empty per stage, dq_full / dq_empty per consumer
-  // and dQ buffer.
-  static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages + 2 * kConsumerWarpgroups * kDqBuffers);
+  // and dQ buffer; then a word per stage (attn_mask kernels: which consumers
+  // read the mask on the step).
+  static constexpr int kBarrierBytes =
+      8 * (1 + 2 * kStages + 2 * kConsumerWarpgroups * kDqBuffers) + 4 * kStages;
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
                                     kDqSmemBytes + kPBytes + kStages * kRowStatBytes + kBarrierBytes +

@@ -132,7 +132,8 @@ struct FwdSm90Traits {
   // one); every slot beyond 2 lets one more slice load a whole tile ahead.
   static constexpr int kQRing = kQRing_;
   static constexpr int kQSliceRows = 64;
-  static_assert(kQSliceRows == kMaskBlock, "a warpgroup's rows are one row block of the attn_mask summary");
+  static_assert(kQSliceRows == kMaskBlock && kConsumerWarpgroups == 2,
+                "a warpgroup's rows are one row block of the attn_mask summary, two per tile");
   static constexpr int kQSliceBytes = kQSliceRows * kHeadDim * 2;
   // mbarriers, then what the producer hands to the consumers: per Q slot the
   // tile index and its key-tile range (3 ints), per K stage which warpgroups
@@ -141,6 +142,16 @@ struct FwdSm90Traits {
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes =
       kQRing * kQSliceBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
+
+  // attn_mask kernels: scratch for a 16-bit additive mask's values of one key
+  // tile, staged per consumer thread (fwd_softmax.cuh, stage_attn_mask), where
+  // shared memory has room (not at D = 256); +16 aligns it after the barriers
+  // (16-byte cp.async).
+  static constexpr int kMaskScratchBytes = kConsumerWarps * kStagedMaskWarpBytes<kBlockN>;
+  static constexpr bool kStageAttnMask =
+      kBlockN % 64 == 0 && kSmemBytes + kMaskScratchBytes + 16 <= 227 * 1024;
+  static constexpr int kSmemBytesAttnMask =
+      kSmemBytes + (kStageAttnMask ? kMaskScratchBytes + 16 : 0);
 
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -214,6 +225,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto mask_reads_slot = [&](int stage) {
     return bar0 + 8 * (2 * kQRing + 4 * kStages) + 12 * kQRing + 4 * stage;
   };
+  const uint32_t mask_scratch = (bar0 + Traits::kBarrierBytes + 15) & ~15u;  // kStageAttnMask
   // Slice u (= 2 * tile_count + warpgroup) of the ring: slot and phase.
   auto q_slot_of = [&](int u) { return u % kQRing; };
   auto q_phase_of = [&](int u) { return static_cast<uint32_t>((u / kQRing) & 1); };
@@ -249,12 +261,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // of the tile attends to are dropped (a padding mask's tail).
         if (trim && params.attn_mask_blocks != nullptr) {
           // Row blocks of the summary (kMaskBlock = 64 rows, one per warpgroup).
-          const int r0 = tile.m_block * kBlockM / kMaskBlock;
-          const int r1 = (min((tile.m_block + 1) * kBlockM, seq.seqlen_q) - 1) / kMaskBlock;
+          // The tile's second row block only where it has rows.
+          const int row0 = attn_mask_block_row(params, tile.b, tile.h, tile.m_block * 2);
+          const bool two_rows = (tile.m_block * 2 + 1) * kMaskBlock < seq.seqlen_q;
+          const int row1 = two_rows ? row0 + params.attn_mask_block_strides.row : row0;
           auto attends = [&](int n) {
-            uint32_t bits = 0;
-            for (int r = r0; r <= r1; ++r) bits |= attn_mask_block(params, tile.b, tile.h, r, n);
-            return (bits & kMaskBlockAttends) != 0u;
+            return ((attn_mask_block_at(params, row0, n) | attn_mask_block_at(params, row1, n)) &
+                    kMaskBlockAttends) != 0u;
           };
           while (tile.keys.end > tile.keys.begin && !attends(tile.keys.end - 1)) --tile.keys.end;
           while (tile.keys.begin < tile.keys.end && !attends(tile.keys.begin)) ++tile.keys.begin;
@@ -330,15 +343,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             uint32_t reads = 3u;  // without a summary both warpgroups read
             if (params.attn_mask_blocks != nullptr) {
               const SeqBounds seq = seq_bounds<false>(params, tile.b);
-              reads = 0u;
-              for (int w = 0; w < Traits::kConsumerWarpgroups; ++w) {
-                const int row0 = tile.m_block * kBlockM + w * 64;
-                if (row0 < seq.seqlen_q &&
-                    (attn_mask_block(params, tile.b, tile.h, row0 / kMaskBlock, n_block) &
-                     kMaskBlockMasks)) {
-                  reads |= 1u << w;
-                }
-              }
+              // Row block 2 m_block + w is warpgroup w's (past the sequence:
+              // the last one's, whose rows are discarded).
+              const int row0 = attn_mask_block_row(params, tile.b, tile.h, tile.m_block * 2);
+              const int last = attn_mask_block_row(params, tile.b, tile.h,
+                                                   (seq.seqlen_q - 1) / kMaskBlock);
+              const int row1 = min(row0 + params.attn_mask_block_strides.row, last);
+              reads = (attn_mask_block_at(params, row0, n_block) & kMaskBlockMasks ? 1u : 0u) |
+                      (attn_mask_block_at(params, row1, n_block) & kMaskBlockMasks ? 2u : 0u);
             }
             st_shared_b32(mask_reads_slot(stage), reads);
           }
@@ -443,6 +455,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     const SeqBounds seq = seq_bounds<false>(params, tile.b);
     const int n_tiles = tile.keys.end - tile.keys.begin;
+    // A 16-bit additive attn_mask goes through this thread's scratch words:
+    // copied while the tile's GEMMs run (stage_mask), added in the softmax.
+    bool staged = false;
+    if constexpr (kAttnMask && Traits::kStageAttnMask) {
+      staged = attn_mask_stageable(make_mask(params, seq, tile.b, tile.h));
+    }
+    const uint32_t warp_scratch = mask_scratch + (wg * 4 + warp) * kStagedMaskWarpBytes<kBlockN>;
+    auto stage_mask = [&](int n_block) {
+      if constexpr (kAttnMask && Traits::kStageAttnMask) {
+        if (staged) {
+          stage_attn_mask<kBlockN>(warp_scratch, make_mask(params, seq, tile.b, tile.h),
+                                   tile.m_block * kBlockM + wg * 64 + warp * 16, n_block * kBlockN,
+                                   lane);
+        }
+      }
+    };
     // Accumulator layout of m64nN (per warp: 16 rows, as mma.sync m16n8):
     // acc[j][e], lane = 4g + q: e = 0,1 -> row g, cols 8j + 2q + {0,1};
     // e = 2,3 -> row g + 8. So fwd_softmax.cuh applies with one m-tile.
@@ -470,7 +498,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const bool mask_elements =
             !key_tile_inside_window<kBlockN>(variants.mask, wg_first_row, wg_last_row, n_block);
         const float unit = score_and_mask_variants<kAttnMask, /*kFold=*/true>(
-            s, variants, row_base, col_base, mask_elements, mask_reads);
+            s, variants, row_base, col_base, mask_elements, mask_reads && !staged);
+        if constexpr (kAttnMask && Traits::kStageAttnMask) {
+          if (staged) {
+            add_staged_attn_mask<kBlockN / 8>(s, warp_scratch, lane, variants.mask.bias_type,
+                                              1.4426950408889634f / unit);
+          }
+        }
         softmax.update_scores_folded(s, unit, rescale);
         // Dropout on P after the row sums (csrc/dropout.h): the accumulator layout
         // is mma.sync's, so one Philox call per row per 32 keys.
@@ -513,6 +547,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       auto stage_of = [&](int i) { return (kv_count + i) % kStages; };
       auto parity_of = [&](int i) { return static_cast<uint32_t>(((kv_count + i) / kStages) & 1); };
 
+      stage_mask(tile.keys.end - 1);
       mbar_wait(k_full(stage_of(0)), parity_of(0));
       gemm_turn_begin();
       wgmma_fence();
@@ -536,6 +571,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         issue_qk(s, stage_of(i));
         issue_pv(o, p, stage_of(i - 1));
         gemm_turn_end();
+        stage_mask(tile.keys.end - 1 - i);  // while the GEMMs run
         wgmma_wait<1>();  // S_i done (groups retire in order), P V still running
         fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
         mask_reads = read_mask_flag(stage_of(i));

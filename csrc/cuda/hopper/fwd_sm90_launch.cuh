@@ -29,8 +29,10 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   auto kernel = kHasVariants && params.attn_bias != nullptr
                     ? flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, kHasVariants>
                     : flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false>;
+  const int smem_bytes =
+      kHasVariants && params.attn_bias != nullptr ? Traits::kSmemBytesAttnMask : Traits::kSmemBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Traits::kSmemBytes);
+                                         smem_bytes);
   if (err != cudaSuccess) {
     throw std::runtime_error(std::string("flash_attn_ext: cudaFuncSetAttribute(Hopper forward): ") +
                              cudaGetErrorString(err));
@@ -64,8 +66,8 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   AttentionFwdParams kernel_params = params;
   if (kHasVariants) compute_attn_mask_blocks(kernel_params, Traits::kBlockN, stream);
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, device_sm_count())));
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v,
-                                                                  kernel_params, tile_counter);
+  kernel<<<grid, Traits::kNThreads, smem_bytes, stream>>>(tmap_q, tmap_k, tmap_v, kernel_params,
+                                                          tile_counter);
   err = cudaGetLastError();
   if (err != cudaSuccess) {
     throw std::runtime_error(std::string("flash_attn_ext: Hopper forward kernel launch: ") +
