@@ -28,6 +28,9 @@ are the result: every reference runs in the same process, on the same inputs, ri
      ours         flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=...)
                   with caches [B, S_cache, H_kv, D]
      ours_func    flash_attn_ext.flash_attn_func(q, k_cache, v_cache) (GQA, no cache API): info
+     ours_pagedP  flash_attn_with_kvcache on the same caches cut into pages of P tokens
+                  (P = 16, 64, 256: pools [B * S / P, P, H_kv, D] in a shuffled page order,
+                  int32 block_table [B, S / P]); the table shows their time over ours
      sdpa_<be>    F.scaled_dot_product_attention(q, k, v, enable_gqa=True) on [B, H, S, D]
                   inputs, pinned to flash, efficient, cudnn (and math on the CPU only)
      best_sdpa    the fastest sdpa_<be> of that row (its name in the note)
@@ -295,9 +298,23 @@ def run_varlen(run, sizes, progress):
 # 2. decode with GQA
 # ----------------------------------------------------------------------------------------------
 
+PAGE_SIZES = (16, 64, 256)
+
+
 def decode_backends(device):
     sdpa = ["sdpa_flash", "sdpa_efficient", "sdpa_cudnn"] + (["sdpa_math"] if device != "cuda" else [])
-    return ["ours", "ours_func"] + sdpa
+    return ["ours", "ours_func"] + [f"ours_paged{p}" for p in PAGE_SIZES] + sdpa
+
+
+def _paged(cache, page, order):
+    """cache [B, S, H_kv, D] as a pool of pages [B * S / page, page, H_kv, D] stored in
+    `order` (a permutation of the pages), and the block_table that finds them."""
+    B, S = cache.shape[:2]
+    pages = cache.reshape(B * (S // page), page, *cache.shape[2:])
+    pool = torch.empty_like(pages)
+    pool[order] = pages
+    table = order.view(B, S // page).to(torch.int32)
+    return pool, table
 
 
 def make_decode_fn(name, seqlens, device):
@@ -307,6 +324,21 @@ def make_decode_fn(name, seqlens, device):
         return lambda q, k, v: fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens)
     if name == "ours_func":
         return lambda q, k, v: fa.flash_attn_func(q, k, v)
+    if name.startswith("ours_paged"):
+        page = int(name[len("ours_paged"):])
+        paged = {}  # the pools of the caches of this size, built on the first (warm-up) call
+
+        def run(q, k, v):
+            if k.shape[1] % page != 0:
+                raise Skip(f"cache not a multiple of {page}")
+            if "pools" not in paged:
+                order = torch.randperm(k.shape[0] * (k.shape[1] // page),
+                                       generator=torch.Generator().manual_seed(0)).to(k.device)
+                (kp, table), (vp, _) = _paged(k, page, order), _paged(v, page, order)
+                paged["pools"] = (kp, vp, table)
+            kp, vp, table = paged["pools"]
+            return fa.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table)
+        return run
     if name.startswith("sdpa_"):
         be = name[len("sdpa_"):]
         if device != "cuda" and be in ("cudnn", "efficient"):
@@ -427,7 +459,8 @@ def print_decode_table(rows):
     frac = any(r["bw_frac"] is not None for r in rows)
     header = (["cache", "ours ms"] + [f"{b} GB/s" for b in backends] +
               (["ours %BW", "best %BW"] if frac else []) +
-              ["best sdpa", "ours/best", "ours/ours_func"])
+              ["best sdpa", "ours/best", "ours/ours_func"] +
+              [f"paged{p}/ours" for p in PAGE_SIZES])
     lines, ratios = [], []
     for S in sorted(by):
         res = by[S]
@@ -440,6 +473,8 @@ def print_decode_table(rows):
             ratios.append(sp)
         cells += [(best["note"] if best and best["ms"] else "-"), _fmt(sp, ".2f") or "-",
                   _fmt(res.get("ours_func", {}).get("ours_speedup"), ".2f") or "-"]
+        cells += [_fmt(res.get(f"ours_paged{p}", {}).get("ours_speedup"), ".3f") or "-"
+                  for p in PAGE_SIZES]
         lines.append(cells)
     _print(header, lines)
     if ratios:

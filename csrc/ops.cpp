@@ -7,6 +7,8 @@
 //                       -> (dq, dk, dv)
 //   with *variants = window_left, window_right, softcap, alibi_slopes, dropout_p,
 //                    rng_state, attn_mask
+//   fwd also takes block_table, cache_batch_idx, cache_leftpad last, varlen_fwd
+//   block_table (KV cache addressing, forward only; params.h).
 //   flash_attn_ext::varlen_fwd / varlen_bwd: the same over packed sequences
 //       (cu_seqlens_q / cu_seqlens_k, max_seqlen_q / max_seqlen_k; causal is
 //       bottom-right per sequence, as flash-attn's varlen API).
@@ -77,11 +79,15 @@ static std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at:
                                                   double softcap,
                                                   const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
                                                   const std::optional<at::Tensor>& rng_state,
-                                                  const std::optional<at::Tensor>& attn_mask) {
+                                                  const std::optional<at::Tensor>& attn_mask,
+                                                  const std::optional<at::Tensor>& block_table,
+                                                  const std::optional<at::Tensor>& cache_batch_idx,
+                                                  const std::optional<at::Tensor>& cache_leftpad) {
   const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
                          dropout_p,   rng_state,    attn_mask};
-  const AttentionFwdParams p =
-      make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k, &var);
+  const KVCacheArgs cache{block_table, cache_batch_idx, cache_leftpad};
+  const AttentionFwdParams p = make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right,
+                                               seqused_k, &var, &cache);
   check_fwd_tuning_args(num_splits, tile);  // accepted and ignored: one CPU kernel
   return run_fwd_cpu(p, q);
 }
@@ -93,12 +99,12 @@ static std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(
     int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& attn_mask) {
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& block_table) {
   const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
                          dropout_p,   rng_state,    attn_mask};
   const AttentionFwdParams p = make_varlen_fwd_params(
       q, k, v, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k}, softmax_scale, causal,
-      seqused_k, &var);
+      seqused_k, &var, block_table);
   return run_fwd_cpu(p, q);
 }
 
@@ -158,11 +164,15 @@ static at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, int64_t batch, i
   "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, " \
   "float dropout_p=0.0, Tensor? rng_state=None, Tensor? attn_mask=None"
 
+// The KV cache addressing of the forward operators (flash-attn's names; see
+// params.h): a paged cache's block table, and per batch entry the cache row
+// and the left padding. Forward only: the backward operators have none.
 TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
       "bool causal_bottom_right, int num_splits=0, int tile=0, Tensor? seqused_k=None, "
-      FAE_VARIANT_ARGS ") -> (Tensor out, Tensor lse)");
+      FAE_VARIANT_ARGS ", Tensor? block_table=None, Tensor? cache_batch_idx=None, "
+      "Tensor? cache_leftpad=None) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float softmax_scale, bool causal, bool causal_bottom_right, bool deterministic=False, "
@@ -170,7 +180,8 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
-      "Tensor? seqused_k=None, " FAE_VARIANT_ARGS ") -> (Tensor out, Tensor lse)");
+      "Tensor? seqused_k=None, " FAE_VARIANT_ARGS ", Tensor? block_table=None) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "

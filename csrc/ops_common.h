@@ -207,14 +207,78 @@ inline void apply_variants(AttentionFwdParams& p, const VariantArgs& va, const a
   }
 }
 
+// flash-attn's KV cache addressing as the forward operators receive it
+// (params.h, "KV cache addressing"): block_table int32 [batch, max_pages] with
+// k / v pools [num_pages, page_size, heads_k, dim]; cache_batch_idx and
+// cache_leftpad int32 [batch].
+struct KVCacheArgs {
+  std::optional<at::Tensor> block_table;
+  std::optional<at::Tensor> cache_batch_idx;
+  std::optional<at::Tensor> cache_leftpad;
+
+  // k / v have their own batch dimension (pages, or cache rows picked per entry).
+  bool indexes_kv_batch() const { return block_table.has_value() || cache_batch_idx.has_value(); }
+};
+
+// Validates the KV cache addressing against k (4-D: the cache, or the page
+// pool) and fills its params fields, after p.batch is set. A paged cache's key
+// capacity, max_pages * page_size, becomes p.seqlen_k (varlen callers cap it).
+inline void apply_kv_cache(AttentionFwdParams& p, const KVCacheArgs& c, const at::Tensor& q,
+                           const at::Tensor& k) {
+  if (c.block_table.has_value()) {
+    TORCH_CHECK(!c.cache_batch_idx.has_value(),
+                "flash_attn_ext: cache_batch_idx cannot be combined with block_table (a paged "
+                "KV cache selects each sequence's pages through its block_table row)");
+    TORCH_CHECK_NOT_IMPLEMENTED(!c.cache_leftpad.has_value(),
+                                "flash_attn_ext: cache_leftpad with a paged KV cache (block_table) "
+                                "is not implemented");
+    const at::Tensor& t = *c.block_table;
+    TORCH_CHECK(t.scalar_type() == at::kInt, "flash_attn_ext: block_table must be int32, got ",
+                t.scalar_type());
+    TORCH_CHECK(t.device() == q.device(), "flash_attn_ext: block_table must be on the device of q (",
+                q.device(), "), got ", t.device());
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == p.batch && t.size(1) >= 1,
+                "flash_attn_ext: block_table must have shape [batch, max_pages] = [", p.batch,
+                ", >= 1], got ", t.sizes());
+    TORCH_CHECK(t.stride(1) == 1 || t.size(1) == 1,
+                "flash_attn_ext: block_table must have a contiguous last dimension");
+    const int64_t page_size = k.size(1);
+    TORCH_CHECK(page_size % kKVPageRowAlign == 0, "flash_attn_ext: a paged KV cache needs a page "
+                "size (k_cache.shape[1]) that is a multiple of ", kKVPageRowAlign, ", got ",
+                page_size);
+    const int64_t capacity = t.size(1) * page_size;
+    TORCH_CHECK(capacity <= std::numeric_limits<int>::max(),
+                "flash_attn_ext: block_table addresses too many keys (", t.size(1), " pages x ",
+                page_size, ")");
+    p.block_table = t.data_ptr<int>();
+    p.block_table_batch_stride = t.size(0) > 1 ? t.stride(0) : 0;
+    p.page_size = static_cast<int>(page_size);
+    p.num_pages = static_cast<int>(k.size(0));
+    p.seqlen_k = static_cast<int>(capacity);
+  }
+  if (c.cache_batch_idx.has_value()) {
+    check_seq_tensor(*c.cache_batch_idx, "cache_batch_idx", q, p.batch);
+    p.kv_batch_idx = c.cache_batch_idx->data_ptr<int>();
+    p.kv_batch = static_cast<int>(k.size(0));
+  }
+  if (c.cache_leftpad.has_value()) {
+    check_seq_tensor(*c.cache_leftpad, "cache_leftpad", q, p.batch);
+    p.leftpad_k = c.cache_leftpad->data_ptr<int>();
+  }
+}
+
 // Validates q/k/v ([batch, seqlen, heads, head_dim]) and fills everything of
 // AttentionFwdParams except the output pointers (which the device
 // implementation allocates). seqused_k: optional int32 [batch] key counts.
+// cache: the KV cache addressing (forward operator only); with a block table
+// or cache_batch_idx, k / v have a batch size of their own.
 inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, double softmax_scale,
                                           bool causal, bool causal_bottom_right,
                                           const std::optional<at::Tensor>& seqused_k = {},
-                                          const VariantArgs* variants = nullptr) {
+                                          const VariantArgs* variants = nullptr,
+                                          const KVCacheArgs* cache = nullptr,
+                                          bool kv_batch_free = false) {
   check_bshd(q, "q");
   check_bshd(k, "k");
   check_bshd(v, "v");
@@ -222,8 +286,11 @@ inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor&
   check_same(q, "q", v, "v");
   TORCH_CHECK(k.sizes() == v.sizes(), "flash_attn_ext: k and v must have the same shape, got ",
               k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(q.size(0) == k.size(0), "flash_attn_ext: q and k must have the same batch size, got ",
-              q.size(0), " and ", k.size(0));
+  if (!kv_batch_free && !(cache != nullptr && cache->indexes_kv_batch())) {
+    TORCH_CHECK(q.size(0) == k.size(0),
+                "flash_attn_ext: q and k must have the same batch size, got ", q.size(0), " and ",
+                k.size(0));
+  }
   check_heads(q.size(2), k.size(2));
   TORCH_CHECK(q.size(3) == k.size(3), "flash_attn_ext: q, k and v must have the same head_dim, got ",
               q.size(3), " (q) and ", k.size(3), " (k/v)");
@@ -257,6 +324,7 @@ inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor&
     check_seq_tensor(*seqused_k, "seqused_k", q, q.size(0));
     p.seqused_k = seqused_k->data_ptr<int>();
   }
+  if (cache != nullptr) apply_kv_cache(p, *cache, q, k);
   if (variants != nullptr) apply_variants(p, *variants, q, causal_bottom_right);
   return p;
 }
@@ -297,14 +365,25 @@ inline void check_varlen_3d(const at::Tensor& t, const char* name) {
               t.defined() ? t.sizes() : at::IntArrayRef{});
 }
 
+// block_table (forward only): k / v are page pools [num_pages, page_size,
+// heads_k, dim] and cu_seqlens_k only gives the key counts (flash-attn's
+// paged varlen forward, e.g. chunked prefill against a paged cache).
 inline AttentionFwdParams make_varlen_fwd_params(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v, const VarlenArgs& va,
                                                  double softmax_scale, bool causal,
                                                  const std::optional<at::Tensor>& seqused_k,
-                                                 const VariantArgs* variants = nullptr) {
+                                                 const VariantArgs* variants = nullptr,
+                                                 const std::optional<at::Tensor>& block_table = {}) {
+  const bool paged = block_table.has_value();
   check_varlen_3d(q, "q");
-  check_varlen_3d(k, "k");
-  check_varlen_3d(v, "v");
+  if (paged) {
+    TORCH_CHECK(k.defined() && k.dim() == 4 && v.defined() && v.dim() == 4,
+                "flash_attn_ext: with a block_table, k and v must be 4-D page pools [num_pages, "
+                "page_size, heads_k, head_dim], got shapes ", k.sizes(), " and ", v.sizes());
+  } else {
+    check_varlen_3d(k, "k");
+    check_varlen_3d(v, "v");
+  }
   const int64_t batch = va.cu_seqlens_q.dim() == 1 ? va.cu_seqlens_q.size(0) - 1 : -1;
   TORCH_CHECK(batch >= 1, "flash_attn_ext: cu_seqlens_q must be a 1-D tensor of length batch + 1 "
               ">= 2, got shape ", va.cu_seqlens_q.sizes());
@@ -315,17 +394,28 @@ inline AttentionFwdParams make_varlen_fwd_params(const at::Tensor& q, const at::
                   va.max_seqlen_k <= std::numeric_limits<int>::max(),
               "flash_attn_ext: max_seqlen_q / max_seqlen_k out of range: ", va.max_seqlen_q, ", ",
               va.max_seqlen_k);
-  AttentionFwdParams p = make_fwd_params(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                         softmax_scale, causal, /*causal_bottom_right=*/true);
+  AttentionFwdParams p = make_fwd_params(q.unsqueeze(0), paged ? k : k.unsqueeze(0),
+                                         paged ? v : v.unsqueeze(0), softmax_scale, causal,
+                                         /*causal_bottom_right=*/true, {}, nullptr, nullptr,
+                                         /*kv_batch_free=*/paged);
   check_cu_seqlens(va.cu_seqlens_q, "cu_seqlens_q", q.size(0), va.max_seqlen_q, "max_seqlen_q");
-  check_cu_seqlens(va.cu_seqlens_k, "cu_seqlens_k", k.size(0), va.max_seqlen_k, "max_seqlen_k");
+  // A paged sequence's keys are the first rows of its pages: no packed total.
+  check_cu_seqlens(va.cu_seqlens_k, "cu_seqlens_k",
+                   paged ? std::numeric_limits<int64_t>::max() : k.size(0), va.max_seqlen_k,
+                   "max_seqlen_k");
   p.batch = static_cast<int>(batch);
   p.seqlen_q = static_cast<int>(va.max_seqlen_q);
   p.seqlen_k = static_cast<int>(va.max_seqlen_k);
   p.cu_seqlens_q = va.cu_seqlens_q.data_ptr<int>();
   p.cu_seqlens_k = va.cu_seqlens_k.data_ptr<int>();
   p.total_q = q.size(0);
-  p.total_k = k.size(0);
+  p.total_k = paged ? 0 : k.size(0);
+  if (paged) {
+    apply_kv_cache(p, KVCacheArgs{block_table, {}, {}}, q, k);
+    TORCH_CHECK(va.max_seqlen_k <= p.seqlen_k, "flash_attn_ext: max_seqlen_k = ", va.max_seqlen_k,
+                " exceeds the keys a block_table row addresses (", p.seqlen_k, ")");
+    p.seqlen_k = static_cast<int>(va.max_seqlen_k);
+  }
   // lse [heads, total_q]
   p.lse_batch_stride = 0;
   p.lse_head_stride = q.size(0);

@@ -51,6 +51,12 @@ FAE_HOST_DEVICE int64_t row_offset(const TensorStrides& st, int b, int h, int64_
   return b * st.batch + h * st.head + row * st.row;
 }
 
+// Paged KV caches: pages hold a multiple of this many keys. The CUDA K/V tile
+// loaders look a page up once per 16 consecutive rows of a tile (tiles start
+// at multiples of 16 keys), which is exact only when no 16-row group
+// straddles two pages; ops_common.h rejects other page sizes.
+constexpr int kKVPageRowAlign = 16;
+
 // Forward tile families of the CUDA mma.sync kernel (fwd_kernel_traits.cuh):
 // the large per-head-dim tiles, the 16-row decode tile of one warp, and the
 // 16-row decode tile whose 4 warps split each key tile ("key warps").
@@ -161,6 +167,30 @@ struct AttentionFwdParams {
   // [0, its key count]). Used by the KV cache (cache_seqlens).
   const int* seqused_k = nullptr;
 
+  // ---- KV cache addressing (forward only; all optional) ----------------------
+  // flash-attn's block_table / cache_batch_idx / cache_leftpad. kv_row() below
+  // is the one definition of where a key row lives; ops_common.h validates
+  // and fills these fields (apply_kv_cache).
+  // Paged KV: k / v are pools [num_pages, page_size, heads_k, dim] (so
+  // k_strides.batch steps pages) and key row r of sequence b lives in page
+  // block_table[b * block_table_batch_stride + r / page_size], slot
+  // r % page_size. page_size % kKVPageRowAlign == 0 (see there); page ids
+  // are clamped to [0, num_pages) so that a bad table reads wrong keys rather
+  // than out of bounds (flash_attn_ext's debug checks report it).
+  const int* block_table = nullptr;
+  int64_t block_table_batch_stride = 0;
+  int page_size = 0;
+  int num_pages = 0;
+  // cache_batch_idx (not with a block table): batch entry b reads K / V batch
+  // kv_batch_idx[b], clamped to [0, kv_batch).
+  const int* kv_batch_idx = nullptr;
+  int kv_batch = 0;
+  // cache_leftpad (not with a block table): sequence b's keys are the rows
+  // [leftpad_k[b], seqused_k[b]) of its cache; key j of the sequence is row
+  // leftpad_k[b] + j (seq_bounds puts the pad into row0_k), and causal / window
+  // / ALiBi align to the shortened sequence (flash-attn's leftpad_k).
+  const int* leftpad_k = nullptr;
+
   // fp32 per-query-row arrays (lse, and the backward's D and dQ accumulator
   // rows) are indexed as
   //   b * lse_batch_stride + h * lse_head_stride + row0_q(b) + row
@@ -212,7 +242,11 @@ struct SeqBounds {
 // 16-bit kernels are instantiated both ways: read from params, the values stay
 // in the constant bank instead of occupying registers (~6 registers, which
 // spilled in kernels already at the 255 limit).
-template <bool kVarSeq>
+//
+// kKVCache = true also applies the KV cache addressing (block_table,
+// cache_leftpad); only the kernels instantiated for it (and the general form
+// below) pay for the extra reads.
+template <bool kVarSeq, bool kKVCache = false>
 FAE_HOST_DEVICE SeqBounds seq_bounds(const AttentionFwdParams& p, int b) {
   SeqBounds s;
   if (!kVarSeq) {
@@ -236,8 +270,57 @@ FAE_HOST_DEVICE SeqBounds seq_bounds(const AttentionFwdParams& p, int b) {
     const int used = p.seqused_k[b];
     s.seqlen_k = used < 0 ? 0 : (used < s.seqlen_k ? used : s.seqlen_k);
   }
+  if constexpr (kKVCache) {
+    // A paged sequence's rows start at its own block table, not at a packed
+    // row (varlen cu_seqlens_k then only give lengths, as in flash-attn).
+    if (p.block_table != nullptr) s.row0_k = 0;
+    if (p.leftpad_k != nullptr) {  // keys [pad, seqlen_k) of the cache rows
+      int pad = p.leftpad_k[b];
+      pad = pad < 0 ? 0 : (pad < s.seqlen_k ? pad : s.seqlen_k);
+      s.row0_k += pad;
+      s.seqlen_k -= pad;
+    }
+  }
   s.causal_offset = p.causal_bottom_right ? s.seqlen_k - s.seqlen_q : 0;
   return s;
+}
+
+// ---- KV cache addressing ------------------------------------------------------
+// Where a key row lives: (batch or page, row within it). `row` is a row of the
+// sequence's own numbering, i.e. SeqBounds::row0_k + key (leftpad and varlen
+// offsets included). The one definition of the K/V addressing that the CPU,
+// SIMT and mma.sync kernels share; kv_offset turns it into an element offset
+// with the strides of K or V (both use the same KVRow).
+struct KVRow {
+  int batch;  // batch entry of the K/V tensor, or page of the pool
+  int row;    // row within it
+};
+
+FAE_HOST_DEVICE KVRow kv_row(const AttentionFwdParams& p, int b, int64_t row) {
+  if (p.block_table != nullptr) {
+    // Unsigned: row >= 0, and division by a run-time divisor is cheaper so.
+    const uint32_t r = static_cast<uint32_t>(row);
+    const uint32_t size = static_cast<uint32_t>(p.page_size);
+    int page = p.block_table[b * p.block_table_batch_stride + r / size];
+    page = page < 0 ? 0 : (page < p.num_pages ? page : p.num_pages - 1);
+    return {page, static_cast<int>(r % size)};
+  }
+  int kb = b;
+  if (p.kv_batch_idx != nullptr) {
+    kb = p.kv_batch_idx[b];
+    kb = kb < 0 ? 0 : (kb < p.kv_batch ? kb : p.kv_batch - 1);
+  }
+  return {kb, static_cast<int>(row)};
+}
+
+FAE_HOST_DEVICE int64_t kv_offset(const TensorStrides& st, KVRow r, int h) {
+  return r.batch * st.batch + h * st.head + static_cast<int64_t>(r.row) * st.row;
+}
+
+// Element offset of key row `row` of batch entry b, kv head h (see kv_row).
+FAE_HOST_DEVICE int64_t kv_row_offset(const AttentionFwdParams& p, const TensorStrides& st, int b,
+                                      int h, int64_t row) {
+  return kv_offset(st, kv_row(p, b, row), h);
 }
 
 // Whether a window bound is active (after canonicalisation, see above).
@@ -255,12 +338,28 @@ FAE_HOST_DEVICE bool has_variants(const AttentionFwdParams& p) {
          p.attn_bias != nullptr || has_dropout(p);
 }
 
-// Whether sequences differ (varlen or key padding): picks seq_bounds<true>.
-FAE_HOST_DEVICE bool has_var_seqs(const AttentionFwdParams& p) {
-  return p.cu_seqlens_q != nullptr || p.seqused_k != nullptr;
+// K/V rows read through kv_row (a block table or cache_batch_idx) rather than
+// through (batch, row) strides.
+FAE_HOST_DEVICE bool has_kv_indirection(const AttentionFwdParams& p) {
+  return p.block_table != nullptr || p.kv_batch_idx != nullptr;
 }
 
-// The general form, for code that is not register-bound.
+// Any KV cache addressing (indirection or left padding): the CUDA forward runs
+// the kernels instantiated for it (kKVCache), the Hopper kernels never see it.
+FAE_HOST_DEVICE bool has_kv_cache_addressing(const AttentionFwdParams& p) {
+  return has_kv_indirection(p) || p.leftpad_k != nullptr;
+}
+
+// Whether sequences differ (varlen, key padding, KV cache addressing): picks
+// seq_bounds<true>.
+FAE_HOST_DEVICE bool has_var_seqs(const AttentionFwdParams& p) {
+  return p.cu_seqlens_q != nullptr || p.seqused_k != nullptr || has_kv_cache_addressing(p);
+}
+
+// The general form, for code that is not register-bound. Without the KV cache
+// addressing, which only forward kernels see: they ask for it explicitly
+// (seq_bounds<true, true> on the CPU, <true, kKVCache> in the CUDA kernels), so
+// that the backward kernels, which call this form, compile as without it.
 FAE_HOST_DEVICE SeqBounds seq_bounds(const AttentionFwdParams& p, int b) {
   return seq_bounds<true>(p, b);
 }

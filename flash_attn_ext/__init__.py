@@ -8,4 +8,19 @@ from .reference import attention_ref
 __version__ = "0.1.0"
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
            "scaled_dot_product_attention", "attention_ref", "FlashAttnFunction",
-           "FlashAttnVarlenFunction", "has_cuda_kernels", "autotune", "__version__"]
+           "FlashAttnVarlenFunction", "has_cuda_kernels", "autotune", "__version__",
+           "ring_flash_attn_func", "ring_flash_attn_varlen_func", "zigzag_shard",
+           "zigzag_unshard", "zigzag_shard_varlen", "zigzag_unshard_varlen"]
+
+# Context parallelism (flash_attn_ext.distributed, over torch.distributed) is imported on
+# first use, so that `import flash_attn_ext` stays as light as it was.
+_DISTRIBUTED_EXPORTS = ("ring_flash_attn_func", "ring_flash_attn_varlen_func", "zigzag_shard",
+                        "zigzag_unshard", "zigzag_shard_varlen", "zigzag_unshard_varlen")
+
+
+def __getattr__(name):
+    if name == "distributed" or name in _DISTRIBUTED_EXPORTS:
+        import importlib
+        distributed = importlib.import_module(".distributed", __name__)
+        return distributed if name == "distributed" else getattr(distributed, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

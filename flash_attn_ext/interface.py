@@ -5,7 +5,8 @@ flash_attn_func              flash-attn's API and layout: [batch, seqlen, heads,
 scaled_dot_product_attention torch SDPA's API and layout: [batch, heads, seqlen, head_dim],
                              causal aligned to the top-left corner (a drop-in replacement).
 flash_attn_varlen_func       packed variable-length sequences (cu_seqlens), flash-attn's API.
-flash_attn_with_kvcache      decoding against a KV cache (in-place append), forward only.
+flash_attn_with_kvcache      decoding against a KV cache (in-place append; paged caches,
+                             rotary embeddings, cache_batch_idx, left padding), forward only.
 
 All reach the same kernels through strides: no copy when the last dim is contiguous. k/v
 may have fewer heads than q (grouped-query / multi-query attention) everywhere.
@@ -17,6 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import kvcache as _kvcache
 from .ops import FlashAttnFunction, FlashAttnVarlenFunction, new_rng_state
 
 
@@ -203,25 +205,45 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
 
     dropout_p as in flash_attn_func (rows and keys numbered within each sequence).
 
+    block_table (int32 [batch, max_pages], forward only): k and v are then the page pools of a
+    paged KV cache, [num_pages, page_size, heads_k, head_dim] with page_size a multiple of 16,
+    and sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] cache rows, row r
+    at slot r % page_size of page block_table[b, r // page_size] (chunked prefill against a
+    paged cache). Inputs that require grad raise NotImplementedError (no backward).
+
     Returns out [total_q, heads, head_dim]; with return_lse also lse float32 [heads, total_q];
     with return_attn_probs (out, lse, keep), keep the dropout keep-mask [batch, heads,
     max_seqlen_q, max_seqlen_k] (sequence b's in keep[b, :, :len_q, :len_k]; None without
     dropout).
     """
     variants = _variant_args(window_size, softcap, alibi_slopes)
-    if block_table is not None:
-        _not_implemented("paged KV (block_table)")
+    paged = block_table is not None
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flash_attn_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
+        if paged and name != "q":
+            _check_rank(t, name, "page pool [num_pages, page_size, heads_k, head_dim] (with "
+                        "block_table)")
+        elif t.dim() != 3:
             raise RuntimeError(f"flash_attn_ext: varlen {name} must be a 3-D tensor "
                                f"[total_tokens, heads, head_dim], got shape {tuple(t.shape)}")
     dropout = _dropout_args(dropout_p, q.device)
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = _run(FlashAttnVarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                    int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
-                    bool(deterministic), seqused_k, *variants, *dropout)
+    if paged:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            _not_implemented("the backward of attention over a paged KV cache (block_table); "
+                             "call it under torch.no_grad() or torch.inference_mode()")
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError("flash_attn_ext: block_table must be None or an int32 tensor "
+                            f"[batch, max_pages], got {type(block_table).__name__}")
+        q, k, v = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
+        out, lse = torch.ops.flash_attn_ext.varlen_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
+            bool(causal), seqused_k, *variants, *dropout, None, block_table)
+    else:
+        out, lse = _run(FlashAttnVarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                        int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
+                        bool(deterministic), seqused_k, *variants, *dropout)
     if return_attn_probs:
         return out, lse, _dropout_keep_mask(dropout, cu_seqlens_q.shape[0] - 1, q.shape[1],
                                             int(max_seqlen_q), int(max_seqlen_k))
@@ -230,10 +252,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     return out
 
 
-def _cache_lengths(cache_seqlens, batch, cache_size, device):
+def _cache_lengths(cache_seqlens, batch, capacity, device):
     """cache_seqlens (None, int or tensor) -> int32 tensor [batch] on `device`."""
     if cache_seqlens is None:
-        return torch.full((batch,), cache_size, dtype=torch.int32, device=device)
+        return torch.full((batch,), capacity, dtype=torch.int32, device=device)
     if isinstance(cache_seqlens, int):
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     if not isinstance(cache_seqlens, torch.Tensor):
@@ -256,25 +278,35 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             num_splits: int = 0, return_softmax_lse: bool = False):
     """Attention of new queries against a KV cache (flash-attn's API), forward only.
 
-    q: [batch, seqlen_q, heads, head_dim]; k_cache, v_cache: [batch, cache_size, heads_k,
-    head_dim] (heads % heads_k == 0). cache_seqlens: int or int32 tensor [batch], the number
-    of valid entries per batch (None = the whole cache). If k, v ([batch, seqlen_new,
-    heads_k, head_dim]) are given they are written into the caches in place at positions
-    cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (checked against cache_size), and
-    attention runs over the first cache_seqlens[b] + seqlen_new keys. causal=True aligns the
-    queries with the end of that prefix, and so do window_size and alibi_slopes (softcap as in
-    flash_attn_func). num_splits: split-KV (0 = heuristic).
+    q: [batch, seqlen_q, heads, head_dim]. k_cache, v_cache: [batch_c, cache_size, heads_k,
+    head_dim] (heads % heads_k == 0; batch_c == batch unless cache_batch_idx is given), or with
+    block_table (int32 [batch, max_pages], a paged cache) page pools [num_pages, page_size,
+    heads_k, head_dim], page_size a multiple of 16: key r of batch entry b is slot
+    r % page_size of page block_table[b, r // page_size].
+    cache_seqlens: int or int32 tensor [batch], where each entry's keys end in its cache (None =
+    the whole cache). If k, v ([batch, seqlen_new, heads_k, head_dim]) are given they are
+    written into the caches in place at positions cache_seqlens[b] .. cache_seqlens[b] +
+    seqlen_new - 1, and attention runs over the first cache_seqlens[b] + seqlen_new keys.
+    cache_batch_idx (int32 [batch]): batch entry b uses cache row cache_batch_idx[b] (not with
+    block_table). cache_leftpad (int32 [batch]): entry b's keys start at cache row
+    cache_leftpad[b] (the rows before are not attended; not with block_table).
+    rotary_cos / rotary_sin ([seqlen_ro >= the cache's key capacity, rotary_dim / 2],
+    rotary_dim a multiple of 16 and <= head_dim; need k and v): the rotary embedding applied
+    to the new keys before they are appended and to q, at cache positions cache_seqlens[b] + t
+    (q: token t when causal or with a window, else all at cache_seqlens[b]); rotary_interleaved
+    rotates dims (0, 1), (2, 3), ... else (i, i + rotary_dim / 2), as flash-attn.
+    causal=True aligns the queries with the end of each entry's keys, and so do window_size
+    and alibi_slopes (softcap as in flash_attn_func). num_splits: split-KV (0 = heuristic).
+
+    No host synchronisation: a decode step can be captured in a CUDA graph. Out-of-range
+    values (cache_seqlens + seqlen_new beyond the cache, page ids, cache_batch_idx) are
+    clamped into the cache rather than checked; FLASH_ATTN_EXT_DEBUG_CHECKS=1 checks them
+    (one device-to-host copy) and raises.
 
     Returns out [batch, seqlen_q, heads, head_dim] (and lse [batch, heads, seqlen_q] with
     return_softmax_lse=True).
     """
     variants = _variant_args(window_size, softcap, alibi_slopes)
-    for arg, what in ((rotary_cos, "rotary embedding (rotary_cos / rotary_sin)"),
-                      (rotary_sin, "rotary embedding (rotary_cos / rotary_sin)"),
-                      (cache_batch_idx, "cache_batch_idx"), (cache_leftpad, "cache_leftpad"),
-                      (block_table, "paged KV cache (block_table)")):
-        if arg is not None:
-            _not_implemented(what)
     for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         _check_rank(t, name, "[batch, seqlen, heads, head_dim]")
     if (k is None) != (v is None):
@@ -282,31 +314,50 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k_cache.shape != v_cache.shape:
         raise RuntimeError(f"flash_attn_ext: k_cache and v_cache must have the same shape, got "
                            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    batch, cache_size = k_cache.shape[0], k_cache.shape[1]
-    lengths = _cache_lengths(cache_seqlens, batch, cache_size, q.device)
+    batch = q.shape[0]
+    layout = _kvcache.CacheLayout(q, k_cache, block_table, cache_batch_idx, cache_leftpad)
+    lengths = _cache_lengths(cache_seqlens, batch, layout.capacity, q.device)
+    seqlen_new = 0
     if k is not None:
+        if cache_seqlens is None:
+            raise RuntimeError("flash_attn_ext: appending k / v needs cache_seqlens (where each "
+                               "batch entry's new keys go)")
         for t, name in ((k, "k"), (v, "v")):
             _check_rank(t, name, "[batch, seqlen_new, heads_k, head_dim]")
             if (t.shape[0], t.shape[2:]) != (batch, k_cache.shape[2:]):
                 raise RuntimeError(f"flash_attn_ext: {name} must have shape [batch, seqlen_new, "
                                    f"{k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(t.shape)}")
+        if k.shape[1] != v.shape[1]:
+            raise RuntimeError(f"flash_attn_ext: k and v must have the same shape, got "
+                               f"{tuple(k.shape)} and {tuple(v.shape)}")
         seqlen_new = k.shape[1]
-        # One host sync: an out-of-range append would be a device-side assert otherwise.
-        lo, hi = int(lengths.min()), int(lengths.max())
-        if lo < 0 or hi + seqlen_new > cache_size:
-            raise RuntimeError(
-                f"flash_attn_ext: the KV cache is too short: appending {seqlen_new} tokens at "
-                f"cache_seqlens up to {hi} needs {hi + seqlen_new} entries, the cache has "
-                f"{cache_size} (and cache_seqlens must be >= 0, got min {lo})")
-        positions = lengths.long().unsqueeze(1) + torch.arange(seqlen_new, device=q.device)
-        rows = torch.arange(batch, device=q.device).unsqueeze(1)
+    rotary_dim = _kvcache.check_rotary(rotary_cos, rotary_sin, q, k, layout.capacity)
+    if _kvcache.debug_checks_enabled():
+        layout.debug_check(k_cache, lengths, seqlen_new)
+    if rotary_dim > 0:
+        steps = torch.arange(q.shape[1], device=q.device)
+        if _kvcache.rotary_per_token(causal, variants[:2], layout.capacity):
+            q_positions = lengths.long().unsqueeze(1) + steps
+        else:
+            q_positions = lengths.long().unsqueeze(1)
+        k_positions = lengths.long().unsqueeze(1) + torch.arange(seqlen_new, device=q.device)
         with torch.no_grad():
-            k_cache[rows, positions] = k.to(k_cache.dtype)
-            v_cache[rows, positions] = v.to(v_cache.dtype)
+            q = _kvcache.apply_rotary(q, rotary_cos, rotary_sin, q_positions,
+                                      bool(rotary_interleaved))
+            k = _kvcache.apply_rotary(k, rotary_cos, rotary_sin, k_positions,
+                                      bool(rotary_interleaved))
+    if seqlen_new > 0:
+        rows = layout.cache_indices(k_cache, lengths, seqlen_new)
+        with torch.no_grad():
+            k_cache[rows] = k.to(k_cache.dtype)
+            v_cache[rows] = v.to(v_cache.dtype)
         lengths = lengths + seqlen_new
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q, k_c, v_c = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache)]
     with torch.no_grad():
         out, lse = torch.ops.flash_attn_ext.fwd(q, k_c, v_c, scale, bool(causal), True,
-                                                int(num_splits), 0, lengths, *variants)
+                                                int(num_splits), 0, lengths, *variants,
+                                                block_table=block_table,
+                                                cache_batch_idx=cache_batch_idx,
+                                                cache_leftpad=cache_leftpad)
     return (out, lse) if return_softmax_lse else out

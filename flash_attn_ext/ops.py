@@ -1,13 +1,14 @@
 """Loads the native operators and makes them autograd- and compile-friendly.
 
 torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0,
-                             tile=0, seqused_k=None, *variants) -> (out, lse)
+                             tile=0, seqused_k=None, *variants, block_table=None,
+                             cache_batch_idx=None, cache_leftpad=None) -> (out, lse)
 torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, softmax_scale, causal,
                              causal_bottom_right, deterministic=False, seqused_k=None,
                              *variants) -> (dq, dk, dv)
 torch.ops.flash_attn_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, softmax_scale, causal, seqused_k=None,
-                                    *variants) -> (out, lse)
+                                    *variants, block_table=None) -> (out, lse)
 torch.ops.flash_attn_ext.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                     deterministic=False, seqused_k=None, *variants)
@@ -15,7 +16,10 @@ torch.ops.flash_attn_ext.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
 with *variants = window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
 dropout_p=0.0, rng_state=None, attn_mask=None (flash-attn's window_size, softcap, alibi_slopes
 and dropout_p, whose rng_state is an int64 [2] {seed, offset} on q's device, and torch SDPA's
-attn_mask; the defaults turn them off).
+attn_mask; the defaults turn them off). The forward operators also take flash-attn's KV cache
+addressing (forward only): block_table int32 [batch, max_pages] with k / v page pools
+[num_pages, page_size, heads_k, head_dim] (page_size a multiple of 16), cache_batch_idx and
+cache_leftpad int32 [batch] (csrc/params.h).
 torch.ops.flash_attn_ext.dropout_mask(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p)
     -> bool [batch, heads, seqlen_q, seqlen_k]: the elements that dropout keeps.
 
@@ -57,9 +61,14 @@ def _check_bshd(t, name):
                            "float16 or bfloat16")
 
 
-def _check_qkv(q, k, v, varlen=False):
+def _check_qkv(q, k, v, varlen=False, kv_batch_free=False, paged=False):
+    """kv_batch_free: k / v have a batch size of their own (a block table or cache_batch_idx
+    picks their rows); paged: k / v are 4-D page pools [num_pages, page_size, heads_k,
+    head_dim] (with varlen q)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        if varlen:
+        if paged and name != "q":
+            _check_bshd(t, name)
+        elif varlen:
             if t.dim() != 3:
                 raise RuntimeError(f"flash_attn_ext: varlen {name} must be a 3-D tensor "
                                    f"[total_tokens, heads, head_dim], got shape {tuple(t.shape)}")
@@ -75,7 +84,7 @@ def _check_qkv(q, k, v, varlen=False):
     if k.shape != v.shape:
         raise RuntimeError(f"flash_attn_ext: k and v must have the same shape, got "
                            f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if not varlen:
+    if not varlen and not kv_batch_free:
         torch._check(q.shape[0] == k.shape[0],
                      lambda: "flash_attn_ext: q and k must have the same batch size")
     torch._check(q.shape[-2] % k.shape[-2] == 0, lambda: (
@@ -88,8 +97,9 @@ def _check_qkv(q, k, v, varlen=False):
 @torch.library.register_fake("flash_attn_ext::fwd")
 def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0, tile=0,
               seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-              dropout_p=0.0, rng_state=None, attn_mask=None):
-    _check_qkv(q, k, v)
+              dropout_p=0.0, rng_state=None, attn_mask=None, block_table=None,
+              cache_batch_idx=None, cache_leftpad=None):
+    _check_qkv(q, k, v, kv_batch_free=block_table is not None or cache_batch_idx is not None)
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
     return out, lse
@@ -107,8 +117,8 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_righ
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, seqused_k=None, window_left=-1, window_right=-1,
                      softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-                     attn_mask=None):
-    _check_qkv(q, k, v, varlen=True)
+                     attn_mask=None, block_table=None):
+    _check_qkv(q, k, v, varlen=True, kv_batch_free=True, paged=block_table is not None)
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return out, lse

@@ -189,6 +189,26 @@ Tile load_tile(const T* base, int64_t row_stride, int rows, int cols, std::vecto
   }
 }
 
+// Key rows [row0, row0 + rows) of batch entry b, kv head kh of K or V (row0:
+// SeqBounds::row0_k + first key). Through the KV cache addressing (kv_row,
+// params.h: block table or cache_batch_idx) row by row into `buffer`, else as
+// load_tile.
+template <typename T>
+Tile load_kv_tile(const AttentionFwdParams& p, const void* base, const TensorStrides& st, int b,
+                  int kh, int64_t row0, int rows, int cols, std::vector<float>& buffer) {
+  if (!has_kv_indirection(p)) {
+    return load_tile(static_cast<const T*>(base) + row_offset(st, b, kh, row0), st.row, rows, cols,
+                     buffer);
+  }
+  buffer.resize(static_cast<size_t>(rows) * cols);
+  for (int r = 0; r < rows; ++r) {
+    const T* src = static_cast<const T*>(base) + kv_row_offset(p, st, b, kh, row0 + r);
+    float* dst = buffer.data() + static_cast<size_t>(r) * cols;
+    for (int c = 0; c < cols; ++c) dst[c] = to_float(src[c]);
+  }
+  return Tile{buffer.data(), cols};
+}
+
 template <typename T>
 void store_rows(T* base, int64_t row_stride, const float* src, int rows, int cols, float scale) {
   for (int r = 0; r < rows; ++r) {
@@ -293,7 +313,7 @@ void fwd_impl(const AttentionFwdParams& p) {
       const int m_block = static_cast<int>(task % m_blocks);
       const int h = static_cast<int>((task / m_blocks) % p.heads);
       const int b = static_cast<int>(task / (static_cast<int64_t>(m_blocks) * p.heads));
-      const SeqBounds s = seq_bounds(p, b);
+      const SeqBounds s = seq_bounds<true, /*kKVCache=*/true>(p, b);
       const int m0 = m_block * kBlockM;
       if (m0 >= s.seqlen_q) continue;  // varlen: past this sequence's end
       const int rows = std::min(kBlockM, s.seqlen_q - m0);
@@ -311,8 +331,8 @@ void fwd_impl(const AttentionFwdParams& p) {
       for (int n0 = keys.lo; n0 < keys.hi; n0 += kBlockN) {
         const int cols = std::min(kBlockN, keys.hi - n0);
         const int64_t k_row = s.row0_k + n0;
-        const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, k_row), p.k_strides.row, cols, D, k_buf);
-        const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols, D, v_buf);
+        const Tile k = load_kv_tile<T>(p, p.k, p.k_strides, b, kh, k_row, cols, D, k_buf);
+        const Tile v = load_kv_tile<T>(p, p.v, p.v_strides, b, kh, k_row, cols, D, v_buf);
         gemm_nt(rows, cols, D, p.softmax_scale, q.data, q.ld, k.data, k.ld, 0.f, scores.data(), cols);
         for (int r = 0; r < rows; ++r) {
           float* sc = scores.data() + static_cast<size_t>(r) * cols;

@@ -4,6 +4,8 @@
 //   * q/k/v/out/dout/dq/dk/dv base pointers are 16-byte aligned,
 //   * head_dim % 8 == 0 and head_dim <= 256 (ops_cuda.cpp pads other head dims),
 //   * every batch/row/head stride is a multiple of 8 elements,
+//   * with a block table (paged KV cache), page_size % kKVPageRowAlign == 0
+//     (params.h; the decode kernels look pages up per 16 rows),
 //   * all tensors live on the current device; `stream` is torch's current stream.
 #pragma once
 #include <cuda_runtime.h>

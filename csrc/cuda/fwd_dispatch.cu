@@ -148,9 +148,13 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
 // softmax_scale > 0 (the kernel folds the scale into exp2 after the max),
 // no broadcast (stride-0) dimension. Window / softcap / ALiBi / attn_mask /
 // dropout calls take its variant instantiation (run_fwd_sm90_variants_impl).
+// Never KV cache addressing (block table, cache_batch_idx, left padding): its
+// TMA maps address K/V by (batch, row) strides, so those calls run the
+// mma.sync decode kernels (has_var_seqs also excludes them; this says so).
 bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 #ifdef FAE_HAS_SM90A
   if (kernel_impl_requested("FLASH_ATTN_EXT_FWD_IMPL") == KernelImpl::kMma) return false;
+  if (has_kv_cache_addressing(params)) return false;
   return params.dtype != DType::kFloat32 && fwd_sm90_head_dim(kernel_dim) &&
          !has_var_seqs(params) && params.num_splits <= 1 &&
          params.fwd_tile == kFwdTileAuto && !fwd_uses_decode_tile(params) &&
@@ -171,6 +175,9 @@ void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
   const int kernel_dim = fwd_rounded_head_dim(params.head_dim);
   const bool sm90 = use_sm90_forward(params, kernel_dim);
   auto run = [&](auto dim_tag) {
+    if (has_kv_cache_addressing(params)) {  // decode tiles with cache addressing
+      return run_fwd_kvcache_impl<T, decltype(dim_tag)::value>(params, stream);
+    }
     if (has_variants(params)) {  // causal or not: the variant kernels' Mask
       constexpr int kDim = decltype(dim_tag)::value;
 #ifdef FAE_HAS_SM90A
@@ -251,10 +258,16 @@ static int heuristic_splits(const AttentionFwdParams& params, int num_sms) {
 //   256  4   32     8k     0.833    1.222 (2)
 //   256  1    8    16k     1.251    1.232 (many)
 // A forced split count > 1 keeps the one-warp tile.
+// KV cache addressing is compiled for the decode tiles only
+// (run_fwd_kvcache_impl): such calls run them at any seqlen_q (a forced large
+// tile included). Correct for any shape; a long query (a paged prefill chunk)
+// then re-reads K/V once per 16 query rows instead of once per 128.
 void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {
-  if (params.fwd_tile != kFwdTileAuto || params.dtype == DType::kFloat32 ||
-      params.head_dim <= 0 || params.head_dim > 256 || params.num_splits > 1 ||
-      !fwd_uses_decode_tile(params)) {
+  if (params.dtype == DType::kFloat32 || params.head_dim <= 0 || params.head_dim > 256) return;
+  if (has_kv_cache_addressing(params) && !fwd_uses_decode_tile(params)) {
+    params.fwd_tile = kFwdTileSmallM;
+  }
+  if (params.fwd_tile != kFwdTileAuto || params.num_splits > 1 || !fwd_uses_decode_tile(params)) {
     return;
   }
   AttentionFwdParams key_warps = params;
@@ -287,9 +300,11 @@ constexpr double kClusterMergeMaxBytesTimesSplits = 8e9;
 
 bool fwd_merges_splits_in_cluster(const AttentionFwdParams& params, int num_splits) {
 #ifdef FAE_HAS_SM90A
-  // Variant calls: the combine kernel (their kernels have no cluster merge).
+  // Variant calls: the combine kernel (their kernels have no cluster merge);
+  // so do KV cache calls that run the variant kernel (causal ones included).
   if (num_splits <= 1 || num_splits > kMaxClusterSplits || params.dtype == DType::kFloat32 ||
-      params.cu_seqlens_q != nullptr || !fwd_uses_decode_tile(params) || has_variants(params)) {
+      params.cu_seqlens_q != nullptr || !fwd_uses_decode_tile(params) || has_variants(params) ||
+      (has_kv_cache_addressing(params) && fwd_kvcache_uses_variant_kernel(params))) {
     return false;
   }
   return kv_bytes(params) * (num_splits - 1) <= kClusterMergeMaxBytesTimesSplits &&

@@ -186,12 +186,16 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
                                             double softcap,
                                             const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
                                             const std::optional<at::Tensor>& rng_state,
-                                            const std::optional<at::Tensor>& attn_mask) {
+                                            const std::optional<at::Tensor>& attn_mask,
+                                            const std::optional<at::Tensor>& block_table,
+                                            const std::optional<at::Tensor>& cache_batch_idx,
+                                            const std::optional<at::Tensor>& cache_leftpad) {
   // Validate the user's tensors first so messages name their shapes.
   const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
                          dropout_p,   rng_state,    attn_mask};
-  const AttentionFwdParams p =
-      make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right, seqused_k, &var);
+  const KVCacheArgs cache{block_table, cache_batch_idx, cache_leftpad};
+  const AttentionFwdParams p = make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right,
+                                               seqused_k, &var, &cache);
   return run_fwd_cuda(p, q, k, v, num_splits, tile);
 }
 
@@ -202,13 +206,13 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
     int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& attn_mask) {
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& block_table) {
   check_cuda_inputs(q);
   const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
                          dropout_p,   rng_state,    attn_mask};
   const AttentionFwdParams p = make_varlen_fwd_params(
       q, k, v, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k}, softmax_scale, causal,
-      seqused_k, &var);
+      seqused_k, &var, block_table);
   return run_fwd_cuda(p, q, k, v, /*num_splits=*/1, /*tile=*/0);
 }
 

@@ -32,6 +32,11 @@
 //     probabilities that P V reads by Z = keep ? scale : 0 (row sums and lse
 //     stay those of the undropped probabilities).
 // Rows without a visible key keep row_sum 0 and are stored as O = 0, lse = -inf.
+//
+// KV cache addressing (block table, cache_batch_idx, left padding; params.h):
+// the variants instantiation once more with kKVCache = true, whose K/V tiles
+// look every row up through kv_row (load_cache_tile_fp32); the Mask covers
+// causal, so no other instantiation needs it.
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -87,6 +92,34 @@ __device__ __forceinline__ void load_tile_fp32(float* smem, const float* gmem, i
     const bool valid = row < valid_rows && chunk * 4 < head_dim;
     cp_async_16(smem + row * Fp32Tile<kHeadDim>::kRowStride + chunk * 4,
                 valid ? gmem + row * row_stride + chunk * 4 : gmem, valid);
+  }
+}
+
+// load_tile_fp32 of K/V rows [row0, row0 + kRows) of (batch, kv head `head`)
+// through the KV cache addressing (kv_row_offset, params.h): each copy's row
+// is its own look-up (the block table stays in L1; fp32 is not the fast path).
+template <int kHeadDim, int kRows>
+__device__ __forceinline__ void load_cache_tile_fp32(float* smem, const float* base,
+                                                     const TensorStrides& st,
+                                                     const AttentionFwdParams& params, int batch,
+                                                     int head, int64_t row0, int valid_rows,
+                                                     int head_dim, int tid) {
+  constexpr int kChunks = kHeadDim / 4;
+  constexpr int kTotal = kRows * kChunks;
+  static_assert(kTotal % kFp32Threads == 0, "tile must split evenly over the threads");
+  static_assert(kFp32Threads % kChunks == 0, "a thread keeps one column chunk");
+  constexpr int kRowsPerIter = kFp32Threads / kChunks;
+  const int chunk = tid % kChunks;
+  const bool col_valid = chunk * 4 < head_dim;
+  // Not unrolled: unrolled, the look-ups of every row stayed live at once and
+  // spilled (D=64 under the 128-register bound of two CTAs per SM).
+#pragma unroll 1
+  for (int row = tid / kChunks; row < kRows; row += kRowsPerIter) {
+    const bool valid = col_valid && row < valid_rows;
+    cp_async_16(smem + row * Fp32Tile<kHeadDim>::kRowStride + chunk * 4,
+                valid ? base + kv_row_offset(params, st, batch, head, row0 + row) + chunk * 4
+                      : base,
+                valid);
   }
 }
 
@@ -311,9 +344,10 @@ FAE_DEVICE void store_output(const AttentionFwdParams& params,
 // Two CTAs per SM at D <= 64 (<= 128 registers per thread): 16 warps hide the
 // shared-memory latency of the FFMA loops; without the bound ptxas spends ~156
 // registers on unrolled loads and only one CTA fits.
-template <int kHeadDim, bool kIsCausal, bool kVariants>
+template <int kHeadDim, bool kIsCausal, bool kVariants, bool kKVCache>
 __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
     flash_fwd_fp32_kernel(const __grid_constant__ AttentionFwdParams params) {
+  static_assert(!kKVCache || kVariants, "KV cache calls run the variants kernel (its Mask)");
   using Tile = Fp32Tile<kHeadDim>;
   constexpr int kBlockM = Tile::kBlockM;
   constexpr int kRows = Tile::kRowsPerThread;
@@ -338,7 +372,7 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
   const int batch = bh / params.heads;
   const int head = bh % params.heads;
   const int head_k = head / (params.heads / params.heads_k);
-  const SeqBounds seq = seq_bounds(params, batch);
+  const SeqBounds seq = seq_bounds<true, kKVCache>(params, batch);
   if (m_block * kBlockM >= seq.seqlen_q) return;  // varlen: past this sequence (CTA-uniform)
   KeyTileRange range;
   Mask mask;
@@ -378,14 +412,26 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
   // softmax and P V of tile n, V_{n+1} during Q K_{n+1}^T. (A second buffer
   // per tile would cost 35 KB at D=64 and drop the CTAs per SM from 2 to 1.)
   // Commit groups, oldest first: Q+K_0 | V_0 | K_1 | V_1 | ...
-  auto load_key_tile = [&](float* smem, const float* head, int64_t row_stride, int n_block) {
+  auto load_key_tile = [&](float* smem, const float* head, int64_t row_stride, int n_block,
+                           const void* tensor, const TensorStrides& strides) {
     const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
-    load_tile_fp32<kHeadDim, kBlockN>(smem, head + key0 * row_stride, row_stride,
-                                      seq.seqlen_k - n_block * kBlockN, params.head_dim, tid);
+    if constexpr (kKVCache) {  // `head` unused: rows through kv_row
+      load_cache_tile_fp32<kHeadDim, kBlockN>(smem, static_cast<const float*>(tensor), strides,
+                                              params, batch, head_k, seq.row0_k + key0,
+                                              seq.seqlen_k - n_block * kBlockN, params.head_dim,
+                                              tid);
+    } else {
+      load_tile_fp32<kHeadDim, kBlockN>(smem, head + key0 * row_stride, row_stride,
+                                        seq.seqlen_k - n_block * kBlockN, params.head_dim, tid);
+    }
     cp_async_commit();
   };
-  auto load_k = [&](int n_block) { load_key_tile(smem_k, k_head, params.k_strides.row, n_block); };
-  auto load_v = [&](int n_block) { load_key_tile(smem_v, v_head, params.v_strides.row, n_block); };
+  auto load_k = [&](int n_block) {
+    load_key_tile(smem_k, k_head, params.k_strides.row, n_block, params.k, params.k_strides);
+  };
+  auto load_v = [&](int n_block) {
+    load_key_tile(smem_v, v_head, params.v_strides.row, n_block, params.v, params.v_strides);
+  };
   if (range.end > range.begin) {
     load_tile_fp32<kHeadDim, kBlockM>(smem_q, q_tile, params.q_strides.row,
                                       seq.seqlen_q - m_block * kBlockM, params.head_dim, tid);
@@ -437,9 +483,9 @@ __global__ void __launch_bounds__(kFp32Threads, kHeadDim <= 64 ? 2 : 1)
   store_output<kHeadDim>(params, acc_o, row_max, row_sum, seq, batch, head, row_base, tx);
 }
 
-template <int kHeadDim, bool kIsCausal, bool kVariants = false>
+template <int kHeadDim, bool kIsCausal, bool kVariants = false, bool kKVCache = false>
 void launch_fp32(const AttentionFwdParams& params, cudaStream_t stream) {
-  auto kernel = flash_fwd_fp32_kernel<kHeadDim, kIsCausal, kVariants>;
+  auto kernel = flash_fwd_fp32_kernel<kHeadDim, kIsCausal, kVariants, kKVCache>;
   constexpr int kSmem = Fp32Tile<kHeadDim>::kSmemBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) {
@@ -460,7 +506,9 @@ void launch_fp32(const AttentionFwdParams& params, cudaStream_t stream) {
 
 template <int kHeadDim>
 void launch_fp32_causal(const AttentionFwdParams& params, cudaStream_t stream) {
-  if (has_variants(params)) {  // window / softcap / ALiBi: causal is part of the Mask
+  if (has_kv_cache_addressing(params)) {  // the variants kernel reading through kv_row
+    launch_fp32<kHeadDim, false, true, true>(params, stream);
+  } else if (has_variants(params)) {  // window / softcap / ALiBi: causal is part of the Mask
     launch_fp32<kHeadDim, false, true>(params, stream);
   } else if (params.causal) {
     launch_fp32<kHeadDim, true>(params, stream);

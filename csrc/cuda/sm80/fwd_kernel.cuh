@@ -92,6 +92,100 @@ FAE_DEVICE void load_tile_async(typename Traits::T* smem, const typename Traits:
   }
 }
 
+// ---------------------------------------------------------------------------
+// K/V tiles through the KV cache addressing (kernels instantiated with
+// kKVCache: block table, cache_batch_idx, left padding; params.h kv_row, the
+// one definition of where a key row lives). The thread -> (row, chunk) map is
+// load_tile_async's. Row-wise map: a thread looks its rows up once per
+// 16-row group of the tile (kKVPageRowAlign; a group never straddles a page:
+// tiles start at multiples of 16 keys, a paged sequence's rows at 0, and pages
+// hold multiples of 16 keys) and steps by the row stride inside the group, so
+// a tile costs a handful of block-table reads per thread, shared by K and V.
+// The other map (head dims whose chunk count does not divide the threads)
+// looks every copy up.
+// ---------------------------------------------------------------------------
+template <typename Traits>
+struct CacheTileMap {
+  static constexpr int kChunks = Traits::kHeadDim / 8;
+  static constexpr int kThreads = Traits::kNThreads;
+  static constexpr int kRows = Traits::kBlockN;
+  static constexpr bool kRowWise =
+      kThreads % kChunks == 0 && kRows % (kThreads / kChunks) == 0;  // as load_tile_async
+  static constexpr int kRowsPerIter = kRowWise ? kThreads / kChunks : 1;
+  static constexpr int kItersPerGroup =
+      kRowsPerIter >= kKVPageRowAlign ? 1 : kKVPageRowAlign / kRowsPerIter;
+  // Look-ups per thread and tile (1 unused slot for the other map).
+  static constexpr int kGroups = kRowWise ? kRows / kRowsPerIter / kItersPerGroup : 1;
+  static_assert(kRows % kKVPageRowAlign == 0,
+                "K/V tiles must start at multiples of kKVPageRowAlign keys (one page per group)");
+  static_assert(!kRowWise || (kRowsPerIter >= kKVPageRowAlign
+                                  ? kRowsPerIter % kKVPageRowAlign == 0
+                                  : kKVPageRowAlign % kRowsPerIter == 0),
+                "a thread's rows must fall into whole 16-row groups");
+};
+
+// The cache rows (kv_row) of the thread's first row in each 16-row group of the
+// tile whose row 0 is sequence row `row0` (row-wise map); rows past valid_rows
+// are not looked up (their block-table entries may not exist).
+template <typename Traits>
+FAE_DEVICE void cache_tile_rows(KVRow (&rows)[CacheTileMap<Traits>::kGroups],
+                                const AttentionFwdParams& params, int batch, int64_t row0,
+                                int valid_rows, int tid) {
+  using Map = CacheTileMap<Traits>;
+  if constexpr (Map::kRowWise) {
+#pragma unroll
+    for (int g = 0; g < Map::kGroups; ++g) {
+      const int row = tid / Map::kChunks + g * Map::kItersPerGroup * Map::kRowsPerIter;
+      rows[g] = row < valid_rows ? kv_row(params, batch, row0 + row) : KVRow{0, 0};
+    }
+  }
+}
+
+// load_tile_async of a K or V tile (tensor base `base`, strides `st`) through
+// the KV cache addressing: `rows` from cache_tile_rows (row-wise map), or a
+// look-up per copy (batch, head, row0: the other map).
+template <typename Traits, bool kFullL2Hint>
+FAE_DEVICE void load_cache_tile_async(typename Traits::T* smem, const typename Traits::T* base,
+                                      const TensorStrides& st,
+                                      const KVRow (&rows)[CacheTileMap<Traits>::kGroups],
+                                      const AttentionFwdParams& params, int batch, int head,
+                                      int64_t row0, int valid_rows, int head_dim, int tid,
+                                      uint64_t l2_policy) {
+  using Map = CacheTileMap<Traits>;
+  using Layout = typename Traits::KVLayout;
+  if constexpr (Map::kRowWise) {
+    const int chunk = tid % Map::kChunks;
+    const int row_first = tid / Map::kChunks;
+    const bool col_valid = kFullL2Hint || chunk * 8 < head_dim;
+#pragma unroll
+    for (int g = 0; g < Map::kGroups; ++g) {
+      const auto* src = base + kv_offset(st, rows[g], head) + chunk * 8;
+#pragma unroll
+      for (int j = 0; j < Map::kItersPerGroup; ++j) {
+        const int row = row_first + (g * Map::kItersPerGroup + j) * Map::kRowsPerIter;
+        const bool valid = kFullL2Hint || (col_valid && row < valid_rows);
+        copy_16<kFullL2Hint>(smem + Layout::offset(row, chunk), valid ? src : base, valid,
+                             l2_policy);
+        src += Map::kRowsPerIter * st.row;
+      }
+    }
+  } else {
+    constexpr int kTotal = Map::kRows * Map::kChunks;
+    constexpr int kIters = (kTotal + Map::kThreads - 1) / Map::kThreads;
+#pragma unroll(kIters <= 8 ? kIters : 4)
+    for (int i = 0; i < kIters; ++i) {
+      const int idx = tid + i * Map::kThreads;
+      if (kTotal % Map::kThreads != 0 && idx >= kTotal) break;
+      const int row = idx / Map::kChunks;
+      const int chunk = idx % Map::kChunks;
+      const bool valid = kFullL2Hint || (row < valid_rows && chunk * 8 < head_dim);
+      const auto* src =
+          valid ? base + kv_row_offset(params, st, batch, head, row0 + row) + chunk * 8 : base;
+      copy_16<kFullL2Hint>(smem + Layout::offset(row, chunk), src, valid, l2_policy);
+    }
+  }
+}
+
 // A-fragments of the warp's Q rows for head-dim k-step kk (16 columns).
 // ldmatrix.x4: lanes 0-15 address rows 0-15 at chunk 2kk, lanes 16-31 rows
 // 0-15 at chunk 2kk+1, giving a[0..3] = (g,lo) (g+8,lo) (g,hi) (g+8,hi).
@@ -256,7 +350,9 @@ using QFragments = uint32_t[Traits::kQInRegs ? Traits::kMmaM : 1]
 
 // The CTA's K/V tiles (tile t = key tile range_begin + t) into the kStages
 // shared-memory slots, one cp.async commit group for K and one for V.
-template <typename Traits>
+// kKVCache: rows through the KV cache addressing (load_cache_tile_async)
+// instead of k_head / v_head (unused then).
+template <typename Traits, bool kKVCache = false>
 struct KVTileLoader {
   using T = typename Traits::T;
   const AttentionFwdParams& params;
@@ -269,6 +365,10 @@ struct KVTileLoader {
   int range_begin;
   int seqlen_k;
   int tid;
+  // kKVCache: batch entry, kv head and sequence row of key 0 (SeqBounds::row0_k).
+  int batch = 0;
+  int head_k = 0;
+  int64_t row0_k = 0;
 
   // Decode tile: K/V that only this CTA reads stream through L2 as evict_first
   // (params.kv_evict_first) in every tile that is wholly in range; the
@@ -286,16 +386,48 @@ struct KVTileLoader {
         smem, gmem, row_stride, valid_rows, params.head_dim, tid);
   }
 
+  // One K or V tile through the cache addressing, with load()'s L2 policy rule.
+  FAE_DEVICE void load_cache(T* smem, const void* base, const TensorStrides& st,
+                             const KVRow (&rows)[CacheTileMap<Traits>::kGroups], int64_t row0,
+                             int valid_rows) const {
+    const T* tensor = static_cast<const T*>(base);
+    if constexpr (Traits::kKVL2Policy) {
+      if (params.kv_evict_first && valid_rows >= Traits::kBlockN &&
+          params.head_dim == Traits::kHeadDim) {
+        load_cache_tile_async<Traits, /*kFullL2Hint=*/true>(smem, tensor, st, rows, params, batch,
+                                                            head_k, row0, valid_rows,
+                                                            params.head_dim, tid,
+                                                            l2_policy_evict_first());
+        return;
+      }
+    }
+    load_cache_tile_async<Traits, false>(smem, tensor, st, rows, params, batch, head_k, row0,
+                                         valid_rows, params.head_dim, tid, 0);
+  }
+
   FAE_DEVICE void load_tile(int tile, int slot) const {
     const int n_block = range_begin + tile;
     const int64_t key0 = static_cast<int64_t>(n_block) * Traits::kBlockN;
     const int valid_rows = seqlen_k - n_block * Traits::kBlockN;
-    load(smem_k + slot * Traits::kSmemKVElems, k_head + key0 * row_stride_k, row_stride_k,
-         valid_rows);
-    cp_async_commit();
-    load(smem_v + slot * Traits::kSmemKVElems, v_head + key0 * row_stride_v, row_stride_v,
-         valid_rows);
-    cp_async_commit();
+    if constexpr (kKVCache) {
+      // K and V share the look-ups (same rows, their own strides).
+      const int64_t row0 = row0_k + key0;
+      KVRow rows[CacheTileMap<Traits>::kGroups];
+      cache_tile_rows<Traits>(rows, params, batch, row0, valid_rows, tid);
+      load_cache(smem_k + slot * Traits::kSmemKVElems, params.k, params.k_strides, rows, row0,
+                 valid_rows);
+      cp_async_commit();
+      load_cache(smem_v + slot * Traits::kSmemKVElems, params.v, params.v_strides, rows, row0,
+                 valid_rows);
+      cp_async_commit();
+    } else {
+      load(smem_k + slot * Traits::kSmemKVElems, k_head + key0 * row_stride_k, row_stride_k,
+           valid_rows);
+      cp_async_commit();
+      load(smem_v + slot * Traits::kSmemKVElems, v_head + key0 * row_stride_v, row_stride_v,
+           valid_rows);
+      cp_async_commit();
+    }
   }
 
   // Keeps the commit-group count uniform past the last tile, so the
@@ -308,8 +440,8 @@ struct KVTileLoader {
 
 // ---- prologue: Q, then K/V tiles 0 .. kStages-2 -----------------------------
 // Commit groups in flight, oldest first: Q | K0 | V0 | K1 | V1 | ...
-template <typename Traits>
-FAE_DEVICE void fwd_prologue(QFragments<Traits>& q_frags, const KVTileLoader<Traits>& kv,
+template <typename Traits, typename Loader>
+FAE_DEVICE void fwd_prologue(QFragments<Traits>& q_frags, const Loader& kv,
                              typename Traits::T* smem_q, const typename Traits::T* q_tile,
                              int64_t q_row_stride, int q_valid_rows, int head_dim, int n_tiles,
                              const FwdThread<Traits>& th) {
@@ -431,11 +563,15 @@ FAE_DEVICE void store_split_partials(const float (&acc_o)[Traits::kMmaM][Traits:
 // and dropout (csrc/dropout.h, common/dropout_tile.cuh), instead of the
 // causal-only mask (instantiated with kIsCausal = false, kVarSeq = true:
 // causal is the window's right bound 0; see run_fwd_variants_impl).
+// kKVCache: K/V through the KV cache addressing (block table, cache_batch_idx,
+// left padding; KVTileLoader), instantiated for the decode tiles only
+// (run_fwd_kvcache_impl), so the other kernels compile as without it.
 // ---------------------------------------------------------------------------
 template <typename Traits, bool kIsCausal, bool kVarSeq, bool kClusterMerge = false,
-          bool kHasVariants = false, bool kAttnMask = false>
+          bool kHasVariants = false, bool kAttnMask = false, bool kKVCache = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_kernel(const __grid_constant__ AttentionFwdParams params) {
+  static_assert(!kKVCache || kVarSeq, "KV cache addressing reads per-sequence bounds");
   using T = typename Traits::T;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -463,7 +599,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int split = blockIdx.y;
   const int num_splits = gridDim.y;
   // This sequence's lengths / first rows / causal offset (varlen, seqused_k).
-  const SeqBounds seq = seq_bounds<kVarSeq>(params, batch);
+  const SeqBounds seq = seq_bounds<kVarSeq, kKVCache>(params, batch);
   if (m_block * kBlockM >= seq.seqlen_q) return;  // varlen: past this sequence (CTA-uniform)
 
   ScoreVariants variants;
@@ -479,12 +615,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const T* q_tile = static_cast<const T*>(params.q) + batch * params.q_strides.batch +
                     head * params.q_strides.head +
                     (seq.row0_q + static_cast<int64_t>(m_block) * kBlockM) * params.q_strides.row;
-  const T* k_head = static_cast<const T*>(params.k) + batch * params.k_strides.batch +
-                    head_k * params.k_strides.head + seq.row0_k * row_stride_k;
-  const T* v_head = static_cast<const T*>(params.v) + batch * params.v_strides.batch +
-                    head_k * params.v_strides.head + seq.row0_k * row_stride_v;
-  const KVTileLoader<Traits> kv{params,       smem_k,       smem_v,      k_head, v_head,
-                                row_stride_k, row_stride_v, range.begin, seq.seqlen_k, th.tid};
+  const T* k_head = nullptr;  // kKVCache: rows through kv_row instead
+  const T* v_head = nullptr;
+  if constexpr (!kKVCache) {
+    k_head = static_cast<const T*>(params.k) + batch * params.k_strides.batch +
+             head_k * params.k_strides.head + seq.row0_k * row_stride_k;
+    v_head = static_cast<const T*>(params.v) + batch * params.v_strides.batch +
+             head_k * params.v_strides.head + seq.row0_k * row_stride_v;
+  }
+  const KVTileLoader<Traits, kKVCache> kv{params,       smem_k,       smem_v,       k_head,
+                                          v_head,       row_stride_k, row_stride_v, range.begin,
+                                          seq.seqlen_k, th.tid,       batch,        head_k,
+                                          seq.row0_k};
 
   float acc_o[kMmaM][Traits::kTilesD][4];
 #pragma unroll

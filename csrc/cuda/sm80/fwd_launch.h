@@ -19,6 +19,22 @@ void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream);
 template <typename T, int kHeadDim>
 void run_fwd_variants_impl(const AttentionFwdParams& params, cudaStream_t stream);
 
+// The same for calls with KV cache addressing (has_kv_cache_addressing: block
+// table, cache_batch_idx, left padding), on the decode tiles:
+// instantiations/fwd_kv_*.cu.
+template <typename T, int kHeadDim>
+void run_fwd_kvcache_impl(const AttentionFwdParams& params, cudaStream_t stream);
+
+// Whether a KV cache call runs the variant kernel (its Mask handles causal)
+// rather than the plain non-causal one: with window / softcap / ALiBi /
+// dropout, and when causal masks something, i.e. unless the only query row
+// of each sequence sits bottom-right (then causal hides no key). The cache
+// kernels have no causal instantiation of their own, to keep the build small.
+inline bool fwd_kvcache_uses_variant_kernel(const AttentionFwdParams& params) {
+  return has_variants(params) ||
+         (params.causal && !(params.causal_bottom_right && params.seqlen_q == 1));
+}
+
 // Whether a split-KV call (num_splits > 1) merges its splits inside a
 // thread-block cluster (fwd_kernel.cuh, merge_splits_in_cluster) instead of
 // through a global workspace and the combine kernel: sm_90 code on an sm_90

@@ -29,8 +29,10 @@ inline void fwd_check_cuda(cudaError_t err, const char* what) {
 // (kMayClusterMerge: the configurations that instantiate that variant).
 // kHasVariants: the window / softcap / ALiBi kernel (one per tile: kVarSeq
 // covers padded batches too, causal is the window's right bound).
+// kKVCache: the kernels reading K/V through the KV cache addressing
+// (run_fwd_kvcache_impl; always kVarSeq, never with an attn_mask).
 template <typename Traits, bool kIsCausal, bool kMayClusterMerge = false,
-          bool kHasVariants = false>
+          bool kHasVariants = false, bool kKVCache = false>
 void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
   const int num_splits = params.num_splits > 1 ? params.num_splits : 1;
   const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
@@ -54,8 +56,14 @@ void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
 
   if constexpr (kMayClusterMerge) {
     if (num_splits > 1 && fwd_merges_splits_in_cluster(params, num_splits)) {
-      auto kernel = has_var_seqs(params) ? flash_fwd_kernel<Traits, kIsCausal, true, true>
-                                         : flash_fwd_kernel<Traits, kIsCausal, false, true>;
+      auto kernel = [&] {
+        if constexpr (kKVCache) {
+          return flash_fwd_kernel<Traits, kIsCausal, true, true, false, false, true>;
+        } else {
+          return has_var_seqs(params) ? flash_fwd_kernel<Traits, kIsCausal, true, true>
+                                      : flash_fwd_kernel<Traits, kIsCausal, false, true>;
+        }
+      }();
       allow_smem(kernel);
       cudaLaunchAttribute cluster;
       cluster.id = cudaLaunchAttributeClusterDimension;
@@ -76,7 +84,11 @@ void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
   }
 
   // Varlen / seqused_k calls get their own instantiation (see seq_bounds).
-  if constexpr (kHasVariants) {  // with an attn_mask: a kernel of its own (fwd_softmax.cuh)
+  if constexpr (kKVCache) {
+    auto kernel = flash_fwd_kernel<Traits, kIsCausal, true, false, kHasVariants, false, true>;
+    allow_smem(kernel);
+    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(launch_params);
+  } else if constexpr (kHasVariants) {  // with an attn_mask: a kernel of its own (fwd_softmax.cuh)
     auto kernel = params.attn_bias != nullptr ? flash_fwd_kernel<Traits, false, true, false, true, true>
                                               : flash_fwd_kernel<Traits, false, true, false, true>;
     allow_smem(kernel);
@@ -103,8 +115,9 @@ void launch_fwd(const AttentionFwdParams& params, cudaStream_t stream) {
   }
 }
 
-template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants>
-void run_fwd_tiles(const AttentionFwdParams& params, cudaStream_t stream) {
+// What every forward launcher checks of its params first.
+template <int kHeadDim>
+void check_fwd_launch(const AttentionFwdParams& params) {
   if (params.head_dim > kHeadDim || params.head_dim % 8 != 0) {
     throw std::runtime_error("flash_attn_ext: internal error: head_dim " +
                              std::to_string(params.head_dim) + " dispatched to kernel head dim " +
@@ -122,6 +135,15 @@ void run_fwd_tiles(const AttentionFwdParams& params, cudaStream_t stream) {
   if (params.num_splits > 65535) {
     throw std::runtime_error("flash_attn_ext: num_splits " + std::to_string(params.num_splits) +
                              " exceeds the grid limit 65535");
+  }
+}
+
+template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants>
+void run_fwd_tiles(const AttentionFwdParams& params, cudaStream_t stream) {
+  check_fwd_launch<kHeadDim>(params);
+  if (has_kv_cache_addressing(params)) {
+    throw std::runtime_error("flash_attn_ext: internal error: a KV cache call reached the "
+                             "kernels without cache addressing (run_fwd_kvcache_impl)");
   }
   // The split count was chosen (fwd_num_splits) for the same tile as here.
   // Variant calls never merge splits in a cluster (fwd_merges_splits_in_cluster).
@@ -148,6 +170,34 @@ void run_fwd_impl(const AttentionFwdParams& params, cudaStream_t stream) {
 template <typename T, int kHeadDim>
 void run_fwd_variants_impl(const AttentionFwdParams& params, cudaStream_t stream) {
   run_fwd_tiles<T, kHeadDim, /*kIsCausal=*/false, /*kHasVariants=*/true>(params, stream);
+}
+
+// KV cache addressing (has_kv_cache_addressing): the decode tiles only
+// (fwd_choose_tile sends every such call there, any seqlen_q), as the plain
+// non-causal kernel (split clusters allowed) or, for masks and score
+// modifiers (fwd_kvcache_uses_variant_kernel: causal included), the variant
+// kernel: 6 kernels per (dtype, head dim) in instantiations/fwd_kv_*.cu.
+template <typename T, int kHeadDim>
+void run_fwd_kvcache_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+  check_fwd_launch<kHeadDim>(params);
+  if (!fwd_uses_decode_tile(params)) {
+    throw std::runtime_error("flash_attn_ext: internal error: KV cache addressing runs the "
+                             "decode tiles only (fwd_choose_tile)");
+  }
+  using OneWarp = typename FwdTileConfigDecode<kHeadDim>::template Traits<T>;
+  using KeyWarps = typename FwdTileConfigDecode<kHeadDim, kFwdDecodeKeyWarps>::template Traits<T>;
+  const bool variants = fwd_kvcache_uses_variant_kernel(params);
+  if (fwd_uses_key_warp_tile(params)) {
+    if (variants) {
+      launch_fwd<KeyWarps, false, false, true, true>(params, stream);
+    } else {
+      launch_fwd<KeyWarps, false, true, false, true>(params, stream);
+    }
+  } else if (variants) {
+    launch_fwd<OneWarp, false, false, true, true>(params, stream);
+  } else {
+    launch_fwd<OneWarp, false, true, false, true>(params, stream);
+  }
 }
 
 }  // namespace cuda

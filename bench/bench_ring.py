@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Context-parallel (ring) attention, flash_attn_ext.ring_flash_attn_func: throughput per
+world size and how much of the communication the compute leaves exposed.
+
+  python3 bench/bench_ring.py --all --csv ring.csv       # 1, 2, 4, 8 GPUs (up to the device
+                                                         # count), each world size spawned here
+  torchrun --nproc_per_node 2 bench/bench_ring.py        # one world size, launched by torchrun
+  python3 bench/bench_ring.py --device cpu --all --max-world 2   # CPU smoke run (gloo, tiny)
+
+Each rank holds --seqlen tokens (default 8192; the sequence has world * seqlen), zig-zag
+causal, bf16, [batch, seqlen, heads, head_dim] with D = 128; one iteration is the forward
+and the backward (torch.autograd.grad) of ring_flash_attn_func. Per iteration every rank is
+timed from a barrier to the end of its backward (CUDA synchronised); the slowest rank counts,
+and the median over --iters iterations is reported. Columns:
+
+  ring ms      one iteration
+  no-comm ms   the same iteration with the ring's communication left out: every rank runs the
+               same blocks (same kernels, shapes and merges) against its own K/V instead of the
+               ones passed around, and skips the input check's all_gather
+  exposed %    (ring - no-comm) / ring: the share of the time communication is not hidden
+  1-GPU ms     flash_attn_func on one rank's shard alone (seqlen tokens, causal): the baseline
+  tokens/s     batch * world * seqlen / ring time: the whole sequence per second
+  TF/s/GPU     attention FLOPs of the whole sequence (forward 4*B*H*N^2*D / 2 when causal,
+               backward 2.5x that) / ring time / world
+  scaling %    TF/s/GPU over the 1-GPU baseline's TF/s: 100 % is linear scaling of the
+               attention throughput. (tokens/s cannot grow linearly with the world size at a
+               fixed length per GPU: attention's work per token grows with the sequence.)
+
+NCCL's NVLink multicast (NVLS) is switched off (NCCL_NVLS_ENABLE=0) unless the environment
+sets it.
+"""
+import argparse
+import csv
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before any NCCL communicator exists
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import flash_attn_ext  # noqa: E402
+from flash_attn_ext import distributed as ring_attention  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COLUMNS = ["world", "seqlen_per_rank", "seqlen_total", "batch", "heads", "kv_heads",
+           "head_dim", "dtype", "device", "ring_ms", "nocomm_ms", "exposed_comm_pct",
+           "single_gpu_ms", "tokens_per_s", "tflops_per_gpu", "scaling_pct"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--all", action="store_true",
+                   help="spawn world sizes 1, 2, 4, 8 (up to the device count / --max-world) "
+                        "here, one after the other; without it, run the world of torchrun")
+    p.add_argument("--max-world", type=int, default=8, help="largest world size with --all")
+    p.add_argument("--device", choices=["cuda", "cpu"],
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seqlen", type=int, default=None,
+                   help="tokens per rank (default 8192 on CUDA, 256 on the CPU)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=None, help="query heads (default 32, CPU 2)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: heads)")
+    p.add_argument("--head-dim", type=int, default=None, help="default 128 (CPU 32)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="default bf16 (CPU fp32)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--csv", help="write the table to this CSV file")
+    args = p.parse_args(argv)
+    cpu = args.device == "cpu"
+    args.seqlen = args.seqlen or (256 if cpu else 8192)
+    args.heads = args.heads or (2 if cpu else 32)
+    args.kv_heads = args.kv_heads or args.heads
+    args.head_dim = args.head_dim or (32 if cpu else 128)
+    args.dtype = args.dtype or ("fp32" if cpu else "bf16")
+    return args
+
+
+# ---- one rank ---------------------------------------------------------------------------------
+def _synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest_rank_median_ms(step, iters, warmup, device):
+    """Median over iterations of the slowest rank's time for step() (forward + backward),
+    each iteration started together after a barrier."""
+    for _ in range(warmup):
+        step()
+    _synchronize(device)
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        _synchronize(device)
+        start = time.perf_counter()
+        step()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist()) * 1e3
+
+
+def _causal_flops(args, seqlen):
+    """Forward + backward FLOPs of causal attention over `seqlen` tokens."""
+    forward = 4 * args.batch * args.heads * seqlen * seqlen * args.head_dim / 2
+    return forward * 3.5
+
+
+def measure(args, device):
+    """This rank's part of one world size's row; rank 0 returns the row."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[args.dtype]
+    gen = torch.Generator(device=device).manual_seed(rank)
+
+    def randn(heads):
+        return torch.randn(args.batch, args.seqlen, heads, args.head_dim, generator=gen,
+                           device=device, dtype=dtype)
+
+    q = randn(args.heads).requires_grad_()
+    k, v = (randn(args.kv_heads).requires_grad_() for _ in "kv")
+    dout = randn(args.heads)
+
+    def fwd_bwd(attention):
+        return lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
+
+    ring = fwd_bwd(lambda q, k, v: ring_attention.ring_flash_attn_func(q, k, v, causal=True))
+    # The same blocks without communication: a ring that "receives" what it sends.
+    silent_ring = ring_attention._Ring(communicate=False)
+    same_blocks = ring_attention._PaddedAttention((args.seqlen,) * world, True,
+                                                  args.head_dim ** -0.5, 0.0, False)
+    no_comm = fwd_bwd(lambda q, k, v: ring_attention._RingFlashAttnFunction.apply(
+        q, k, v, silent_ring, same_blocks)[0])
+    single = fwd_bwd(lambda q, k, v: flash_attn_ext.flash_attn_func(q, k, v, causal=True))
+
+    ms = {name: _slowest_rank_median_ms(fn, args.iters, args.warmup, device)
+          for name, fn in (("single_gpu_ms", single), ("ring_ms", ring), ("nocomm_ms", no_comm))}
+    if rank != 0:
+        return None
+    total = world * args.seqlen
+    tflops_per_gpu = _causal_flops(args, total) / (ms["ring_ms"] * 1e-3) / world / 1e12
+    single_tflops = _causal_flops(args, args.seqlen) / (ms["single_gpu_ms"] * 1e-3) / 1e12
+    return dict(world=world, seqlen_per_rank=args.seqlen, seqlen_total=total,
+                batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+                head_dim=args.head_dim, dtype=args.dtype, device=_device_name(device), **ms,
+                exposed_comm_pct=100 * max(0.0, ms["ring_ms"] - ms["nocomm_ms"]) / ms["ring_ms"],
+                tokens_per_s=args.batch * total / (ms["ring_ms"] * 1e-3),
+                tflops_per_gpu=tflops_per_gpu, scaling_pct=100 * tflops_per_gpu / single_tflops)
+
+
+def _device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _init(rank, world, device_type, store_path=None):
+    """Process group of this rank (FileStore when spawned here, torchrun's env:// otherwise);
+    returns the rank's device."""
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    store = dist.FileStore(store_path, world) if store_path else None
+    dist.init_process_group(backend, store=store, rank=rank if store else -1,
+                            world_size=world if store else -1,
+                            timeout=datetime.timedelta(minutes=5),
+                            device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def _spawned_rank(rank, world, args, store_path, result_path):
+    device = _init(rank, world, args.device, store_path)
+    row = measure(args, device)
+    if row is not None:
+        with open(result_path, "w") as f:
+            json.dump(row, f)
+    dist.destroy_process_group()
+
+
+# ---- report -----------------------------------------------------------------------------------
+def print_table(rows, args):
+    print(f"\nring attention, zig-zag causal, forward + backward: {args.seqlen} tokens per "
+          f"rank, batch {args.batch}, heads {args.heads}/{args.kv_heads}, D={args.head_dim}, "
+          f"{args.dtype}, {rows[0]['device'] if rows else args.device}; median of {args.iters} "
+          f"(slowest rank); NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
+    header = ["world", "tokens", "ring ms", "no-comm ms", "exposed %", "1-GPU ms",
+              "tokens/s", "TF/s/GPU", "scaling %"]
+    keys = ["world", "seqlen_total", "ring_ms", "nocomm_ms", "exposed_comm_pct",
+            "single_gpu_ms", "tokens_per_s", "tflops_per_gpu", "scaling_pct"]
+    formats = ["{:d}", "{:d}", "{:.2f}", "{:.2f}", "{:.1f}", "{:.2f}", "{:,.0f}", "{:.1f}",
+               "{:.1f}"]
+    table = [header] + [[f.format(r[k]) for f, k in zip(formats, keys)] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    for line in table:
+        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+
+
+def write_csv(rows, path):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: r[k] for k in COLUMNS})
+    print(f"wrote {path}")
+
+
+def world_sizes(args):
+    available = torch.cuda.device_count() if args.device == "cuda" else args.max_world
+    sizes = [w for w in (1, 2, 4, 8) if w <= min(available, args.max_world)]
+    if not sizes:
+        sys.exit("bench_ring: no CUDA device (use --device cpu for a smoke run)")
+    return sizes
+
+
+def run_all(args):
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in world_sizes(args):
+            print(f"world size {world} ...", flush=True)
+            store, result = (os.path.join(tmp, f"{name}{world}") for name in ("store", "row"))
+            mp.start_processes(_spawned_rank, args=(world, args, store, result), nprocs=world,
+                               start_method="spawn")
+            with open(result) as f:
+                rows.append(json.load(f))
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.all:
+        rows = run_all(args)
+    else:
+        if "WORLD_SIZE" not in os.environ:
+            sys.exit("bench_ring: launch with torchrun --nproc_per_node N, or pass --all")
+        device = _init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.device)
+        row = measure(args, device)
+        dist.destroy_process_group()
+        if row is None:
+            return
+        rows = [row]
+    print_table(rows, args)
+    if args.csv:
+        write_csv(rows, args.csv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,661 @@
+"""Context parallelism: exact attention over a sequence sharded across the ranks of a
+torch.distributed process group (ring attention).
+
+ring_flash_attn_func(q, k, v, group=None, causal=False, ...) takes this rank's shard of the
+sequence, [batch, seqlen_local, heads, head_dim] (flash-attn's layout, GQA allowed), and
+returns this rank's rows of the attention over the whole sequence; its gradients are those of
+single-process attention over the whole sequence, restricted to this rank's shard.
+ring_flash_attn_varlen_func does the same for a packed batch of sequences
+([total_local, heads, head_dim] and the batch's global cu_seqlens).
+
+Sharding:
+  causal=False  any split of the sequence into per-rank shards (contiguous, zig-zag, ...;
+                lengths may differ between ranks): without a mask the order of the keys does
+                not matter.
+  causal=True   the zig-zag layout of zigzag_shard: the sequence is cut into 2 * world chunks
+                and rank r holds chunks r and 2 * world - 1 - r, so every rank has the same
+                amount of causal work. Every rank must hold the same number of tokens.
+  varlen        every sequence is cut like that (its length a multiple of world) and a rank
+                holds its first chunk of every sequence, then its second chunk of every
+                sequence (zigzag_shard_varlen), causal or not.
+
+Schedule (world W, rank r): the ranks form a ring (r sends to r + 1, receives from r - 1).
+The forward runs W steps; at step i this rank holds the K/V block of rank (r - i) mod W, starts
+passing it on (torch.distributed.batch_isend_irecv; asynchronous on gloo and NCCL, whose
+transfers run on NCCL's own stream, so they overlap the compute), computes its queries against
+the block with the forward operator, which returns (out, lse), and merges that partial result
+into fp32 accumulators by the log-sum-exp. The backward runs the same steps with the backward
+operator, given the global (merged) out and lse: FlashAttention's backward rebuilds
+P = exp(scale * Q K^T - lse) and dS = P * (dP - rowsum(dO * O)), which for a block of keys is
+the block's share of the whole-sequence gradient exactly when out and lse are the global ones.
+dQ accumulates locally; each block's dK/dV accumulator (fp32) travels around the ring with the
+block and reaches its owner after the last step. Nothing is all-gathered: memory stays O(local
+shard) (two K/V blocks and two fp32 dK/dV accumulators in flight).
+"""
+import itertools
+import math
+import numbers
+from typing import List, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import ops  # noqa: F401  (loads the operators)
+
+__all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func", "zigzag_shard",
+           "zigzag_unshard", "zigzag_shard_varlen", "zigzag_unshard_varlen"]
+
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+
+
+# ---- zig-zag sharding ---------------------------------------------------------------------
+def _check_world_and_rank(rank, world):
+    if not (isinstance(world, int) and world >= 1):
+        raise ValueError(f"flash_attn_ext: world must be an int >= 1, got {world!r}")
+    if not (isinstance(rank, int) and 0 <= rank < world):
+        raise ValueError(f"flash_attn_ext: rank must be an int in [0, {world}), got {rank!r}")
+
+
+def _zigzag_chunks(x, rank, world, dim):
+    """(chunk rank, chunk 2 * world - 1 - rank) of x cut into 2 * world chunks along dim; with
+    len(x) = world * n and n odd, the first world chunks have the extra token."""
+    seqlen = x.shape[dim]
+    if seqlen % world != 0:
+        raise ValueError(f"flash_attn_ext: zig-zag sharding needs sequence lengths divisible "
+                         f"by the world size (equal shards), got {seqlen} tokens for {world} "
+                         f"ranks")
+    chunks = x.tensor_split(2 * world, dim=dim)
+    return chunks[rank], chunks[2 * world - 1 - rank]
+
+
+def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
+    """Rank `rank`'s zig-zag shard of the full sequence `x` (sequence along `dim`): the
+    sequence is split into 2 * world chunks (torch.tensor_split) and the shard is chunk `rank`
+    followed by chunk 2 * world - 1 - rank, the layout ring_flash_attn_func(causal=True)
+    expects. The sequence length must be a multiple of `world` (every rank then holds the same
+    number of tokens; with an odd shard length its first chunk is one token longer). Returns a
+    new tensor."""
+    _check_world_and_rank(rank, world)
+    return torch.cat(_zigzag_chunks(x, rank, world, dim), dim=dim)
+
+
+def zigzag_unshard(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The full sequence from every rank's zig-zag shard, in rank order (e.g. the list that
+    torch.distributed.all_gather fills): the inverse of zigzag_shard."""
+    if len(shards) == 0:
+        raise ValueError("flash_attn_ext: zigzag_unshard needs the shards of every rank")
+    if len({s.shape[dim] for s in shards}) != 1:
+        raise ValueError(f"flash_attn_ext: zig-zag shards must all have the same length, got "
+                         f"{[s.shape[dim] for s in shards]}")
+    firsts, seconds = zip(*([_narrow(s, dim, rows) for rows in _halves(s.shape[dim])]
+                            for s in shards))
+    return torch.cat(firsts + seconds[::-1], dim=dim)
+
+
+def _host_cu_seqlens(cu_seqlens) -> List[int]:
+    """cu_seqlens (int tensor on any device, or a sequence of ints) -> a checked list."""
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if (len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:]))
+            or not all(isinstance(c, int) for c in cu)):
+        raise ValueError(f"flash_attn_ext: cu_seqlens must be [0, ...] non-decreasing ints "
+                         f"(batch + 1 >= 2 of them), got {cu}")
+    return cu
+
+
+def zigzag_shard_varlen(x: torch.Tensor, cu_seqlens, rank: int, world: int,
+                        dim: int = 0) -> torch.Tensor:
+    """Rank `rank`'s shard of a packed batch (sequences along `dim` at the offsets of the
+    global cu_seqlens, each length a multiple of `world`): every sequence is zig-zag split as
+    by zigzag_shard, and the shard is the rank's first chunk of every sequence followed by its
+    second chunk of every sequence, the layout ring_flash_attn_varlen_func expects (every
+    piece of work is then a contiguous range of rows). Returns a new tensor of
+    cu_seqlens[-1] / world rows."""
+    _check_world_and_rank(rank, world)
+    cu = _host_cu_seqlens(cu_seqlens)
+    pairs = [_zigzag_chunks(x.narrow(dim, start, end - start), rank, world, dim)
+             for start, end in zip(cu, cu[1:])]
+    return torch.cat([first for first, _ in pairs] + [second for _, second in pairs], dim=dim)
+
+
+def zigzag_unshard_varlen(shards: Sequence[torch.Tensor], cu_seqlens,
+                          dim: int = 0) -> torch.Tensor:
+    """The packed batch from every rank's zigzag_shard_varlen shard, in rank order."""
+    world = len(shards)
+    if world == 0:
+        raise ValueError("flash_attn_ext: zigzag_unshard_varlen needs the shards of every rank")
+    chunks = _PackedChunks(_host_cu_seqlens(cu_seqlens), world, torch.device("cpu"))
+    if any(s.shape[dim] != chunks.total for s in shards):
+        raise ValueError(f"flash_attn_ext: each shard must have {chunks.total} rows, got "
+                         f"{[s.shape[dim] for s in shards]}")
+    sequences = []
+    for b in range(chunks.batch):
+        per_rank = [[s.narrow(dim, *chunks.rows_of(c, b)) for c in (0, 1)] for s in shards]
+        sequences += [firsts for firsts, _ in per_rank] + [seconds for _, seconds in per_rank[::-1]]
+    return torch.cat(sequences, dim=dim)
+
+
+# ---- the ring -----------------------------------------------------------------------------
+class _InFlight:
+    """A block on its way from the previous rank; wait() returns it. Keeps the tensor being
+    sent alive until the transfer is done (gloo reads it asynchronously)."""
+
+    def __init__(self, works, received, sent=None):
+        self._works, self._received, self._sent = works, received, sent
+
+    def wait(self) -> torch.Tensor:
+        # On CUDA, Work.wait() makes the current stream wait for NCCL's: no host sync.
+        for work in self._works:
+            work.wait()
+        self._sent = None
+        return self._received
+
+
+class _Ring:
+    """This rank's place in the ring of `group` and the one communication step of the ring:
+    send a block to the next rank while receiving the previous rank's.
+
+    communicate=False (benchmarks only) keeps the same rank, world and block schedule but
+    "receives" the block it sends, so a run computes exactly the same blocks without any
+    communication: the difference in time is the communication that the compute does not
+    hide."""
+
+    def __init__(self, group=None, communicate=True):
+        self.group = dist.group.WORLD if group is None else group
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.communicate = communicate
+        self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
+        self._prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
+
+    def pass_on(self, block: torch.Tensor, received_shape) -> _InFlight:
+        """Starts sending `block` to the next rank and receiving a `received_shape` block of the
+        same dtype from the previous one."""
+        if self.world == 1 or not self.communicate:
+            return _InFlight([], block)
+        received = block.new_empty(received_shape)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, block, self._next, self.group),
+                                        dist.P2POp(dist.irecv, received, self._prev, self.group)])
+        return _InFlight(works, received, sent=block)
+
+
+class _Piece(NamedTuple):
+    """This rank's query rows [rows) against the rows [keys) of the K/V block it holds at one
+    step (contiguous ranges along the sequence dim); causal: masked like the diagonal block.
+    q_chunk / k_chunk: which zig-zag chunk the ranges are (0 first, 1 second; packed
+    batches look up their cu_seqlens by it)."""
+    rows: slice
+    keys: slice
+    causal: bool
+    q_chunk: int = -1
+    k_chunk: int = -1
+
+
+def _zigzag_chunk_pairs(step, rank, world):
+    """For causal zig-zag shards: the (query chunk, key chunk, causal) pairs this rank computes
+    at `step`, when it holds the block of rank s = (rank - step) mod world.
+
+    Rank r holds global chunks r and 2W-1-r (its chunks 0 and 1), s holds s and 2W-1-s.
+      step 0: 0-0 and 1-1 are diagonal (causal); 1-0 is in the past: full; 0-1 the future.
+      s < r:  both our chunks come after chunk s and before chunk 2W-1-s: 0-0 and 1-0.
+      s > r:  chunks s and 2W-1-s lie between our r and 2W-1-r: 1-0 and 1-1.
+    Each later step is half a block of unmasked work, so every rank does the same amount."""
+    source = (rank - step) % world
+    if step == 0:
+        return [(0, 0, True), (1, 0, False), (1, 1, True)]
+    if source < rank:
+        return [(0, 0, False), (1, 0, False)]
+    return [(1, 0, False), (1, 1, False)]
+
+
+def _nonempty(pieces):
+    # One-token shards (and short packed sequences) have empty chunks: nothing to do there.
+    return [p for p in pieces if p.rows.stop > p.rows.start and p.keys.stop > p.keys.start]
+
+
+def _halves(length):
+    """The rows of a zig-zag shard's two chunks (the first one token longer if odd)."""
+    first = (length + 1) // 2
+    return slice(0, first), slice(first, length)
+
+
+def _span(chunk_rows, chunks):
+    """The rows from the first to the last of `chunks` (indices into chunk_rows)."""
+    return slice(chunk_rows[min(chunks)].start, chunk_rows[max(chunks)].stop)
+
+
+def _narrow(t, dim, rows: slice):
+    return t.narrow(dim, rows.start, rows.stop - rows.start)
+
+
+class _Attention:
+    """What the ring loop needs to know about one kind of shard: the sequence dim, every
+    rank's length, the pieces of each step and how to run the operators on a piece."""
+    seq_dim: int  # of q / k / v / out; lse has its sequence dim last
+
+    def __init__(self, seqlens, causal, softmax_scale, softcap, deterministic):
+        self.seqlens = tuple(seqlens)  # tokens per rank, in group-rank order
+        self.causal = causal
+        self.scale, self.softcap, self.deterministic = softmax_scale, softcap, deterministic
+
+    def lse_shape(self, q):
+        raise NotImplementedError
+
+    def pieces(self, step, rank, world) -> List[_Piece]:
+        raise NotImplementedError
+
+    def forward(self, piece, q, k, v):
+        raise NotImplementedError
+
+    def backward(self, piece, dout, q, k, v, out, lse):
+        raise NotImplementedError
+
+
+class _PaddedAttention(_Attention):
+    """[batch, seqlen_local, heads, head_dim] shards, lse [batch, heads, seqlen_local].
+
+    Causal: positions grow along a zig-zag shard, so the block's own diagonal (step 0) is one
+    causal call over the whole shard, and the other steps' chunk pairs are contiguous too
+    (all rows against the first chunk, or the second chunk against all keys)."""
+    seq_dim = 1
+
+    def lse_shape(self, q):
+        return (q.shape[0], q.shape[2], q.shape[1])
+
+    def pieces(self, step, rank, world):
+        q_len, k_len = self.seqlens[rank], self.seqlens[(rank - step) % world]
+        if not self.causal:
+            return _nonempty([_Piece(slice(0, q_len), slice(0, k_len), False)])
+        # A padded shard's two chunks are adjacent, so a step's chunk pairs make one rectangle:
+        # at step 0 the whole shard against itself (the 0-1 pair, the future, is masked out by
+        # the causal call), later all rows against the first chunk or the second chunk
+        # against all keys.
+        pairs = _zigzag_chunk_pairs(step, rank, world)
+        rows = _span(_halves(q_len), {q_chunk for q_chunk, _, _ in pairs})
+        keys = _span(_halves(k_len), {k_chunk for _, k_chunk, _ in pairs})
+        return _nonempty([_Piece(rows, keys, causal=step == 0)])
+
+    def forward(self, piece, q, k, v):
+        return torch.ops.flash_attn_ext.fwd(q, k, v, self.scale, piece.causal, True, 0, 0, None,
+                                            -1, -1, self.softcap)
+
+    def backward(self, piece, dout, q, k, v, out, lse):
+        return torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, self.scale, piece.causal,
+                                            True, self.deterministic, None, -1, -1, self.softcap)
+
+
+class _PackedChunks:
+    """The zig-zag chunks of a packed batch on every rank (all ranks alike): with sequence b of
+    length world * n_b, its first chunk has ceil(n_b / 2) rows, its second floor(n_b / 2); a
+    shard holds all first chunks, then all second chunks."""
+
+    def __init__(self, cu_seqlens: List[int], world, device):
+        lengths = [end - start for start, end in zip(cu_seqlens, cu_seqlens[1:])]
+        if any(n % world for n in lengths):
+            raise ValueError(f"flash_attn_ext: zig-zag sharding needs sequence lengths divisible "
+                             f"by the world size ({world}), got {lengths}")
+        local = [n // world for n in lengths]
+        self.batch = len(lengths)
+        self.lengths = ([(n + 1) // 2 for n in local], [n // 2 for n in local])
+        self.offsets = [list(itertools.accumulate(n, initial=0)) for n in self.lengths]
+        first_total = self.offsets[0][-1]
+        self.total = first_total + self.offsets[1][-1]
+        self.rows = [slice(0, first_total), slice(first_total, self.total)]
+        # Each chunk's cu_seqlens, relative to its rows: what the varlen operators take.
+        self.cu = [torch.tensor(o, dtype=torch.int32, device=device) for o in self.offsets]
+        self.max_len = [max(n) for n in self.lengths]
+
+    def rows_of(self, chunk, b):
+        """(start, length) of chunk `chunk` of sequence b in a shard."""
+        return self.rows[chunk].start + self.offsets[chunk][b], self.lengths[chunk][b]
+
+
+class _PackedAttention(_Attention):
+    """Packed [total_local, heads, head_dim] shards (zigzag_shard_varlen), lse [heads,
+    total_local]. A sequence's two chunks lie apart in the shard, so every step is up to four
+    varlen calls, one per (query chunk, key chunk) pair, each over contiguous rows."""
+    seq_dim = 0
+
+    def __init__(self, chunks: _PackedChunks, world, *args):
+        super().__init__((chunks.total,) * world, *args)
+        self.chunks = chunks
+
+    def lse_shape(self, q):
+        return (q.shape[1], q.shape[0])
+
+    def pieces(self, step, rank, world):
+        if self.causal:
+            pairs = _zigzag_chunk_pairs(step, rank, world)
+        else:
+            pairs = [(q_chunk, k_chunk, False) for q_chunk in (0, 1) for k_chunk in (0, 1)]
+        rows = self.chunks.rows
+        return _nonempty([_Piece(rows[q_chunk], rows[k_chunk], causal, q_chunk, k_chunk)
+                          for q_chunk, k_chunk, causal in pairs])
+
+    def _varlen_args(self, piece):
+        c = self.chunks
+        return (c.cu[piece.q_chunk], c.cu[piece.k_chunk], c.max_len[piece.q_chunk],
+                c.max_len[piece.k_chunk], self.scale, piece.causal)
+
+    def forward(self, piece, q, k, v):
+        return torch.ops.flash_attn_ext.varlen_fwd(q, k, v, *self._varlen_args(piece), None, -1,
+                                                   -1, self.softcap)
+
+    def backward(self, piece, dout, q, k, v, out, lse):
+        return torch.ops.flash_attn_ext.varlen_bwd(dout, q, k, v, out, lse,
+                                                   *self._varlen_args(piece),
+                                                   self.deterministic, None, -1, -1,
+                                                   self.softcap)
+
+
+def _block_shape(kv_or_grads, seq_dim, seqlen):
+    """The packed K/V (or dK/dV) block, stacked on a new dim 0, of a rank with `seqlen`
+    tokens."""
+    shape = list(kv_or_grads.shape)
+    shape[seq_dim + 1] = seqlen
+    return shape
+
+
+def _merge_block(out, lse, block_out, block_lse, seq_dim):
+    """Folds a block's partial result into the running one, in place (fp32): with
+    lse' = logaddexp(lse, block_lse), out' = out * exp(lse - lse') + block_out *
+    exp(block_lse - lse'), i.e. a lerp towards block_out by the block's share of the
+    probability mass. Rows that have seen no key yet (lse = -inf) take the block's result;
+    rows the block has no key for (block_lse = -inf) keep theirs."""
+    merged = torch.logaddexp(lse, block_lse)
+    # -inf - -inf would be NaN: a row that still sees no key gets share 0 (its out stays 0).
+    finite = torch.where(torch.isneginf(merged), torch.zeros_like(merged), merged)
+    share = torch.exp(block_lse - finite).movedim(-1, seq_dim).unsqueeze(-1)
+    out.lerp_(block_out.float(), share)
+    lse.copy_(merged)
+
+
+def _ring_forward(q, k, v, ring, attention):
+    """(out in q's dtype, lse float32) of this rank's queries against the whole sequence."""
+    dim = attention.seq_dim
+    kv = torch.stack((k, v))  # one message per step; also a contiguous buffer for gloo
+    out = torch.zeros_like(q, dtype=torch.float32)
+    lse = torch.full(attention.lse_shape(q), float("-inf"), dtype=torch.float32,
+                     device=q.device)
+    for step in range(ring.world):
+        in_flight = None
+        if step + 1 < ring.world:
+            next_len = attention.seqlens[(ring.rank - step - 1) % ring.world]
+            in_flight = ring.pass_on(kv, _block_shape(kv, dim, next_len))
+        for p in attention.pieces(step, ring.rank, ring.world):
+            block_out, block_lse = attention.forward(p, _narrow(q, dim, p.rows),
+                                                     _narrow(kv[0], dim, p.keys),
+                                                     _narrow(kv[1], dim, p.keys))
+            _merge_block(_narrow(out, dim, p.rows), _narrow(lse, -1, p.rows), block_out,
+                         block_lse, dim)
+        if in_flight is not None:
+            kv = in_flight.wait()
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, ring, attention):
+    """(dq, dk, dv) of this rank's shard, from the global out and lse of its rows."""
+    dim = attention.seq_dim
+    kv = torch.stack((k, v))
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    row_lse = {}  # the operators want a contiguous lse: one copy per row range used
+    grads_in_flight = None
+    for step in range(ring.world):
+        # The block held at step + 1 and its gradient accumulator both come from rank
+        # (rank - step - 1): same length.
+        next_len = attention.seqlens[(ring.rank - step - 1) % ring.world]
+        kv_in_flight = None
+        if step + 1 < ring.world:
+            kv_in_flight = ring.pass_on(kv, _block_shape(kv, dim, next_len))
+        block_grads = []
+        for p in attention.pieces(step, ring.rank, ring.world):
+            bounds = (p.rows.start, p.rows.stop)
+            if bounds not in row_lse:
+                row_lse[bounds] = _narrow(lse, -1, p.rows).contiguous()
+            dq_piece, dk_piece, dv_piece = attention.backward(
+                p, _narrow(dout, dim, p.rows), _narrow(q, dim, p.rows),
+                _narrow(kv[0], dim, p.keys), _narrow(kv[1], dim, p.keys),
+                _narrow(out, dim, p.rows), row_lse[bounds])
+            _narrow(dq, dim, p.rows).add_(dq_piece)
+            block_grads.append((p.keys, dk_piece, dv_piece))
+        # The block's dK/dV so far: the previous rank added its share one step ago (the
+        # transfer ran under this step's compute); at step 0 the block is our own, new.
+        if step == 0:
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        else:
+            dkv = grads_in_flight.wait()
+        for keys, dk_piece, dv_piece in block_grads:
+            _narrow(dkv[0], dim, keys).add_(dk_piece)
+            _narrow(dkv[1], dim, keys).add_(dv_piece)
+        # After the last step the accumulator goes to the block's owner, the next rank.
+        grads_in_flight = ring.pass_on(dkv, _block_shape(dkv, dim, next_len))
+        if kv_in_flight is not None:
+            kv = kv_in_flight.wait()
+    dkv = grads_in_flight.wait()
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingFlashAttnFunction(torch.autograd.Function):
+    """out, lse = _RingFlashAttnFunction.apply(q, k, v, ring, attention); lse is not
+    differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring, attention):
+        out, lse = _ring_forward(q, k, v, ring, attention)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.attention = ring, attention
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.attention)
+        return dq, dk, dv, None, None
+
+
+# ---- input checks --------------------------------------------------------------------------
+class _Signature(NamedTuple):
+    """What every rank must agree on (sent as int64 in one all_gather). batch: the batch size,
+    or for packed inputs the number of sequences; cu_checksum: 0, or a checksum of the packed
+    batch's cu_seqlens."""
+    error: int
+    packed: int
+    batch: int
+    seqlen: int
+    heads: int
+    heads_k: int
+    head_dim: int
+    dtype: int
+    causal: int
+    cu_checksum: int
+
+
+def _local_input_error(q, k, v, packed, cu_seqlens):
+    """(exception type, message) for inputs that are wrong on this rank alone, else None."""
+    if packed:
+        try:
+            _host_cu_seqlens(cu_seqlens)
+        except (ValueError, TypeError) as e:
+            return ValueError, str(e).replace("flash_attn_ext: ", "")
+    expected_shape = "3-D tensor [total_local, heads, head_dim]" if packed else \
+        "4-D tensor [batch, seqlen_local, heads, head_dim]"
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            return TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if t.dim() != (3 if packed else 4):
+            return RuntimeError, f"{name} must be a {expected_shape}, got shape {tuple(t.shape)}"
+        if t.dtype not in _DTYPE_CODES:
+            return RuntimeError, (f"{name} has dtype {t.dtype}; expected float32, float16 or "
+                                  "bfloat16")
+        if t.dtype != q.dtype or t.device != q.device:
+            return RuntimeError, (f"q and {name} must have the same dtype and device, got "
+                                  f"{q.dtype} on {q.device} and {t.dtype} on {t.device}")
+    if k.shape != v.shape:
+        return RuntimeError, (f"k and v must have the same shape, got {tuple(k.shape)} and "
+                              f"{tuple(v.shape)}")
+    # Every dim but the heads must match q's: the shard (and batch), and head_dim.
+    if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+        return RuntimeError, (f"k and v must have q's shard length{'' if packed else ', batch'} "
+                              f"and head_dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if q.shape[-2] % k.shape[-2] != 0:
+        return RuntimeError, (f"the number of query heads ({q.shape[-2]}) must be a multiple of "
+                              f"the number of key/value heads ({k.shape[-2]})")
+    if q.numel() == 0 or k.numel() == 0:
+        return RuntimeError, f"empty shard: q has shape {tuple(q.shape)}"
+    return None
+
+
+def _signature(q, k, causal, packed, cu_seqlens, error):
+    if error is not None:
+        return _Signature(1, *[0] * 9)
+    batch = len(cu_seqlens) - 1 if packed else q.shape[0]
+    # Sum of position-weighted offsets: different cu_seqlens almost surely differ here.
+    checksum = sum((i + 1) * c for i, c in enumerate(cu_seqlens)) % (1 << 62) if packed else 0
+    return _Signature(0, int(packed), batch, q.shape[-3], q.shape[-2], k.shape[-2], q.shape[-1],
+                      _DTYPE_CODES[q.dtype], int(causal), checksum)
+
+
+def _describe(s: _Signature):
+    dtype = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}[s.dtype]
+    shard = f"{s.seqlen} tokens of {s.batch} sequences" if s.packed else \
+        f"batch {s.batch} x {s.seqlen} tokens"
+    return f"{shard}, {s.heads}/{s.heads_k} heads, head_dim {s.head_dim}, {dtype}"
+
+
+def _agree_on_inputs(q, k, v, causal, ring, packed=False, cu_seqlens=None):
+    """Checks the inputs on every rank at once (one all_gather of a few integers, and on CUDA
+    one host sync) so that a bad input raises the same error on every rank instead of leaving
+    the others waiting in the ring. Returns every rank's shard length and, for packed inputs,
+    cu_seqlens as a list."""
+    error = _local_input_error(q, k, v, packed, cu_seqlens)
+    cu_seqlens = _host_cu_seqlens(cu_seqlens) if packed and error is None else None
+    if isinstance(q, torch.Tensor):
+        device = q.device
+    elif dist.get_backend(ring.group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    mine = torch.tensor(_signature(q, k, causal, packed, cu_seqlens, error), dtype=torch.int64,
+                        device=device)
+    if ring.world == 1:
+        signatures = [_Signature(*mine.tolist())]
+    else:
+        gathered = [torch.empty_like(mine) for _ in range(ring.world)]
+        dist.all_gather(gathered, mine, group=ring.group)
+        signatures = [_Signature(*s.tolist()) for s in gathered]
+    if error is not None:
+        raise error[0](f"flash_attn_ext: ring attention (rank {ring.rank}): {error[1]}")
+    bad_ranks = [r for r, s in enumerate(signatures) if s.error]
+    if bad_ranks:
+        raise RuntimeError(f"flash_attn_ext: ring attention: the inputs of rank(s) {bad_ranks} "
+                           f"of the group are invalid (see the error there)")
+    if len({s.causal for s in signatures}) != 1:
+        raise ValueError("flash_attn_ext: ring attention: every rank of the group must pass "
+                         "the same causal flag")
+    if packed and len({s.cu_checksum for s in signatures}) != 1:
+        raise ValueError("flash_attn_ext: ring_flash_attn_varlen_func: every rank of the group "
+                         "must pass the same (global) cu_seqlens")
+    # Non-causal padded shards may differ in length, nothing else may.
+    may_differ = ("seqlen",) if not (causal or packed) else ()
+    agreed = {tuple(value for field, value in s._asdict().items() if field not in may_differ)
+              for s in signatures}
+    if len(agreed) != 1:
+        what = "shard length, " if not may_differ else ""
+        per_rank = "; ".join(f"rank {r}: {_describe(s)}" for r, s in enumerate(signatures))
+        raise ValueError(f"flash_attn_ext: ring attention needs the same batch, {what}heads, "
+                         f"heads_k, head_dim and dtype on every rank of the group"
+                         f"{' (causal: zig-zag shards)' if causal else ''}, got {per_rank}")
+    return [s.seqlen for s in signatures], cu_seqlens
+
+
+def _process_group_ring(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("flash_attn_ext: ring attention needs an initialised "
+                           "torch.distributed process group (call "
+                           "torch.distributed.init_process_group first)")
+    if group is not None and dist.get_rank(group) < 0:
+        raise RuntimeError(f"flash_attn_ext: ring attention: this process (global rank "
+                           f"{dist.get_rank()}) is not a member of the group it was given")
+    return _Ring(group)
+
+
+def _scalar_args(q, softmax_scale, softcap, deterministic):
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"flash_attn_ext: softcap must be a float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"flash_attn_ext: softcap must be a finite number >= 0, got {softcap}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return scale, float(softcap), bool(deterministic)
+
+
+def _run(q, k, v, ring, attention, return_lse):
+    q, k, v = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = _RingFlashAttnFunction.apply(q, k, v, ring, attention)
+    else:
+        out, lse = _ring_forward(q, k, v, ring, attention)
+    return (out, lse) if return_lse else out
+
+
+# ---- public entry points -------------------------------------------------------------------
+def ring_flash_attn_func(q, k, v, group: Optional["dist.ProcessGroup"] = None,
+                         causal: bool = False, softmax_scale: Optional[float] = None,
+                         softcap: float = 0.0, deterministic: bool = False,
+                         return_lse: bool = False):
+    """Exact attention over a sequence sharded across the ranks of `group` (default: the
+    whole world), each rank calling with its own shard; forward and backward.
+
+    q: [batch, seqlen_local, heads, head_dim]; k, v: [batch, seqlen_local, heads_k, head_dim]
+    (heads % heads_k == 0: GQA / MQA); float32, float16 or bfloat16; CPU tensors with a gloo
+    group, CUDA tensors (this rank's current device) with NCCL. causal=False: any split of
+    the sequence, shard lengths may differ between ranks. causal=True: the zig-zag shards of
+    zigzag_shard (rank r holds chunks r and 2W-1-r of 2W), the same length on every rank.
+    softmax_scale (default 1/sqrt(head_dim)), softcap and deterministic as in flash_attn_func.
+    Every rank must call it, with the same causal flag and the same batch, heads and
+    head_dim; a rank with bad inputs makes every rank raise.
+
+    Returns this rank's rows of the attention output [batch, seqlen_local, heads, head_dim]
+    (q's dtype), and with return_lse=True also lse float32 [batch, heads, seqlen_local], the
+    log-sum-exp over the whole sequence. Gradients flow to q, k and v (this rank's shards of
+    the whole-sequence gradients).
+
+    Communication per call: one all_gather of a few integers (checks; on CUDA one host sync),
+    then per step one K/V block passed to the next rank (world - 1 steps); the backward also
+    passes the fp32 dK/dV accumulators (world steps).
+    """
+    ring = _process_group_ring(group)
+    seqlens, _ = _agree_on_inputs(q, k, v, bool(causal), ring)
+    attention = _PaddedAttention(seqlens, bool(causal),
+                                 *_scalar_args(q, softmax_scale, softcap, deterministic))
+    return _run(q, k, v, ring, attention, return_lse)
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, group: Optional["dist.ProcessGroup"] = None,
+                                causal: bool = False, softmax_scale: Optional[float] = None,
+                                softcap: float = 0.0, deterministic: bool = False,
+                                return_lse: bool = False):
+    """ring_flash_attn_func for a packed batch of sequences.
+
+    cu_seqlens: the global batch's offsets, int [batch + 1] (a tensor on any device, or a
+    list; the same on every rank), every sequence length a multiple of the group's size.
+    q: [cu_seqlens[-1] / world, heads, head_dim], k, v: [same, heads_k, head_dim]: this
+    rank's zigzag_shard_varlen shard (its first zig-zag chunk of every sequence, then its
+    second chunk of every sequence), causal or not (causal: bottom-right = top-left within
+    each sequence, whose queries and keys are the same tokens).
+
+    Returns this rank's rows of the output [total_local, heads, head_dim] (and with
+    return_lse=True lse float32 [heads, total_local]); gradients flow to q, k and v. Costs
+    one host sync per call for cu_seqlens, and the varlen operators' own (one small copy
+    per call, up to four calls per step).
+    """
+    ring = _process_group_ring(group)
+    _, cu = _agree_on_inputs(q, k, v, bool(causal), ring, packed=True, cu_seqlens=cu_seqlens)
+    chunks = _PackedChunks(cu, ring.world, q.device)
+    if chunks.total != q.shape[0]:
+        raise ValueError(f"flash_attn_ext: ring_flash_attn_varlen_func: cu_seqlens[-1] = "
+                         f"{cu[-1]} tokens over {ring.world} ranks is {chunks.total} per rank, "
+                         f"but q has {q.shape[0]} rows")
+    attention = _PackedAttention(chunks, ring.world, bool(causal),
+                                 *_scalar_args(q, softmax_scale, softcap, deterministic))
+    return _run(q, k, v, ring, attention, return_lse)

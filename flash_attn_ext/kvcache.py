@@ -1,0 +1,195 @@
+"""The parts of flash_attn_with_kvcache (interface.py) that run before the attention kernel:
+checking the cache arguments, rotary embeddings of q and the new k, and the in-place append.
+
+All of it is torch operations on the inputs' device with no host synchronisation (no .item(),
+no tensor-valued Python conditions), so a decode step can be captured in a CUDA graph. What
+cannot be checked without reading device values (cache_seqlens in range, block_table and
+cache_batch_idx entries in range) is checked only when FLASH_ATTN_EXT_DEBUG_CHECKS=1; without
+it such values are clamped into the cache (wrong rows, never an out-of-bounds access).
+"""
+import os
+
+import torch
+
+# Pages of a paged KV cache hold a multiple of this many keys (csrc/params.h,
+# kKVPageRowAlign: the CUDA tile loaders look a page up once per 16 rows).
+PAGE_ROW_ALIGN = 16
+
+
+def debug_checks_enabled() -> bool:
+    """FLASH_ATTN_EXT_DEBUG_CHECKS=1: validate device-side values on the host (one sync)."""
+    return os.environ.get("FLASH_ATTN_EXT_DEBUG_CHECKS", "") not in ("", "0")
+
+
+def _check_int32_tensor(t, name, shape, shape_text, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"flash_attn_ext: {name} must be None or an int32 tensor {shape_text}, "
+                        f"got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise RuntimeError(f"flash_attn_ext: {name} must be int32, got {t.dtype}")
+    if t.device != device:
+        raise RuntimeError(f"flash_attn_ext: {name} must be on the device of q ({device}), got "
+                           f"{t.device}")
+    if t.dim() != len(shape) or any(s is not None and t.shape[i] != s
+                                    for i, s in enumerate(shape)):
+        raise RuntimeError(f"flash_attn_ext: {name} must have shape {shape_text}, got "
+                           f"{tuple(t.shape)}")
+
+
+class CacheLayout:
+    """Validated addressing of a KV cache: dense [batch_c, cache_size, heads_k, head_dim]
+    (optionally rows picked by cache_batch_idx, keys starting at cache_leftpad) or paged
+    (pools [num_pages, page_size, heads_k, head_dim] and block_table [batch, max_pages]).
+    capacity: the keys one batch entry can address."""
+
+    def __init__(self, q, k_cache, block_table, cache_batch_idx, cache_leftpad):
+        batch, device = q.shape[0], q.device
+        self.block_table, self.cache_batch_idx = block_table, cache_batch_idx
+        self.cache_leftpad = cache_leftpad
+        if block_table is not None:
+            if cache_batch_idx is not None:
+                raise RuntimeError(
+                    "flash_attn_ext: cache_batch_idx cannot be combined with block_table (a paged "
+                    "KV cache selects each sequence's pages through its block_table row)")
+            if cache_leftpad is not None:
+                raise NotImplementedError(
+                    "flash_attn_ext: cache_leftpad with a paged KV cache (block_table) is not "
+                    "implemented")
+            _check_int32_tensor(block_table, "block_table", (batch, None),
+                                f"[batch, max_pages] = [{batch}, max_pages]", device)
+            if block_table.shape[1] < 1:
+                raise RuntimeError("flash_attn_ext: block_table needs at least one page per "
+                                   "sequence (max_pages >= 1)")
+            self.num_pages, self.page_size = k_cache.shape[0], k_cache.shape[1]
+            if self.page_size % PAGE_ROW_ALIGN != 0:
+                raise RuntimeError(
+                    "flash_attn_ext: a paged KV cache needs a page size (k_cache.shape[1]) that "
+                    f"is a multiple of {PAGE_ROW_ALIGN}, got {self.page_size}")
+            self.capacity = block_table.shape[1] * self.page_size
+        else:
+            if cache_batch_idx is not None:
+                _check_int32_tensor(cache_batch_idx, "cache_batch_idx", (batch,), f"[{batch}]",
+                                    device)
+            elif k_cache.shape[0] != batch:
+                raise RuntimeError(
+                    f"flash_attn_ext: k_cache has {k_cache.shape[0]} batch entries but q has "
+                    f"{batch} (pass cache_batch_idx to pick cache rows)")
+            self.capacity = k_cache.shape[1]
+        if cache_leftpad is not None:
+            _check_int32_tensor(cache_leftpad, "cache_leftpad", (batch,), f"[{batch}]", device)
+
+    def cache_indices(self, k_cache, lengths, seqlen_new):
+        """Index tuple of the cache rows the new keys go to: position cache_seqlens[b] + t of
+        batch entry b (through block_table / cache_batch_idx), positions clamped into the
+        cache so that an unchecked out-of-range append cannot write out of bounds."""
+        device = lengths.device
+        pos = lengths.long().unsqueeze(1) + torch.arange(seqlen_new, device=device)
+        pos = pos.clamp(0, self.capacity - 1)
+        if self.block_table is not None:
+            page = torch.div(pos, self.page_size, rounding_mode="floor")
+            page = self.block_table.long().gather(1, page).clamp(0, self.num_pages - 1)
+            return page, pos % self.page_size
+        if self.cache_batch_idx is not None:
+            rows = self.cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1)
+        else:
+            rows = torch.arange(lengths.shape[0], device=device)
+        return rows.unsqueeze(1), pos
+
+    def debug_check(self, k_cache, lengths, seqlen_new):
+        """The device values checked on the host (FLASH_ATTN_EXT_DEBUG_CHECKS=1)."""
+        lens = lengths.cpu()
+        lo, hi = int(lens.min()), int(lens.max())
+        if lo < 0 or hi + seqlen_new > self.capacity:
+            raise RuntimeError(
+                f"flash_attn_ext: the KV cache is too short: appending {seqlen_new} tokens at "
+                f"cache_seqlens up to {hi} needs {hi + seqlen_new} entries, the cache has "
+                f"{self.capacity} (and cache_seqlens must be >= 0, got min {lo})")
+        if self.cache_leftpad is not None:
+            pad = self.cache_leftpad.cpu()
+            if bool((pad < 0).any()) or bool((pad > lens).any()):
+                raise RuntimeError("flash_attn_ext: cache_leftpad must be in [0, cache_seqlens], "
+                                   f"got {pad.tolist()} for cache_seqlens {lens.tolist()}")
+        if self.cache_batch_idx is not None:
+            idx = self.cache_batch_idx.cpu()
+            if bool((idx < 0).any()) or bool((idx >= k_cache.shape[0]).any()):
+                raise RuntimeError(f"flash_attn_ext: cache_batch_idx entries must be in [0, "
+                                   f"{k_cache.shape[0]}), got {idx.tolist()}")
+        if self.block_table is not None:
+            table = self.block_table.cpu()
+            for b, n in enumerate((lens + seqlen_new).tolist()):
+                used = table[b, :(n + self.page_size - 1) // self.page_size]
+                if bool((used < 0).any()) or bool((used >= self.num_pages).any()):
+                    raise RuntimeError(
+                        f"flash_attn_ext: block_table[{b}] has page ids outside [0, "
+                        f"{self.num_pages}) among the {used.numel()} pages its {n} keys use: "
+                        f"{used.tolist()}")
+
+
+def check_rotary(rotary_cos, rotary_sin, q, k, capacity):
+    """Validates flash-attn's rotary_cos / rotary_sin ([seqlen_ro, rotary_dim / 2]); returns
+    rotary_dim (0: no rotary embedding)."""
+    if rotary_cos is None and rotary_sin is None:
+        return 0
+    if rotary_cos is None or rotary_sin is None:
+        raise RuntimeError("flash_attn_ext: pass both rotary_cos and rotary_sin, or neither")
+    for t, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flash_attn_ext: {name} must be a tensor [seqlen_ro, rotary_dim / 2], "
+                            f"got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise RuntimeError(f"flash_attn_ext: {name} must be a floating-point tensor, got "
+                               f"{t.dtype}")
+        if t.device != q.device:
+            raise RuntimeError(f"flash_attn_ext: {name} must be on the device of q ({q.device}), "
+                               f"got {t.device}")
+        if t.dim() != 2:
+            raise RuntimeError(f"flash_attn_ext: {name} must be 2-D [seqlen_ro, rotary_dim / 2], "
+                               f"got shape {tuple(t.shape)}")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise RuntimeError("flash_attn_ext: rotary_cos and rotary_sin must have the same shape, "
+                           f"got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    if k is None:
+        raise RuntimeError("flash_attn_ext: rotary embeddings (rotary_cos / rotary_sin) need the "
+                           "new k and v to append (as in flash-attn): q and the new keys are "
+                           "rotated at their cache positions")
+    rotary_dim = 2 * rotary_cos.shape[1]
+    head_dim = q.shape[-1]
+    if rotary_dim > head_dim or rotary_dim % 16 != 0:
+        raise RuntimeError(
+            "flash_attn_ext: rotary_dim (2 * rotary_cos.shape[1] = "
+            f"{rotary_dim}) must be a multiple of 16 and at most head_dim ({head_dim})")
+    if rotary_cos.shape[0] < capacity:
+        raise RuntimeError(
+            f"flash_attn_ext: rotary_cos / rotary_sin have {rotary_cos.shape[0]} positions, fewer "
+            f"than the KV cache holds ({capacity})")
+    return rotary_dim
+
+
+def apply_rotary(x, cos, sin, positions, interleaved):
+    """Rotary embedding of x [batch, seqlen, heads, head_dim] at `positions` (int64 [batch,
+    seqlen], or [batch, 1] for one position per batch entry), flash-attn's convention: the first
+    rotary_dim = 2 * cos.shape[1] dims rotate in pairs (interleaved: (0, 1), (2, 3), ...; else
+    (i, i + rotary_dim / 2)), x0' = x0 cos - x1 sin, x1' = x0 sin + x1 cos, in fp32, the rest
+    passes through. Positions are clamped into the table."""
+    half = cos.shape[1]
+    rotary_dim = 2 * half
+    positions = positions.clamp(0, cos.shape[0] - 1)
+    c = cos[positions].float().unsqueeze(2)  # [batch, seqlen | 1, 1, half]
+    s = sin[positions].float().unsqueeze(2)
+    xr = x[..., :rotary_dim].float()
+    if interleaved:
+        x0, x1 = xr[..., 0::2], xr[..., 1::2]
+        rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    else:
+        x0, x1 = xr[..., :half], xr[..., half:]
+        rotated = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    if rotary_dim == x.shape[-1]:
+        return rotated.to(x.dtype)
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
+def rotary_per_token(causal, window_size, capacity):
+    """flash-attn rotates the queries at cache_seqlens + t (token t) when the call is causal or
+    local (a window bound that the cache does not make moot), else all at cache_seqlens."""
+    left, right = window_size
+    return bool(causal) or 0 <= left < capacity or 0 <= right < capacity
