@@ -369,13 +369,30 @@ def _merge_block(out, lse, block_out, block_lse, seq_dim):
     lse.copy_(merged)
 
 
+def _whole_shard_piece(q, k, ring, attention):
+    """The one piece of a single-rank ring when it covers the whole shard (then the ring is
+    one call of the operators, with no fp32 accumulators to merge into), else None."""
+    if ring.world != 1:
+        return None
+    pieces = attention.pieces(0, ring.rank, ring.world)
+    dim = attention.seq_dim
+    if (len(pieces) == 1 and pieces[0].rows == slice(0, q.shape[dim])
+            and pieces[0].keys == slice(0, k.shape[dim])):
+        return pieces[0]
+    return None
+
+
 def _ring_forward(q, k, v, ring, attention):
     """(out in q's dtype, lse float32) of this rank's queries against the whole sequence."""
     dim = attention.seq_dim
+    whole = _whole_shard_piece(q, k, ring, attention)
+    if whole is not None:
+        return attention.forward(whole, q, k, v)
     kv = torch.stack((k, v))  # one message per step; also a contiguous buffer for gloo
     out = torch.zeros_like(q, dtype=torch.float32)
     lse = torch.full(attention.lse_shape(q), float("-inf"), dtype=torch.float32,
                      device=q.device)
+    written = []  # row ranges that hold a partial result (the others are copied, not merged)
     for step in range(ring.world):
         in_flight = None
         if step + 1 < ring.world:
@@ -385,8 +402,13 @@ def _ring_forward(q, k, v, ring, attention):
             block_out, block_lse = attention.forward(p, _narrow(q, dim, p.rows),
                                                      _narrow(kv[0], dim, p.keys),
                                                      _narrow(kv[1], dim, p.keys))
-            _merge_block(_narrow(out, dim, p.rows), _narrow(lse, -1, p.rows), block_out,
-                         block_lse, dim)
+            if any(p.rows.start < r.stop and r.start < p.rows.stop for r in written):
+                _merge_block(_narrow(out, dim, p.rows), _narrow(lse, -1, p.rows), block_out,
+                             block_lse, dim)
+            else:
+                _narrow(out, dim, p.rows).copy_(block_out)
+                _narrow(lse, -1, p.rows).copy_(block_lse)
+                written.append(p.rows)
         if in_flight is not None:
             kv = in_flight.wait()
     return out.to(q.dtype), lse
@@ -395,6 +417,9 @@ def _ring_forward(q, k, v, ring, attention):
 def _ring_backward(dout, q, k, v, out, lse, ring, attention):
     """(dq, dk, dv) of this rank's shard, from the global out and lse of its rows."""
     dim = attention.seq_dim
+    whole = _whole_shard_piece(q, k, ring, attention)
+    if whole is not None:
+        return attention.backward(whole, dout, q, k, v, out, lse.contiguous())
     kv = torch.stack((k, v))
     dq = torch.zeros_like(q, dtype=torch.float32)
     row_lse = {}  # the operators want a contiguous lse: one copy per row range used
@@ -426,12 +451,16 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
         for keys, dk_piece, dv_piece in block_grads:
             _narrow(dkv[0], dim, keys).add_(dk_piece)
             _narrow(dkv[1], dim, keys).add_(dv_piece)
-        # After the last step the accumulator goes to the block's owner, the next rank.
+        # After the last step the accumulator, now complete, goes to the block's owner, the
+        # next rank, in the gradients' dtype (half the bytes of the one transfer that no
+        # compute hides; the owner would round it to that dtype anyway).
+        if step + 1 == ring.world:
+            dkv = dkv.to(k.dtype)
         grads_in_flight = ring.pass_on(dkv, _block_shape(dkv, dim, next_len))
         if kv_in_flight is not None:
             kv = kv_in_flight.wait()
     dkv = grads_in_flight.wait()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq.to(q.dtype), dkv[0], dkv[1]
 
 
 class _RingFlashAttnFunction(torch.autograd.Function):
