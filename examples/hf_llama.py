@@ -10,15 +10,16 @@
 AutoModelForCausalLM` and `from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS`).
 The second line makes transformers build masks the way it does for "sdpa": none when the
 mask is purely causal (our kernels apply it), a real mask when there is padding, which this
-function refuses rather than ignores. The name must not contain "flash": transformers takes
+function hands to flash_attn_ext's scaled_dot_product_attention (bool or additive masks are
+read tile by tile); sliding windows, softcap and dropout go to flash_attn_func. The name must not contain "flash": transformers takes
 any attn_implementation with "flash" in it for a flash-attn kernel to import (and changes its
 mask handling), hence "fae" rather than "flash_attn_ext".
 
 What this script checks: a small randomly initialised Llama (2 layers, hidden 256, 4 query
 heads, 2 key/value heads, so GQA) built once with attn_implementation="sdpa" and once with
 "fae" from the same weights; logits, loss gradients of every parameter and greedy
-generation (KV cache, one query row per step) are compared, and a padded batch must raise
-NotImplementedError.
+generation (KV cache, one query row per step) are compared, and so are the logits of a
+left-padded batch (an explicit padding mask).
 
   python examples/hf_llama.py                  # CPU, fp32: agrees with sdpa to ~1e-6
   python examples/hf_llama.py --device cuda    # bf16: agrees within bf16 noise
@@ -37,43 +38,55 @@ import flash_attn_ext
 CALLS = [0]  # how often flash_attn_ext_attention ran: the check below makes sure it did
 
 
+def _window(sliding_window):
+    """transformers' sliding_window (a query sees the last `sliding_window` keys, itself
+    included) as flash-attn's window_size."""
+    return (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+
+
+def _mask_is_pattern(attention_mask, sq, sk, window, device):
+    """Whether the mask allows exactly the bottom-right causal pattern (within `window`), the
+    one flash_attn_func applies with causal=True. Syncs with the device."""
+    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    allowed = allowed[..., -sq:, -sk:]
+    i = torch.arange(sq, device=device).view(-1, 1) + (sk - sq)
+    j = torch.arange(sk, device=device).view(1, -1)
+    pattern = (j <= i) & ((j > i - window[0] - 1) if window[0] >= 0 else True)
+    return torch.equal(allowed, pattern.expand_as(allowed))
+
+
 def flash_attn_ext_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                             **kwargs):
+                             softcap=None, sliding_window=None, **kwargs):
     """transformers attention function: query [B, H, Sq, D], key/value [B, H_kv, Sk, D]
     -> (attn_output [B, Sq, H, D], None)."""
     CALLS[0] += 1
-    if dropout:
-        raise NotImplementedError("flash_attn_ext: attention dropout is not supported")
-    if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("flash_attn_ext: softcap / sliding-window attention is not supported")
     sq, sk = query.shape[2], key.shape[2]
-    causal = bool(getattr(module, "is_causal", True)) and sq > 1
+    window = _window(sliding_window)
+    if attention_mask is not None and softcap and _mask_is_pattern(attention_mask, sq, sk, window,
+                                                                   query.device):
+        attention_mask = None  # causal (+ window): flash_attn_func applies it with the softcap
     if attention_mask is not None:
-        # transformers only materialises a mask when it cannot be expressed as is_causal
-        # (padding, or a KV cache with several new queries). Accept the causal pattern aligned
-        # to the end of the keys, which is what flash_attn_func's causal=True applies; refuse
-        # the rest rather than silently ignore padding. This check syncs with the device.
-        allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        allowed = allowed[..., -sq:, -sk:] if allowed.dim() == 4 else allowed
-        i = torch.arange(sq, device=query.device).view(-1, 1)
-        j = torch.arange(sk, device=query.device).view(1, -1)
-        bottom_right = j <= i + (sk - sq)
-        if torch.equal(allowed, bottom_right.expand_as(allowed)):
-            causal = True
-        elif bool(allowed.all()):
-            causal = False
-        else:
-            raise NotImplementedError("flash_attn_ext: padding / arbitrary attention masks are not "
-                                      "supported (only causal); use unpadded batches")
-    elif causal and sk > sq:
+        # transformers materialises a mask where is_causal cannot express it (padding, several
+        # new queries against a KV cache, sliding windows): the SDPA entry point reads it as it
+        # is (bool or additive, [B, 1, Sq, Sk]), tile by tile, with GQA and dropout.
+        if softcap:
+            raise NotImplementedError("flash_attn_ext: softcap together with a padding mask")
+        out = flash_attn_ext.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask[..., :sk], dropout_p=dropout,
+            scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
+    causal = bool(getattr(module, "is_causal", True))
+    if causal and sk > sq and sq > 1:
         # A static cache's prefill: the keys past sq are empty slots; sdpa drops them as well.
         key, value = key[:, :, :sq], value[:, :, :sq]
     # flash_attn_func takes [B, S, H, D]: transposed views, no copies. GQA needs no repeat_kv:
     # query head h reads key/value head h // (H // H_kv), as transformers' repeat_kv does.
-    # Causal is aligned to the end of the keys (bottom-right), right for decoding with a KV
-    # cache.
+    # Causal and the window are aligned to the end of the keys (bottom-right), right for
+    # decoding with a KV cache.
     out = flash_attn_ext.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
-                                         value.transpose(1, 2), softmax_scale=scaling, causal=causal)
+                                         value.transpose(1, 2), dropout_p=dropout,
+                                         softmax_scale=scaling, causal=causal, window_size=window,
+                                         softcap=softcap or 0.0)
     return out, None
 
 
@@ -184,16 +197,17 @@ def main(argv=None):
     print(f"8 new tokens on a 24-token KV cache: max |logits diff| vs sdpa {chunk_err:.3e}")
     assert chunk_err <= (1e-4 if dtype == torch.float32 else 4 * logit_err["sdpa"] + 5e-2), chunk_err
 
-    # A padded batch needs a real mask: refused, not silently ignored.
+    # A padded batch: transformers passes the padding (and causal) mask, which the SDPA entry
+    # point applies; the logits of the real tokens match sdpa's.
     mask = torch.ones_like(ids)
     mask[0, :8] = 0
-    try:
-        with torch.no_grad():
-            models["flash_attn_ext"](input_ids=ids, attention_mask=mask)
-    except NotImplementedError as e:
-        print(f"padded batch: NotImplementedError ({e})")
-    else:
-        raise AssertionError("a padding mask was accepted")
+    with torch.no_grad():
+        padded = {n: m(input_ids=ids, attention_mask=mask).logits for n, m in models.items()}
+    real = mask.bool()
+    pad_err = max_abs_diff(padded["flash_attn_ext"][real], padded["sdpa"][real])
+    print(f"padded batch (8 left-padding tokens): max |logits diff| vs sdpa on real tokens "
+          f"{pad_err:.3e}")
+    assert pad_err <= (1e-4 if dtype == torch.float32 else 4 * logit_err["sdpa"] + 5e-2), pad_err
     print("OK")
     return 0
 
