@@ -5,6 +5,7 @@ are the result: every reference runs in the same process, on the same inputs, ri
 
   python bench/bench_features.py                          # GPU: both parts, bf16
   python bench/bench_features.py --only decode --json d.json
+  python bench/bench_features.py --only decode --graph    # decode steps replayed from CUDA graphs
   python bench/bench_features.py --device cpu --quick     # CPU smoke run (tiny sizes, fp32)
 
 1. varlen: sequence lengths drawn (seeded) uniformly from 128..4096 until the total reaches
@@ -107,6 +108,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1,
                    help="time every backend this many times, each round in a rotated order, and "
                         "keep the median (see flash_attn_ext.bench.rotated_rounds; default 1)")
+    p.add_argument("--graph", action="store_true",
+                   help="decode: time every backend's call replayed from a CUDA graph (captured "
+                        "once per input set) instead of eager calls")
     p.add_argument("--csv", default=None, help="write every row to this CSV file")
     p.add_argument("--json", default=None, help="write every row and the run's metadata here")
     return p.parse_args(argv)
@@ -347,6 +351,31 @@ def make_decode_fn(name, seqlens, device):
     raise ValueError(name)
 
 
+def _graphed(fn):
+    """fn(*inputs) captured in a CUDA graph on its first call with these inputs (after two
+    warm-up calls on a side stream), replayed on every call: a decode step as serving stacks
+    run it, without the host's per-call work."""
+    graphs = {}
+
+    def run(*inputs):
+        key = tuple(id(t) for t in inputs)
+        if key not in graphs:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn(*inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn(*inputs)
+            graphs[key] = (graph, out)
+        graph, out = graphs[key]
+        graph.replay()
+        return out
+    return run
+
+
 def run_decode(run, sizes, progress):
     device, dtype, dt = run["device"], run["dtype"], run["dtype_name"]
     B, H, Hkv, D, Sq = sizes["B"], sizes["H"], sizes["H_kv"], sizes["D"], 1
@@ -365,6 +394,8 @@ def run_decode(run, sizes, progress):
         f = 4.0 * B * H * Sq * S * D
         def time_one(name, first_round):
             make = functools.partial(make_decode_fn, name, seqlens, device)
+            if run.get("graph") and device == "cuda":
+                make = lambda make=make: _graphed(make())  # noqa: E731
             layout = "bhsd" if name.startswith("sdpa_") else "bshd"
             res = run_backend(make, sets[layout], ["fwd"], device)
             if first_round:
@@ -448,14 +479,15 @@ def print_varlen_table(rows):
             print(f"varlen geomean ours/{b}: {_geomean(rs):.3f} (min {min(rs):.2f}, {len(rs)} configs)")
 
 
-def print_decode_table(rows):
+def print_decode_table(rows, graph=False):
     backends = [b for b in dict.fromkeys(r["backend"] for r in rows) if b != "best_sdpa"]
     by = {}
     for r in rows:
         by.setdefault(r["Sk"], {})[r["backend"]] = r
     any_r = rows[0]
     print(f"\ndecode: B={any_r['B']} H={any_r['H']} H_kv={any_r['H_kv']} D={any_r['D']} "
-          f"Sq={any_r['Sq']}, full cache, {any_r['dtype']}")
+          f"Sq={any_r['Sq']}, full cache, {any_r['dtype']}"
+          f"{', replayed from CUDA graphs' if graph else ''}")
     frac = any(r["bw_frac"] is not None for r in rows)
     header = (["cache", "ours ms"] + [f"{b} GB/s" for b in backends] +
               (["ours %BW", "best %BW"] if frac else []) +
@@ -502,12 +534,13 @@ def main(argv=None):
     sizes = SIZES["full" if not args.quick else "quick_cuda" if device == "cuda" else "quick_cpu"]
     parts = [args.only] if args.only else ["varlen", "decode"]
     run = dict(device=device, dtype=DTYPES[dtype_name], dtype_name=dtype_name, seed=args.seed,
-               rounds=args.rounds,
+               rounds=args.rounds, graph=args.graph,
                peak_flops=None, peak_bw=None)
     meta = dict(torch=torch.__version__, flash_attn_ext=getattr(fa, "__version__", "?"),
                 device=device, device_name=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 cpu_threads=torch.get_num_threads(), dtype=dtype_name, timer=timer_name(device),
-                quick=args.quick, seed=args.seed, parts=parts, sizes={k: sizes[k] for k in parts},
+                quick=args.quick, seed=args.seed, graph=args.graph, parts=parts,
+                sizes={k: sizes[k] for k in parts},
                 notes=[PADDING_NOTE, DECODE_NOTE, RATIO_NOTE])
     if not args.no_peaks:
         run["peak_flops"], run["peak_bw"], meta["peaks"] = measure_peaks(device, run["dtype"])
@@ -557,7 +590,7 @@ def main(argv=None):
     if varlen_rows:
         print_varlen_table(varlen_rows)
     if decode_rows:
-        print_decode_table(decode_rows)
+        print_decode_table(decode_rows, graph=run['graph'])
     return rows
 
 
