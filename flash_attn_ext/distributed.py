@@ -421,7 +421,10 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
     if whole is not None:
         return attention.backward(whole, dout, q, k, v, out, lse.contiguous())
     kv = torch.stack((k, v))
-    dq = torch.zeros_like(q, dtype=torch.float32)
+    # fp32 accumulators: a piece whose rows (dQ) or keys (dK/dV) hold nothing yet is copied
+    # in rather than added to zeros (one pass over the accumulator instead of three).
+    dq = torch.empty_like(q, dtype=torch.float32)
+    dq_written = []
     row_lse = {}  # the operators want a contiguous lse: one copy per row range used
     grads_in_flight = None
     for step in range(ring.world):
@@ -440,17 +443,21 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
                 p, _narrow(dout, dim, p.rows), _narrow(q, dim, p.rows),
                 _narrow(kv[0], dim, p.keys), _narrow(kv[1], dim, p.keys),
                 _narrow(out, dim, p.rows), row_lse[bounds])
-            _narrow(dq, dim, p.rows).add_(dq_piece)
+            _accumulate(_narrow(dq, dim, p.rows), dq_piece, p.rows, dq_written, dim)
             block_grads.append((p.keys, dk_piece, dv_piece))
         # The block's dK/dV so far: the previous rank added its share one step ago (the
         # transfer ran under this step's compute); at step 0 the block is our own, new.
         if step == 0:
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+            dkv_written = []
         else:
-            dkv = grads_in_flight.wait()
+            dkv, dkv_written = grads_in_flight.wait(), None
         for keys, dk_piece, dv_piece in block_grads:
-            _narrow(dkv[0], dim, keys).add_(dk_piece)
-            _narrow(dkv[1], dim, keys).add_(dv_piece)
+            _accumulate(_narrow(dkv[0], dim, keys), dk_piece, keys, dkv_written, dim,
+                        record=False)
+            _accumulate(_narrow(dkv[1], dim, keys), dv_piece, keys, dkv_written, dim)
+        if step == 0:
+            _zero_unwritten(dkv, dim + 1, dkv_written)
         # After the last step the accumulator, now complete, goes to the block's owner, the
         # next rank, in the gradients' dtype (half the bytes of the one transfer that no
         # compute hides; the owner would round it to that dtype anyway).
@@ -459,8 +466,47 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
         grads_in_flight = ring.pass_on(dkv, _block_shape(dkv, dim, next_len))
         if kv_in_flight is not None:
             kv = kv_in_flight.wait()
+    _zero_unwritten(dq, dim, dq_written)
     dkv = grads_in_flight.wait()
     return dq.to(q.dtype), dkv[0], dkv[1]
+
+
+def _gaps(rows: slice, written):
+    """The parts of `rows` that no range in `written` covers (sorted slices)."""
+    gaps, start = [], rows.start
+    for r in sorted(written, key=lambda r: r.start):
+        if r.stop <= start or r.start >= rows.stop:
+            continue
+        if r.start > start:
+            gaps.append(slice(start, r.start))
+        start = max(start, r.stop)
+    if start < rows.stop:
+        gaps.append(slice(start, rows.stop))
+    return gaps
+
+
+def _accumulate(acc, piece, rows: slice, written, dim, record=True):
+    """acc (the accumulator's `rows`, along dim) += piece, where `written` (the ranges already
+    holding a partial sum; None: all) covers them; rows it does not cover take the piece as it
+    is (copied: one pass instead of a zero fill and an add)."""
+    if written is None:
+        acc.add_(piece)
+        return
+    gaps = _gaps(rows, written)
+    if gaps == [rows]:
+        acc.copy_(piece)
+    else:
+        for g in gaps:  # never written: zero, then the add below
+            acc.narrow(dim, g.start - rows.start, g.stop - g.start).zero_()
+        acc.add_(piece)
+    if record:
+        written.append(rows)
+
+
+def _zero_unwritten(acc, dim, written):
+    """Zeros the rows of acc (along dim) that no piece wrote."""
+    for g in _gaps(slice(0, acc.shape[dim]), written):
+        _narrow(acc, dim, g).zero_()
 
 
 class _RingFlashAttnFunction(torch.autograd.Function):
