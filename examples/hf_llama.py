@@ -18,8 +18,9 @@ mask handling), hence "fae" rather than "flash_attn_ext".
 What this script checks: a small randomly initialised Llama (2 layers, hidden 256, 4 query
 heads, 2 key/value heads, so GQA) built once with attn_implementation="sdpa" and once with
 "fae" from the same weights; logits, loss gradients of every parameter and greedy
-generation (KV cache, one query row per step) are compared, and so are the logits of a
-left-padded batch (an explicit padding mask).
+generation (KV cache, one query row per step; also a left-padded batch with transformers'
+static cache) are compared, and so are the logits of a left-padded batch (an explicit
+padding mask).
 
   python examples/hf_llama.py                  # CPU, fp32: agrees with sdpa to ~1e-6
   python examples/hf_llama.py --device cuda    # bf16: agrees within bf16 noise
@@ -183,6 +184,22 @@ def main(argv=None):
     same = torch.equal(toks["sdpa"], toks["flash_attn_ext"])
     print(f"greedy generation, 12 new tokens: {'identical' if same else 'DIFFERENT'} "
           f"({toks['flash_attn_ext'][0, 16:].tolist()})")
+    if dtype == torch.float32:
+        assert same, toks
+
+    # Greedy decoding of a left-padded batch with transformers' static cache (preallocated
+    # [B, H_kv, max_len, D] buffers: every step attends over the whole buffer under a mask
+    # that hides the padding and the empty slots).
+    prompt = ids[:, :16]
+    prompt_mask = torch.ones_like(prompt)
+    prompt_mask[1, :5] = 0
+    with torch.no_grad():
+        toks = {n: m.generate(prompt, attention_mask=prompt_mask, max_new_tokens=12,
+                              do_sample=False, pad_token_id=0, cache_implementation="static")
+                for n, m in models.items()}
+    same = torch.equal(toks["sdpa"], toks["flash_attn_ext"])
+    print(f"greedy generation, static cache, left-padded batch: "
+          f"{'identical' if same else 'DIFFERENT'}")
     if dtype == torch.float32:
         assert same, toks
 

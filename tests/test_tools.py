@@ -166,3 +166,4 @@ def test_hf_llama_example(tmp_path):
     assert proc.stdout.strip().endswith("OK")
     assert "greedy generation, 12 new tokens: identical" in proc.stdout
     assert "padded batch (8 left-padding tokens): max |logits diff| vs sdpa" in proc.stdout
+    assert "greedy generation, static cache, left-padded batch: identical" in proc.stdout
