@@ -50,6 +50,8 @@ def _default_scale(head_dim):
 def _dropout_args(dropout_p, device):
     """dropout_p -> (dropout_p, rng_state) for the operators: a fresh rng_state from torch's
     generator of `device` when dropout is on (the backward reuses it), else None."""
+    if type(dropout_p) is float and dropout_p == 0.0:  # the common call, without the checks
+        return 0.0, None
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError("flash_attn_ext: dropout_p must be a float, got "
                         f"{type(dropout_p).__name__}")
@@ -69,10 +71,17 @@ def _dropout_keep_mask(dropout, batch, heads, seqlen_q, seqlen_k):
                                                  dropout_p)
 
 
+_NO_VARIANTS = (-1, -1, 0.0, None)
+
+
 def _variant_args(window_size, softcap, alibi_slopes):
     """flash-attn's window_size / softcap / alibi_slopes -> the operators' (window_left,
     window_right, softcap, alibi_slopes), checked. The tensor's dtype, shape and device are
     checked by the operators."""
+    # The common call (no variant, the defaults' types) without the checks' per-call cost.
+    if (alibi_slopes is None and type(softcap) is float and softcap == 0.0
+            and type(window_size) is tuple and window_size == (-1, -1)):
+        return _NO_VARIANTS
     try:
         left, right = (operator.index(w) for w in window_size)
     except (TypeError, ValueError):
