@@ -402,13 +402,13 @@ def _ring_forward(q, k, v, ring, attention):
             block_out, block_lse = attention.forward(p, _narrow(q, dim, p.rows),
                                                      _narrow(kv[0], dim, p.keys),
                                                      _narrow(kv[1], dim, p.keys))
-            if any(p.rows.start < r.stop and r.start < p.rows.stop for r in written):
-                _merge_block(_narrow(out, dim, p.rows), _narrow(lse, -1, p.rows), block_out,
-                             block_lse, dim)
-            else:
+            if _gaps(p.rows, written) == [p.rows]:
                 _narrow(out, dim, p.rows).copy_(block_out)
                 _narrow(lse, -1, p.rows).copy_(block_lse)
-                written.append(p.rows)
+            else:
+                _merge_block(_narrow(out, dim, p.rows), _narrow(lse, -1, p.rows), block_out,
+                             block_lse, dim)
+            written.append(p.rows)
         if in_flight is not None:
             kv = in_flight.wait()
     return out.to(q.dtype), lse

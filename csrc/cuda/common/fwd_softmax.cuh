@@ -287,9 +287,9 @@ FAE_DEVICE void add_staged_attn_mask(float (&s)[1][kTilesN][4], uint32_t scratch
                    : "=r"(w)
                    : "r"(scratch + r * (kTilesN * 16) + ((j ^ g) * 16) + 4 * q));
       float lo, hi;
-      if (bf16) {
-        lo = __uint_as_float(w << 16);
-        hi = __uint_as_float(w & 0xffff0000u);
+      if (bf16) {  // (fp16 below through the hardware conversion, not mask.h's bit path)
+        lo = bf16_bits_to_float(static_cast<uint16_t>(w));
+        hi = bf16_bits_to_float(static_cast<uint16_t>(w >> 16));
       } else {
         const __half2 pair = *reinterpret_cast<const __half2*>(&w);
         lo = __low2float(pair);
