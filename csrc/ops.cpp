@@ -14,6 +14,10 @@
 //       bottom-right per sequence, as flash-attn's varlen API).
 //   flash_attn_ext::dropout_mask(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p)
 //       -> bool [batch, heads, seqlen_q, seqlen_k]: the keep-mask dropout applies.
+//   flash_attn_ext::fwd_fp8(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
+//                           causal_bottom_right, out_dtype) -> (out, lse): e4m3 inputs
+//       (csrc/ops_fp8.h), Hopper only (cuda/ops_fp8_cuda.cpp); the CPU raises
+//       NotImplementedError.
 //
 // Padded: q/k/v/out/dout are [batch, seqlen, heads, head_dim] with any batch,
 // seqlen and head strides and a contiguous last dim; lse is [batch, heads,
@@ -32,6 +36,7 @@
 
 #include "cpu/attention_cpu.h"
 #include "ops_common.h"
+#include "ops_fp8.h"
 
 namespace flash_attn_ext {
 
@@ -157,6 +162,20 @@ static at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, int64_t batch, i
   return mask;
 }
 
+std::tuple<at::Tensor, at::Tensor> fwd_fp8_cpu(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v, const at::Tensor& q_descale,
+                                               const at::Tensor& k_descale,
+                                               const at::Tensor& v_descale, double softmax_scale,
+                                               bool causal, bool causal_bottom_right,
+                                               at::ScalarType out_dtype) {
+  make_fwd_fp8_params(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
+                      causal_bottom_right, out_dtype);  // bad arguments first
+  TORCH_CHECK_NOT_IMPLEMENTED(false,
+                              "flash_attn_ext: the FP8 forward runs on Hopper (sm_90) GPUs only "
+                              "(FP8 wgmma); on the CPU dequantise the inputs (x.float() * "
+                              "descale) and call flash_attn_func");
+}
+
 // The attention variants (flash-attn's window_size, softcap, alibi_slopes,
 // dropout_p with its rng_state = {seed, offset}, and torch SDPA's attn_mask),
 // the last arguments of every operator; their defaults turn them off.
@@ -190,6 +209,10 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "dropout_mask(Tensor rng_state, int batch, int heads, int seqlen_q, int seqlen_k, "
       "float dropout_p) -> Tensor");
+  m.def(
+      "fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor q_descale, Tensor k_descale, "
+      "Tensor v_descale, float softmax_scale, bool causal, bool causal_bottom_right, "
+      "ScalarType out_dtype) -> (Tensor out, Tensor lse)");
 }
 #undef FAE_VARIANT_ARGS
 
@@ -199,6 +222,7 @@ TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
   m.impl("varlen_fwd", &varlen_fwd_cpu);
   m.impl("varlen_bwd", &varlen_bwd_cpu);
   m.impl("dropout_mask", &dropout_mask_cpu);
+  m.impl("fwd_fp8", &fwd_fp8_cpu);
 }
 
 }  // namespace flash_attn_ext

@@ -311,6 +311,7 @@ inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor&
   p.seqlen_k = static_cast<int>(k.size(1));
   p.head_dim = static_cast<int>(q.size(3));
   p.dtype = to_dtype(q.scalar_type());
+  p.kv_dtype = p.out_dtype = p.dtype;
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   p.causal = causal;

@@ -21,7 +21,7 @@
 
 namespace flash_attn_ext {
 
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat8E4M3 = 3 };
 
 // The element type of an attn_mask (params.attn_bias).
 enum class BiasType : int { kNone = 0, kBool = 1, kFloat32 = 2, kFloat16 = 3, kBFloat16 = 4 };
@@ -38,6 +38,21 @@ struct BiasStrides {
 // (AttentionFwdParams::attn_mask_blocks): the Hopper kernels' query tiles are
 // 64 rows per warpgroup, their key tiles 64 to 176 keys.
 constexpr int kMaskBlock = 64;
+
+// The dequantisation factor of an FP8 (e4m3) tensor (FA3's q_descale /
+// k_descale / v_descale): the real values are factor * the stored ones. The
+// factor of (batch b, kv head hk) sits at ptr[b * batch_stride + hk *
+// head_stride]; strides 0 = one factor for the whole tensor; ptr nullptr = 1.
+// q's factors are per kv head too (query head h uses its kv head's, as FA3).
+struct Descale {
+  const float* ptr = nullptr;
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+};
+
+FAE_HOST_DEVICE float descale_at(const Descale& d, int b, int h_k) {
+  return d.ptr == nullptr ? 1.f : d.ptr[b * d.batch_stride + h_k * d.head_stride];
+}
 
 // Strides (in elements) of one [B, S, H, D] tensor.
 struct TensorStrides {
@@ -83,7 +98,21 @@ struct AttentionFwdParams {
   int seqlen_k = 0;  // varlen: the longest key sequence
   int head_dim = 0;  // true head dim (kernels may pad internally)
 
-  DType dtype = DType::kFloat32;
+  DType dtype = DType::kFloat32;  // of q (and of k, v and out unless said below)
+  // FP8 (kFloat8E4M3) calls: k / v may be e4m3 under a 16-bit q (an FP8 KV
+  // cache; kv_dtype), and e4m3 q / k / v give a 16-bit out (out_dtype). The
+  // scores are q_descale * k_descale * (q . k) and the output v_descale *
+  // (P V): the kernels fold the factors into the softmax scale and the
+  // epilogue, so the tiles stay in their stored type.
+  DType kv_dtype = DType::kFloat32;
+  DType out_dtype = DType::kFloat32;
+  Descale q_descale, k_descale, v_descale;
+  // The FP8 Hopper forward reads V transposed: e4m3 [batch, heads_k,
+  // head_dim, v_transposed_seqlen] (keys contiguous, padded to a multiple of
+  // 32 with zeros, each 32-key block in the order the P fragments want;
+  // cuda/hopper/fp8_v_transpose.cu writes it from v before the kernel).
+  void* v_transposed = nullptr;
+  int64_t v_transposed_seqlen = 0;
 
   float softmax_scale = 1.f;
   float scale_log2 = 1.f;  // softmax_scale * log2(e): kernels use exp2

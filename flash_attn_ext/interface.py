@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import fp8 as _fp8
 from . import kvcache as _kvcache
 from .ops import FlashAttnFunction, FlashAttnVarlenFunction, new_rng_state
 
@@ -105,7 +106,8 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
                     return_attn_probs: bool = False, return_lse: bool = False,
-                    num_splits: int = 0, seqused_k: Optional[torch.Tensor] = None):
+                    num_splits: int = 0, seqused_k: Optional[torch.Tensor] = None,
+                    q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Exact attention, flash-attn compatible.
 
     q: [batch, seqlen_q, heads, head_dim]; k, v: [batch, seqlen_k, heads_k, head_dim] with
@@ -135,7 +137,24 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     (natural log of the softmax denominator before dropout; -inf for rows that see no key)
     and keep the bool dropout keep-mask [batch, heads, seqlen_q, seqlen_k] (None without
     dropout; materialised, so for small problems).
+
+    FP8 (FlashAttention-3's arguments; Hopper GPUs, forward only): q, k, v in
+    torch.float8_e4m3fn with q_descale, k_descale, v_descale float32 dequantisation factors
+    (the real tensor is descale * the stored values), each [] / [1] (per tensor) or
+    [batch, heads_k] (per batch entry and kv head; q's too, as FA3). out is bfloat16, or
+    out_dtype=torch.float16. causal, GQA and both alignments as above; the other options
+    raise NotImplementedError with FP8 inputs. flash_attn_ext.fp8.quantize_fp8 makes such
+    inputs; flash_attn_ext.fp8.hadamard_transform rotates q and k first when they have
+    outlier channels.
     """
+    if q.dtype is _fp8.FP8_DTYPE or q_descale is not None:
+        return _flash_attn_func_fp8(q, k, v, dropout_p, softmax_scale, causal, window_size,
+                                    softcap, alibi_slopes, return_attn_probs, return_lse,
+                                    num_splits, seqused_k, q_descale, k_descale, v_descale,
+                                    out_dtype)
+    if k_descale is not None or v_descale is not None or out_dtype is not None:
+        raise ValueError("flash_attn_ext: q_descale / k_descale / v_descale / out_dtype apply to "
+                         "FP8 (torch.float8_e4m3fn) inputs only")
     variants = _variant_args(window_size, softcap, alibi_slopes)
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_rank(t, name, "[batch, seqlen, heads, head_dim]")
@@ -149,6 +168,22 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     if return_lse:
         return out, lse
     return out
+
+
+def _flash_attn_func_fp8(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                         alibi_slopes, return_attn_probs, return_lse, num_splits, seqused_k,
+                         q_descale, k_descale, v_descale, out_dtype):
+    """flash_attn_func with FP8 inputs (flash_attn_ext/fp8.py)."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_rank(t, name, "[batch, seqlen, heads, head_dim]")
+    if _variant_args(window_size, softcap, alibi_slopes) != _NO_VARIANTS or dropout_p != 0.0:
+        _not_implemented("window_size / softcap / alibi_slopes / dropout_p with FP8 inputs")
+    if seqused_k is not None or return_attn_probs:
+        _not_implemented("seqused_k / return_attn_probs with FP8 inputs")
+    scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    out, lse = _fp8.flash_attn_fp8(q, k, v, scale, bool(causal), q_descale, k_descale,
+                                   v_descale, out_dtype)
+    return (out, lse) if return_lse else out
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
@@ -225,6 +260,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     max_seqlen_q, max_seqlen_k] (sequence b's in keep[b, :, :len_q, :len_k]; None without
     dropout).
     """
+    if _fp8.is_fp8(q):
+        _not_implemented("FP8 inputs in flash_attn_varlen_func (the FP8 forward takes padded "
+                         "batches: flash_attn_func with q_descale / k_descale / v_descale)")
     variants = _variant_args(window_size, softcap, alibi_slopes)
     paged = block_table is not None
     for t, name in ((q, "q"), (k, "k"), (v, "v")):

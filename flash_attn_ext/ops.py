@@ -22,6 +22,9 @@ addressing (forward only): block_table int32 [batch, max_pages] with k / v page 
 cache_leftpad int32 [batch] (csrc/params.h).
 torch.ops.flash_attn_ext.dropout_mask(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p)
     -> bool [batch, heads, seqlen_q, seqlen_k]: the elements that dropout keeps.
+torch.ops.flash_attn_ext.fwd_fp8(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
+                                 causal_bottom_right, out_dtype) -> (out, lse): e4m3 q / k / v
+    (flash_attn_ext/fp8.py; Hopper only, forward only).
 
 Padded tensors are [batch, seqlen, heads, head_dim] with a contiguous last dim and lse is
 float32 [batch, heads, seqlen_q]; varlen tensors are packed [total, heads, head_dim] and
@@ -131,6 +134,14 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
                      dropout_p=0.0, rng_state=None, attn_mask=None):
     _check_qkv(q, k, v, varlen=True)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.register_fake("flash_attn_ext::fwd_fp8")
+def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
+                  causal_bottom_right, out_dtype):
+    out = q.new_empty(q.shape, dtype=out_dtype)
+    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return out, lse
 
 
 @torch.library.register_fake("flash_attn_ext::dropout_mask")

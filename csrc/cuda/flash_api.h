@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "../params.h"
 
@@ -39,6 +40,16 @@ void fwd_set_kv_l2_policy(AttentionFwdParams& params, int64_t l2_cache_bytes);
 // Throws std::runtime_error with a clear message for unsupported configs
 // (e.g. a head dim that was not compiled in).
 void run_fwd(AttentionFwdParams& params, cudaStream_t stream);
+
+// ---- FP8 (e4m3) forward (fp8_fwd.cu) -----------------------------------------
+// Whether this device and build run it for `head_dim`; else *why says why.
+bool fwd_fp8_supported(int head_dim, std::string* why);
+// Keys of the transposed V scratch (params.v_transposed: e4m3 [batch, heads_k,
+// head_dim, this]) the op layer allocates.
+int64_t fwd_fp8_v_transposed_seqlen(int seqlen_k);
+// Transposes V into params.v_transposed, then runs the Hopper FP8 kernel
+// (needs params.tile_counter when causal).
+void run_fwd_fp8(const AttentionFwdParams& params, cudaStream_t stream);
 
 // ---- boolean attn_mask summary (common/mask_blocks.cuh) --------------------
 // Bytes of the block summary of params' attn_mask: 0 unless it is a boolean

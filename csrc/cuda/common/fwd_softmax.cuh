@@ -389,8 +389,12 @@ FAE_DEVICE float score_and_mask_variants(float (&s)[kMmaM][kTilesN][4], const Sc
 //   row_sum: this lane's share of sum(exp2(score - row_max)); the 4 lanes of a
 //            quad are only reduced in finalize() (rescaling is per row, so
 //            partial sums can be rescaled independently)
+// kPExp2Offset (update_scores_folded): probabilities come out as
+// exp2(score - row_max + kPExp2Offset), and row_sum alike, so O / row_sum is
+// unchanged; finalize() takes the offset off the LSE. The FP8 forward uses 8
+// to keep P (quantised to e4m3 for P V) out of e4m3's subnormal range.
 // ---------------------------------------------------------------------------
-template <int kMmaM>
+template <int kMmaM, int kPExp2Offset = 0>
 struct OnlineSoftmax {
   float row_max[kMmaM][2];
   float row_sum[kMmaM][2];
@@ -478,11 +482,12 @@ struct OnlineSoftmax {
         rescale[m][h] = fast_exp2(row_max[m][h] - base);
         row_max[m][h] = new_max;
 
+        const float offset = static_cast<float>(kPExp2Offset) - base;
         float sum_even = 0.f, sum_odd = 0.f;
 #pragma unroll
         for (int j = 0; j < kTilesN; ++j) {
-          const float p0 = fast_exp2(fmaf(s[m][j][2 * h], scale_log2, -base));
-          const float p1 = fast_exp2(fmaf(s[m][j][2 * h + 1], scale_log2, -base));
+          const float p0 = fast_exp2(fmaf(s[m][j][2 * h], scale_log2, offset));
+          const float p1 = fast_exp2(fmaf(s[m][j][2 * h + 1], scale_log2, offset));
           s[m][j][2 * h] = p0;
           s[m][j][2 * h + 1] = p1;
           sum_even += p0;
@@ -522,7 +527,8 @@ struct OnlineSoftmax {
         const float sum = quad_sum(row_sum[m][h]);
         const bool empty = !(sum > 0.f);
         const float inv = empty ? 0.f : 1.f / sum;
-        lse[m][h] = empty ? -INFINITY : row_max[m][h] * kLn2 + logf(sum);
+        lse[m][h] = empty ? -INFINITY
+                          : (row_max[m][h] - static_cast<float>(kPExp2Offset)) * kLn2 + logf(sum);
 #pragma unroll
         for (int d = 0; d < kTilesD; ++d) {
           o[m][d][2 * h] *= inv;

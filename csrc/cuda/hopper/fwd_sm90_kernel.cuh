@@ -109,9 +109,24 @@ struct FwdSm90TileConfig {
 #endif
 };
 
-template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, int kQRing_ = 2>
+// The FP8 (e4m3) forward's tiles: 128 keys (a whole 128-byte swizzle row of
+// the transposed V tile, see FwdSm90Traits::kFp8), 2 stages, both head dims.
+template <int kHeadDim>
+struct FwdSm90Fp8TileConfig {
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kBlockNShort = 0;
+  static constexpr int kShortSeqlenK = 0;
+  static constexpr int kQRing = 2;
+};
+
+// T: the element type of q, k, v (16-bit, or e4m3); TOut: of out (T's,
+// or a 16-bit type for e4m3 inputs).
+template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, int kQRing_ = 2,
+          typename TOut_ = T_>
 struct FwdSm90Traits {
   using T = T_;
+  using TOut = TOut_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;  // one wgmma M per consumer
@@ -120,11 +135,25 @@ struct FwdSm90Traits {
   static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
 
-  // 128-byte swizzle atoms hold 64 16-bit columns: tiles are stored as
-  // kChunks chunks of [rows x 64].
-  static constexpr int kChunkCols = 64;
+  // FP8 (e4m3 inputs): m64nNk32 wgmmas, which read both operands K-major, so
+  // V arrives transposed ([head_dim rows x keys], params.v_transposed) and
+  // O += P V reads it like K; P goes to e4m3 with an exponent offset
+  // (kPExp2Offset); the descales scale the scores and O.
+  static constexpr bool kFp8 = sizeof(T) == 1;
+  static constexpr int kElemBytes = sizeof(T);
+  // 128-byte swizzle atoms hold 64 16-bit or 128 e4m3 columns: tiles are
+  // stored as kChunks chunks of [rows x kChunkCols].
+  static constexpr int kChunkCols = 128 / kElemBytes;
   static constexpr int kChunks = kHeadDim / kChunkCols;
-  static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
+  // One wgmma k-step reads 32 bytes of every row: 16 16-bit or 32 e4m3 columns.
+  static constexpr int kKStep = 32 / kElemBytes;
+  static constexpr int kKVTileBytes = kBlockN * kHeadDim * kElemBytes;
+  // FP8: the transposed V tile is kBlockN / 128 chunks of [kHeadDim x 128 keys].
+  static constexpr int kVtChunks = kFp8 ? kBlockN / 128 : 0;
+  // FP8: P = exp2(x + 8) (rows sum and O alike, so O / rowsum is unchanged):
+  // probabilities in [0, 256] use e4m3's range (max 448) instead of its
+  // subnormals below 2^-6; the LSE takes the 8 off again.
+  static constexpr int kPExp2Offset = kFp8 ? 8 : 0;
   // Q travels in 64-row slices, one per consumer warpgroup, through a ring of
   // kQRing slots with a full/empty barrier pair each: slice u = 2 * tile +
   // warpgroup goes to slot u % kQRing. With 2 slots a warpgroup's next slice
@@ -134,7 +163,7 @@ struct FwdSm90Traits {
   static constexpr int kQSliceRows = 64;
   static_assert(kQSliceRows == kMaskBlock && kConsumerWarpgroups == 2,
                 "a warpgroup's rows are one row block of the attn_mask summary, two per tile");
-  static constexpr int kQSliceBytes = kQSliceRows * kHeadDim * 2;
+  static constexpr int kQSliceBytes = kQSliceRows * kHeadDim * kElemBytes;
   // mbarriers, then what the producer hands to the consumers: per Q slot the
   // tile index and its key-tile range (3 ints), per K stage which warpgroups
   // must read the attn_mask there (attn_mask kernels).
@@ -156,8 +185,12 @@ struct FwdSm90Traits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
-  static_assert(sizeof(T) == 2, "16-bit inputs only");
-  static_assert(kHeadDim % kChunkCols == 0, "head dim must be a whole number of 64-column chunks");
+  static_assert(sizeof(T) == 2 || sizeof(T) == 1, "16-bit or e4m3 inputs");
+  static_assert(sizeof(TOut) == 2, "16-bit outputs");
+  static_assert(kFp8 || std::is_same<T, TOut>::value, "16-bit inputs give their own type");
+  static_assert(!kFp8 || kBlockN % 128 == 0,
+                "FP8: the transposed V tile is whole 128-key swizzle rows");
+  static_assert(kHeadDim % kChunkCols == 0, "head dim must be a whole number of 128-byte chunks");
   static_assert(kBlockN % 16 == 0 && kBlockN >= 64 && kBlockN <= 256,
                 "wgmma N (key tile) must be a multiple of 16 in [64, 256]");
   static_assert(kBlockN % 8 == 0, "swizzle atoms are 8 rows");
@@ -186,6 +219,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                           int* tile_counter) {
 #if defined(FAE_SM90_ENABLED)
   using T = typename Traits::T;
+  using TOut = typename Traits::TOut;
+  constexpr bool kFp8 = Traits::kFp8;
+  static_assert(!(kFp8 && kHasVariants), "the FP8 forward has no variants");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -325,7 +361,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             }
             constexpr int kRows = Traits::kQSliceRows;
             mbar_arrive_expect_tx(q_full(slot), Traits::kQSliceBytes);
-            tma_load_tile<kChunks>(&tmap_q, q_smem(slot), kRows, q_full(slot),
+            tma_load_tile<kChunks, Traits::kChunkCols>(&tmap_q, q_smem(slot), kRows, q_full(slot),
                                    tile->m_block * kBlockM + wg * kRows, tile->h, tile->b);
           }
         };
@@ -355,15 +391,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             st_shared_b32(mask_reads_slot(stage), reads);
           }
           mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
-          tma_load_tile<kChunks>(&tmap_k, k_smem(stage), kBlockN, k_full(stage),
+          tma_load_tile<kChunks, Traits::kChunkCols>(&tmap_k, k_smem(stage), kBlockN, k_full(stage),
                                  n_block * kBlockN, tile.h_k, tile.b);
         };
         auto load_v = [&](int n_block, int count) {
           const int stage = count % kStages;
           mbar_wait(v_empty(stage), ((count / kStages) & 1) ^ 1);
           mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
-          tma_load_tile<kChunks>(&tmap_v, v_smem(stage), kBlockN, v_full(stage),
-                                 n_block * kBlockN, tile.h_k, tile.b);
+          if constexpr (kFp8) {
+            // V^T [head_dim x keys]: boxes of 128 keys, every head-dim row.
+#pragma unroll
+            for (int c = 0; c < Traits::kVtChunks; ++c) {
+              tma_load_4d(v_smem(stage) + c * kHeadDim * 128, &tmap_v, v_full(stage),
+                          n_block * kBlockN + c * 128, 0, tile.h_k, tile.b);
+            }
+          } else {
+            tma_load_tile<kChunks>(&tmap_v, v_smem(stage), kBlockN, v_full(stage),
+                                   n_block * kBlockN, tile.h_k, tile.b);
+          }
         };
         // The tile's first K goes out before its Q: its stage was freed by
         // the previous tile's second-to-last Q K^T, Q's slices only by the
@@ -394,14 +439,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int warp = tid / 32;
   const int lane = tid % 32;
 
-  // S = Q K^T: kHeadDim / 16 k-steps; inside a 64-column chunk a k-step moves
-  // 32 bytes, across chunks a whole [rows x 128 B] chunk. desc_q: this
+  // S = Q K^T: kHeadDim / kKStep k-steps; inside a 128-byte chunk a k-step
+  // moves 32 bytes, across chunks a whole [rows x 128 B] chunk. desc_q: this
   // warpgroup's Q slice (set per tile).
   uint64_t desc_q = 0;
   auto issue_qk = [&](float (&s)[1][kBlockN / 8][4], int stage) {
     const uint64_t desc_k = smem_desc_sw128(k_smem(stage), 16, 1024);
 #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    for (int kk = 0; kk < kHeadDim / Traits::kKStep; ++kk) {
       const uint32_t chunk_offset = (kk % 4) * 32;
       const uint32_t q_offset = (kk / 4) * Traits::kQSliceRows * 128 + chunk_offset;
       WgmmaOps<T, kBlockN>::ss_kmajor(
@@ -411,14 +456,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     wgmma_commit();
   };
   // O += P V: kBlockN / 16 k-steps of 16 V rows (2048 bytes) each; the head
-  // dim (wgmma N) spans the chunks, LBO apart.
-  auto issue_pv = [&](float (&o)[1][kHeadDim / 8][4], const uint32_t (&p)[kBlockN / 16][4],
-                      int stage) {
-    const uint64_t desc_v = smem_desc_sw128(v_smem(stage), kBlockN * 128, 1024);
+  // dim (wgmma N) spans the chunks, LBO apart. FP8: kBlockN / 32 k-steps
+  // along the keys of V^T, addressed like K in S = Q K^T.
+  auto issue_pv = [&](float (&o)[1][kHeadDim / 8][4],
+                      const uint32_t (&p)[kBlockN / Traits::kKStep][4], int stage) {
+    if constexpr (kFp8) {
+      const uint64_t desc_vt = smem_desc_sw128(v_smem(stage), 16, 1024);
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      WgmmaOps<T, kHeadDim>::rs_mnmajor(&o[0][0][0], p[kk], smem_desc_advance(desc_v, kk * 2048),
-                                         1);
+      for (int kk = 0; kk < kBlockN / Traits::kKStep; ++kk) {
+        WgmmaOps<T, kHeadDim>::rs_kmajor(
+            &o[0][0][0], p[kk],
+            smem_desc_advance(desc_vt, (kk / 4) * kHeadDim * 128 + (kk % 4) * 32), 1);
+      }
+    } else {
+      const uint64_t desc_v = smem_desc_sw128(v_smem(stage), kBlockN * 128, 1024);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        WgmmaOps<T, kHeadDim>::rs_mnmajor(&o[0][0][0], p[kk],
+                                           smem_desc_advance(desc_v, kk * 2048), 1);
+      }
     }
     wgmma_commit();
   };
@@ -455,6 +511,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     const SeqBounds seq = seq_bounds<false>(params, tile.b);
     const int n_tiles = tile.keys.end - tile.keys.begin;
+    // FP8: the scores carry q's and k's factors (folded into the exponent's
+    // scale), O v's (the epilogue).
+    float scale_log2 = params.scale_log2;
+    if constexpr (kFp8) {
+      scale_log2 *= descale_at(params.q_descale, tile.b, tile.h_k) *
+                    descale_at(params.k_descale, tile.b, tile.h_k);
+    }
     // A 16-bit additive attn_mask goes through this thread's scratch words:
     // copied while the tile's GEMMs run (stage_mask), added in the softmax.
     bool staged = false;
@@ -486,7 +549,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // softmax (5x slower with ALiBi, H100).
     // mask_reads: this warpgroup reads the attn_mask on the tile (attn_mask
     // kernels; from the producer's mask_reads_slot).
-    auto softmax_tile = [&](OnlineSoftmax<1>& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
+    using Softmax = OnlineSoftmax<1, Traits::kPExp2Offset>;
+    auto softmax_tile = [&](Softmax& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
                             float (&rescale)[1][2], bool mask_reads) {
       const int col_base = n_block * kBlockN + 2 * (lane % 4);
       if constexpr (kHasVariants) {
@@ -513,9 +577,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, n_block)) {
         scale_and_mask<true, kIsCausal, 1, kBlockN / 8, false>(
-            s, params.scale_log2, row_base, col_base, seq.seqlen_k, seq.causal_offset);
+            s, scale_log2, row_base, col_base, seq.seqlen_k, seq.causal_offset);
       }
-      softmax.update_scores_folded(s, params.scale_log2, rescale);
+      softmax.update_scores_folded(s, scale_log2, rescale);
     };
 
     // Lane 0 reads the stage's word before it releases the stage (k_empty),
@@ -526,13 +590,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       return ((reads >> wg) & 1u) != 0u;
     };
 
+    auto to_p_fragments = [](const float (&s)[1][kBlockN / 8][4],
+                             uint32_t (&p)[kBlockN / Traits::kKStep][4]) {
+      if constexpr (kFp8) {
+        accumulators_to_a_fragments_e4m3<kBlockN>(s[0], p);
+      } else {
+        accumulators_to_a_fragments<T, kBlockN>(s[0], p);
+      }
+    };
+
     float o[1][kHeadDim / 8][4];
 #pragma unroll
     for (int j = 0; j < kHeadDim / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[0][j][e] = 0.f;
     }
-    OnlineSoftmax<1> softmax;
+    Softmax softmax;
 
     // Every consumer warp arrives on q_empty once per tile, right after its
     // last Q K^T (or now, for a tile without keys).
@@ -542,7 +615,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, then runs the
       // softmax of S_i while the P V product is still on the tensor cores.
       float s[1][kBlockN / 8][4];
-      uint32_t p[kBlockN / 16][4];
+      uint32_t p[kBlockN / Traits::kKStep][4];
       float rescale[1][2];
       auto stage_of = [&](int i) { return (kv_count + i) % kStages; };
       auto parity_of = [&](int i) { return static_cast<uint32_t>(((kv_count + i) / kStages) & 1); };
@@ -561,7 +634,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (n_tiles == 1) mbar_arrive(q_empty(q_slot));
       }
       softmax_tile(softmax, s, tile.keys.end - 1, rescale, mask_reads);  // O is 0: no rescale
-      accumulators_to_a_fragments<T, kBlockN>(s[0], p);  // P: A operand of P V
+      to_p_fragments(s, p);  // P: A operand of P V
 
       for (int i = 1; i < n_tiles; ++i) {
         mbar_wait(k_full(stage_of(i)), parity_of(i));
@@ -582,10 +655,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale, mask_reads);
         wgmma_wait<0>();
         fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
-        fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(p));
+        fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
         if (lane == 0) mbar_arrive(v_empty(stage_of(i - 1)));
-        OnlineSoftmax<1>::rescale_rows(o, rescale);
-        accumulators_to_a_fragments<T, kBlockN>(s[0], p);  // P: A operand of P V
+        Softmax::rescale_rows(o, rescale);
+        to_p_fragments(s, p);  // P: A operand of P V
       }
 
       const int last = n_tiles - 1;
@@ -596,7 +669,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       gemm_turn_end();
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
-      fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(p));
+      fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
       if (lane == 0) mbar_arrive(v_empty(stage_of(last)));
       kv_count += n_tiles;
     }
@@ -614,13 +687,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // O straight from the accumulators, 16 bytes per lane and store (see
     // store_accumulator_row). Rows past seqlen_q and the columns past the
     // true head dim are not written.
-    T* out = static_cast<T*>(params.out);
+    TOut* out = static_cast<TOut*>(params.out);
+    const float out_scale = kFp8 ? descale_at(params.v_descale, tile.b, tile.h_k) : 1.f;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = row_base + 8 * hh;
       const bool row_ok = row < seq.seqlen_q;
-      T* out_row = out + row_offset(params.out_strides, tile.b, tile.h, row_ok ? row : 0);
-      store_accumulator_row<T, kHeadDim>(out_row, o[0], hh, 1.f, 0, params.head_dim, row_ok, lane);
+      TOut* out_row = out + row_offset(params.out_strides, tile.b, tile.h, row_ok ? row : 0);
+      store_accumulator_row<TOut, kHeadDim>(out_row, o[0], hh, out_scale, 0, params.head_dim,
+                                            row_ok, lane);
     }
   }
   if (wg == 0) gemm_turn_begin();  // the turn left over (see above)

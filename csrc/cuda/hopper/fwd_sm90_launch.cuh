@@ -20,10 +20,22 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   using T = typename Traits::T;
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   // Q goes in one 64-row slice per consumer warpgroup (see FwdSm90Traits).
-  const CUtensorMap tmap_q =
-      query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kQSliceRows);
-  const CUtensorMap tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
-  const CUtensorMap tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
+  CUtensorMap tmap_q, tmap_k, tmap_v;
+  if constexpr (Traits::kFp8) {
+    tmap_q = make_attention_tensor_map_e4m3(params.q, params.head_dim, params.seqlen_q,
+                                            params.heads, params.batch, params.q_strides,
+                                            Traits::kQSliceRows);
+    tmap_k = make_attention_tensor_map_e4m3(params.k, params.head_dim, params.seqlen_k,
+                                            params.heads_k, params.batch, params.k_strides,
+                                            Traits::kBlockN);
+    tmap_v = make_transposed_v_tensor_map_e4m3(params.v_transposed, params.head_dim,
+                                               params.v_transposed_seqlen, params.heads_k,
+                                               params.batch, Traits::kHeadDim);
+  } else {
+    tmap_q = query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kQSliceRows);
+    tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
+    tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
+  }
 
   // Calls with an attn_mask run a variant kernel of their own (fwd_softmax.cuh).
   auto kernel = kHasVariants && params.attn_bias != nullptr
@@ -104,6 +116,21 @@ template <typename T, int kHeadDim, bool kIsCausal>
 void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
   run_fwd_sm90_config<T, kHeadDim, kIsCausal, false, FwdSm90TileConfig<kHeadDim, kIsCausal>>(
       params, stream);
+}
+
+// FP8 (e4m3) q, k, v with V already transposed (params.v_transposed, see
+// fp8_v_transpose.cu), out in TOut.
+template <typename TOut, int kHeadDim, bool kIsCausal>
+void run_fwd_fp8_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+  using Config = FwdSm90Fp8TileConfig<kHeadDim>;
+  if (params.head_dim > kHeadDim || params.num_splits > 1 || has_var_seqs(params) ||
+      has_variants(params) || params.v_transposed == nullptr) {
+    throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
+                             "FP8 Hopper forward");
+  }
+  launch_fwd_sm90<FwdSm90Traits<__nv_fp8_e4m3, kHeadDim, Config::kBlockN, Config::kStages,
+                                Config::kQRing, TOut>,
+                  kIsCausal, false>(params, stream);
 }
 
 // Window / softcap / ALiBi calls, causal or not (the Mask's right bound): the

@@ -87,37 +87,67 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 }  // namespace
 
-CUtensorMap make_attention_tensor_map(const void* base, bool bf16, int head_dim, int seqlen,
-                                      int heads, int batch, const TensorStrides& strides,
-                                      int box_rows) {
-  constexpr uint64_t kElem = 2;
-  // A size-1 dimension may carry stride 0 (packed tensors, params.h); TMA
-  // wants a positive multiple of 16 there, and never steps along it.
-  auto stride_bytes = [&](int64_t elems, int extent) -> uint64_t {
-    if (extent > 1 || elems > 0) return static_cast<uint64_t>(elems) * kElem;
-    return 16;
-  };
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seqlen),
-                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t byte_strides[3] = {stride_bytes(strides.row, seqlen),
-                                      stride_bytes(strides.head, heads),
-                                      stride_bytes(strides.batch, batch)};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+namespace {
+
+// A 4-D map (innermost first) over elements of `elem_bytes` bytes, element
+// strides of dims 1..3, 128-byte swizzle. A size-1 dimension may carry stride
+// 0 (packed tensors, params.h); TMA wants a positive multiple of 16 there, and
+// never steps along it.
+CUtensorMap encode_4d(const void* base, CUtensorMapDataType type, uint64_t elem_bytes,
+                      const uint64_t (&dims)[4], const int64_t (&strides)[3],
+                      const uint32_t (&box)[4], const char* what) {
+  cuuint64_t byte_strides[3];
+  for (int i = 0; i < 3; ++i) {
+    byte_strides[i] = dims[i + 1] > 1 || strides[i] > 0
+                          ? static_cast<cuuint64_t>(strides[i]) * elem_bytes
+                          : 16;
+  }
+  const cuuint64_t map_dims[4] = {dims[0], dims[1], dims[2], dims[3]};
+  const cuuint32_t map_box[4] = {box[0], box[1], box[2], box[3]};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   CUtensorMap map;
   const CUresult res = tensor_map_encoder()(
-      &map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-      const_cast<void*>(base), dims, byte_strides, box, element_strides,
+      &map, type, 4, const_cast<void*>(base), map_dims, byte_strides, map_box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) {
-    tensor_map_failed(res, "a tensor of [batch " + std::to_string(batch) + ", seqlen " +
-                               std::to_string(seqlen) + ", heads " + std::to_string(heads) +
-                               ", head_dim " + std::to_string(head_dim) + "] with element strides (" +
-                               std::to_string(strides.batch) + ", " + std::to_string(strides.row) +
-                               ", " + std::to_string(strides.head) + ")");
+    tensor_map_failed(res, std::string(what) + " of [" + std::to_string(dims[3]) + ", " +
+                               std::to_string(dims[2]) + ", " + std::to_string(dims[1]) + ", " +
+                               std::to_string(dims[0]) + "] (outermost first) with element "
+                               "strides (" + std::to_string(strides[2]) + ", " +
+                               std::to_string(strides[1]) + ", " + std::to_string(strides[0]) +
+                               ")");
   }
   return map;
+}
+
+}  // namespace
+
+CUtensorMap make_attention_tensor_map(const void* base, bool bf16, int head_dim, int seqlen,
+                                      int heads, int batch, const TensorStrides& strides,
+                                      int box_rows) {
+  return encode_4d(base, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                   2, {uint64_t(head_dim), uint64_t(seqlen), uint64_t(heads), uint64_t(batch)},
+                   {strides.row, strides.head, strides.batch},
+                   {64, static_cast<uint32_t>(box_rows), 1, 1}, "a tensor");
+}
+
+CUtensorMap make_attention_tensor_map_e4m3(const void* base, int head_dim, int seqlen, int heads,
+                                           int batch, const TensorStrides& strides,
+                                           int box_rows) {
+  return encode_4d(base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1,
+                   {uint64_t(head_dim), uint64_t(seqlen), uint64_t(heads), uint64_t(batch)},
+                   {strides.row, strides.head, strides.batch},
+                   {128, static_cast<uint32_t>(box_rows), 1, 1}, "an e4m3 tensor");
+}
+
+CUtensorMap make_transposed_v_tensor_map_e4m3(const void* base, int head_dim,
+                                              int64_t seqlen_padded, int heads_k, int batch,
+                                              int box_rows) {
+  return encode_4d(base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1,
+                   {uint64_t(seqlen_padded), uint64_t(head_dim), uint64_t(heads_k), uint64_t(batch)},
+                   {seqlen_padded, seqlen_padded * head_dim, seqlen_padded * head_dim * heads_k},
+                   {128, static_cast<uint32_t>(box_rows), 1, 1}, "the transposed e4m3 V");
 }
 
 CUtensorMap make_dq_accum_tensor_map(float* base, int accum_dim, int seqlen_q, int heads_total,

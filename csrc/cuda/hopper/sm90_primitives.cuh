@@ -10,6 +10,8 @@
 #include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
+#include <cuda_fp8.h>
+
 #include <cstdint>
 
 #include "../common/ptx.cuh"
@@ -81,17 +83,18 @@ FAE_DEVICE void bulk_load(uint32_t smem_dst, const void* src, uint32_t bytes, ui
       "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
       : "memory");
 }
-// One [rows x 64 kChunks] tile: kChunks boxes of 64 columns, each stored as
-// [rows x 128 B] (the 128-byte swizzle atom width), all completing on `full`.
-// `rows` is the shared-memory tile's height (the chunk stride); the map's box
-// may hold fewer rows, which fills a row slice of the tile starting at
-// smem_dst (a multiple of 8 rows keeps the swizzle pattern).
-template <int kChunks>
+// One [rows x kChunkCols kChunks] tile: kChunks boxes of kChunkCols columns
+// (64 16-bit or 128 e4m3 ones), each stored as [rows x 128 B] (the 128-byte
+// swizzle atom width), all completing on `full`. `rows` is the shared-memory
+// tile's height (the chunk stride); the map's box may hold fewer rows, which
+// fills a row slice of the tile starting at smem_dst (a multiple of 8 rows
+// keeps the swizzle pattern).
+template <int kChunks, int kChunkCols = 64>
 FAE_DEVICE void tma_load_tile(const CUtensorMap* map, uint32_t smem_dst, int rows, uint32_t full,
                               int row, int head, int batch) {
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
-    tma_load_4d(smem_dst + c * rows * 128, map, full, c * 64, row, head, batch);
+    tma_load_4d(smem_dst + c * rows * 128, map, full, c * kChunkCols, row, head, batch);
   }
 }
 // Shared -> global element-wise add through TMA (fp32 tiles of the backward's
@@ -241,6 +244,43 @@ FAE_DEVICE void accumulators_to_a_fragments(const float (&acc)[kN / 8][4],
     a[kk][1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
     a[kk][2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
     a[kk][3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+  }
+}
+
+// Four floats as e4m3 bytes of one register, the first in the lowest byte
+// (round to nearest, saturating at +-448).
+FAE_DEVICE uint32_t pack4_e4m3(float x0, float x1, float x2, float x3) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x0, x1), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x2, x3), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
+// The e4m3 form: an m64nNk32 A fragment (mma.sync's 8-bit k32 layout) gives
+// lane 4g + q the columns 4q .. 4q + 3 and 16 + 4q .. 16 + 4q + 3 of each
+// 32-column k-step (rows g, g + 8), while the accumulators hold columns
+// 8j + 2q + {0, 1}. Instead of moving bytes between lanes, each lane packs
+// its own accumulators in order, so A's column 4q + i holds key
+// 8 * (i / 2) + 2q + i % 2 (and 16 more for the second half): within every
+// 32-key block, A's column c holds key fp8_p_key_of_column(c), and V^T is
+// stored with its keys in that same order (fp8_v_transpose.cu), which leaves
+// the product P V unchanged.
+__host__ __device__ constexpr int fp8_p_key_of_column(int c) {
+  return 16 * (c / 16) + 8 * ((c % 4) / 2) + 2 * ((c % 16) / 4) + c % 2;
+}
+
+template <int kN>
+FAE_DEVICE void accumulators_to_a_fragments_e4m3(const float (&acc)[kN / 8][4],
+                                                 uint32_t (&a)[kN / 32][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kN / 32; ++kk) {
+    const float(&t0)[4] = acc[4 * kk];
+    const float(&t1)[4] = acc[4 * kk + 1];
+    const float(&t2)[4] = acc[4 * kk + 2];
+    const float(&t3)[4] = acc[4 * kk + 3];
+    a[kk][0] = pack4_e4m3(t0[0], t0[1], t1[0], t1[1]);  // row g, columns 4q ..
+    a[kk][1] = pack4_e4m3(t0[2], t0[3], t1[2], t1[3]);  // row g + 8
+    a[kk][2] = pack4_e4m3(t2[0], t2[1], t3[0], t3[1]);  // row g, columns 16 + 4q ..
+    a[kk][3] = pack4_e4m3(t2[2], t2[3], t3[2], t3[3]);  // row g + 8
   }
 }
 

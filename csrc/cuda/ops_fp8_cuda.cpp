@@ -1,0 +1,86 @@
+// CUDA implementation of flash_attn_ext::fwd_fp8 (csrc/ops_fp8.h checks the
+// arguments): allocates out, lse, the transposed-V scratch and the causal
+// tile counter, then runs cuda::run_fwd_fp8 on torch's current stream.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "../ops_fp8.h"
+#include "flash_api.h"
+
+namespace flash_attn_ext {
+namespace {
+
+// TMA needs 16-byte aligned bases and byte strides that are multiples of 16.
+at::Tensor tma_friendly(const at::Tensor& t) {
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && t.stride(d) % 16 == 0;
+  return ok ? t : t.contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_fp8_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                const at::Tensor& v_in,
+                                                const at::Tensor& q_descale,
+                                                const at::Tensor& k_descale,
+                                                const at::Tensor& v_descale,
+                                                double softmax_scale, bool causal,
+                                                bool causal_bottom_right,
+                                                at::ScalarType out_dtype) {
+  AttentionFwdParams p =
+      make_fwd_fp8_params(q_in, k_in, v_in, q_descale, k_descale, v_descale, softmax_scale,
+                          causal, causal_bottom_right, out_dtype);
+  TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: expected every tensor on one CUDA device, but q is "
+              "on ", q_in.device());
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  std::string why;
+  TORCH_CHECK_NOT_IMPLEMENTED(cuda::fwd_fp8_supported(p.head_dim, &why),
+                              "flash_attn_ext: the FP8 forward is not available here: ", why);
+
+  const at::Tensor q = tma_friendly(q_in), k = tma_friendly(k_in), v = tma_friendly(v_in);
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_strides = strides_of(q);
+  p.k_strides = strides_of(k);
+  p.v_strides = strides_of(v);
+
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(out_dtype));
+  at::Tensor lse = empty_lse(q);
+  if (p.seqlen_q == 0 || p.batch == 0 || p.heads == 0) return {out, lse};
+  if (p.seqlen_k == 0) {  // no key: zeros and -inf, as the 16-bit kernels give
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  p.out = out.data_ptr();
+  p.out_strides = strides_of(out);
+  p.lse = lse.data_ptr<float>();
+
+  p.v_transposed_seqlen = cuda::fwd_fp8_v_transposed_seqlen(p.seqlen_k);
+  const at::Tensor v_transposed = at::empty(
+      {k.size(0), k.size(2), k.size(3), p.v_transposed_seqlen}, q.options().dtype(at::kByte));
+  p.v_transposed = v_transposed.data_ptr();
+  at::Tensor tile_counter;
+  if (p.causal) {
+    tile_counter = at::empty({1}, q.options().dtype(at::kInt));
+    p.tile_counter = tile_counter.data_ptr<int>();
+  }
+  try {
+    cuda::run_fwd_fp8(p, at::cuda::getCurrentCUDAStream().stream());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) { m.impl("fwd_fp8", &fwd_fp8_cuda); }
+
+}  // namespace flash_attn_ext

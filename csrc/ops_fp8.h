@@ -1,0 +1,106 @@
+// Validation and params of the FP8 (e4m3) forward operator
+// (flash_attn_ext::fwd_fp8; the CUDA side is cuda/ops_fp8_cuda.cpp):
+// e4m3 q / k / v [batch, seqlen, heads, head_dim] with FA3's dequantisation
+// factors, a 16-bit out and an fp32 lse.
+#pragma once
+#include "ops_common.h"
+
+namespace flash_attn_ext {
+
+// A descale tensor: fp32 on q's device, one factor ([] / [1] / [1, 1]) or
+// one per (batch, kv head) ([batch, heads_k], any strides).
+inline Descale make_descale(const at::Tensor& d, const char* name, const at::Tensor& q,
+                            int64_t batch, int64_t heads_k) {
+  TORCH_CHECK(d.defined(), "flash_attn_ext: ", name, " is undefined");
+  TORCH_CHECK(d.scalar_type() == at::kFloat, "flash_attn_ext: ", name,
+              " must be float32, got ", d.scalar_type());
+  TORCH_CHECK(d.device() == q.device(), "flash_attn_ext: ", name,
+              " must be on the device of q (", q.device(), "), got ", d.device());
+  Descale out;
+  out.ptr = d.data_ptr<float>();
+  if (d.numel() == 1 && d.dim() <= 2) return out;  // one factor: strides 0
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == batch && d.size(1) == heads_k, "flash_attn_ext: ",
+              name, " must have shape [], [1] or [batch, heads_k] = [", batch, ", ", heads_k,
+              "], got ", d.sizes());
+  out.batch_stride = d.stride(0);
+  out.head_stride = d.stride(1);
+  return out;
+}
+
+inline void check_e4m3_bshd(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined(), "flash_attn_ext: ", name, " is undefined");
+  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, "flash_attn_ext: the FP8 forward needs ",
+              name, " in torch.float8_e4m3fn like q (mixing FP8 and 16-bit inputs is only "
+              "supported for an FP8 KV cache in flash_attn_with_kvcache), got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == 4, "flash_attn_ext: ", name,
+              " must be a 4-D tensor [batch, seqlen, heads, head_dim], got ", t.dim(),
+              "-D with shape ", t.sizes());
+  TORCH_CHECK(t.stride(-1) == 1, "flash_attn_ext: ", name,
+              " must have a contiguous last (head_dim) dimension, got stride ", t.stride(-1));
+  TORCH_CHECK(t.size(0) <= std::numeric_limits<int>::max() &&
+                  t.size(1) <= std::numeric_limits<int>::max() &&
+                  t.size(2) <= std::numeric_limits<int>::max(),
+              "flash_attn_ext: ", name, " has a dimension too large: ", t.sizes());
+}
+
+// Checks every argument of fwd_fp8 and fills the params (pointers of q, k,
+// v as given; the CUDA op re-points them at aligned copies where needed).
+inline AttentionFwdParams make_fwd_fp8_params(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, const at::Tensor& q_descale,
+                                              const at::Tensor& k_descale,
+                                              const at::Tensor& v_descale, double softmax_scale,
+                                              bool causal, bool causal_bottom_right,
+                                              at::ScalarType out_dtype) {
+  check_e4m3_bshd(q, "q");
+  check_e4m3_bshd(k, "k");
+  check_e4m3_bshd(v, "v");
+  check_same(q, "q", k, "k");
+  check_same(q, "q", v, "v");
+  TORCH_CHECK(k.sizes() == v.sizes(), "flash_attn_ext: k and v must have the same shape, got ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(q.size(0) == k.size(0), "flash_attn_ext: q and k must have the same batch size, got ",
+              q.size(0), " and ", k.size(0));
+  check_heads(q.size(2), k.size(2));
+  TORCH_CHECK(q.size(3) == k.size(3), "flash_attn_ext: q, k and v must have the same head_dim, got ",
+              q.size(3), " (q) and ", k.size(3), " (k/v)");
+  TORCH_CHECK(q.size(3) % 16 == 0 && q.size(3) <= 256,
+              "flash_attn_ext: the FP8 forward needs head_dim to be a multiple of 16 up to 256 "
+              "(16-byte rows), got ", q.size(3));
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+              "flash_attn_ext: the FP8 forward writes out as bfloat16 or float16, got ",
+              out_dtype);
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
+              "flash_attn_ext: the FP8 forward needs a finite softmax_scale > 0, got ",
+              softmax_scale);
+
+  AttentionFwdParams p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_strides = strides_of(q);
+  p.k_strides = strides_of(k);
+  p.v_strides = strides_of(v);
+  p.batch = static_cast<int>(q.size(0));
+  p.seqlen_q = static_cast<int>(q.size(1));
+  p.heads = static_cast<int>(q.size(2));
+  p.heads_k = static_cast<int>(k.size(2));
+  p.seqlen_k = static_cast<int>(k.size(1));
+  p.head_dim = static_cast<int>(q.size(3));
+  p.dtype = p.kv_dtype = DType::kFloat8E4M3;
+  p.out_dtype = out_dtype == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat16;
+  p.q_descale = make_descale(q_descale, "q_descale", q, q.size(0), k.size(2));
+  p.k_descale = make_descale(k_descale, "k_descale", q, q.size(0), k.size(2));
+  p.v_descale = make_descale(v_descale, "v_descale", q, q.size(0), k.size(2));
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  p.causal = causal;
+  p.causal_bottom_right = causal && causal_bottom_right;
+  p.causal_offset = p.causal_bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+  p.lse_head_stride = p.seqlen_q;
+  p.lse_batch_stride = static_cast<int64_t>(p.heads) * p.seqlen_q;
+  p.q_rows_total = p.batch * p.lse_batch_stride;
+  return p;
+}
+
+}  // namespace flash_attn_ext

@@ -1,0 +1,217 @@
+"""The FP8 (e4m3) forward: flash_attn_func(q, k, v, q_descale=, k_descale=, v_descale=).
+
+Accuracy rule (issue 22): against a float64 reference on the *dequantised* inputs, our RMSE
+is at most 1.5x that of the same computation by PyTorch in bfloat16 on those inputs. The
+CPU tests check the argument handling (the CPU raises NotImplementedError); the GPU tests
+need a Hopper GPU and a build with an sm_90a target.
+"""
+import math
+
+import pytest
+import torch
+
+import flash_attn_ext as fa
+from flash_attn_ext.fp8 import hadamard_transform, quantize_fp8
+from helpers import gqa_attention
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_inputs(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, device, per_head=False,
+               seed=0, outliers=False):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def one(seqlen, h):
+        x = torch.randn((batch, seqlen, h, head_dim), generator=gen)
+        if outliers:  # a few channels 20x larger, as in LLM activations
+            x[..., :: max(1, head_dim // 4)] *= 20.0
+        return x.to(device)
+
+    q, k, v = one(seqlen_q, heads), one(seqlen_k, heads_k), one(seqlen_k, heads_k)
+    return q, k, v
+
+
+def quantize_all(q, k, v, per_head):
+    heads_k = k.shape[2]
+    if per_head:  # q's factors are per kv head too (FA3): quantise q per kv-head group
+        group = q.shape[2] // heads_k
+        qg = q.reshape(q.shape[0], q.shape[1], heads_k, group * q.shape[3])
+        q8, qd = quantize_fp8(qg, per_head=True)
+        q8 = q8.reshape(q.shape)
+    else:
+        q8, qd = quantize_fp8(q)
+    k8, kd = quantize_fp8(k, per_head=per_head)
+    v8, vd = quantize_fp8(v, per_head=per_head)
+    return (q8, k8, v8), (qd, kd, vd)
+
+
+def dequantize(x8, d, heads_k):
+    x = x8.float()
+    if d.dim() == 2:  # [batch, heads_k]: head h uses kv head h // group
+        group = x.shape[2] // heads_k
+        x = x * d.repeat_interleave(group, dim=1)[:, None, :, None]
+    else:
+        x = x * d
+    return x
+
+
+def rmse(a, b):
+    return (a.double() - b.double()).pow(2).mean().sqrt().item()
+
+
+# ---- argument handling (every device; the CPU raises NotImplementedError) -----------------
+def test_cpu_not_implemented():
+    q, k, v = fp8_inputs(1, 8, 8, 2, 2, 64, "cpu")
+    (q8, k8, v8), (qd, kd, vd) = quantize_all(q, k, v, False)
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        fa.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+
+
+def test_bad_arguments():
+    q, k, v = fp8_inputs(2, 8, 8, 4, 2, 64, "cpu")
+    (q8, k8, v8), (qd, kd, vd) = quantize_all(q, k, v, True)
+    with pytest.raises(ValueError, match="missing k_descale"):
+        fa.flash_attn_func(q8, k8, v8, q_descale=qd, v_descale=vd)
+    with pytest.raises(ValueError, match="missing q_descale, k_descale, v_descale"):
+        fa.flash_attn_func(q8, k8, v8)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        fa.flash_attn_func(q8, k.bfloat16(), v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    with pytest.raises(ValueError, match="FP8"):
+        fa.flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16(), k_descale=kd)
+    with pytest.raises(ValueError, match="out_dtype"):
+        fa.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                           out_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=r"\[batch, heads_k\]"):
+        fa.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=torch.ones(3), v_descale=vd)
+    with pytest.raises(RuntimeError, match="float32"):
+        fa.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd.double(), v_descale=vd)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        q9, k9, v9 = (torch.zeros(1, 4, 2, 40, dtype=FP8) for _ in range(3))
+        fa.flash_attn_func(q9, k9, v9, q_descale=qd[:1, :1], k_descale=kd[:1, :1],
+                           v_descale=vd[:1, :1])
+    for kwargs in ({"window_size": (4, 0)}, {"softcap": 30.0}, {"dropout_p": 0.1}):
+        with pytest.raises(NotImplementedError, match="FP8"):
+            fa.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **kwargs)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="FP8"):
+        fa.flash_attn_varlen_func(q8[0], k8[0], v8[0], cu, cu, 8, 8)
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q8 = torch.empty(2, 33, 8, 128, dtype=FP8)
+        k8 = torch.empty(2, 40, 2, 128, dtype=FP8)
+        d = torch.ones(())
+        out, lse = torch.ops.flash_attn_ext.fwd_fp8(q8, k8, k8, d, d, d, 0.1, True, True,
+                                                    torch.float16)
+    assert out.shape == (2, 33, 8, 128) and out.dtype == torch.float16
+    assert lse.shape == (2, 8, 33) and lse.dtype == torch.float32
+
+
+def test_quantize_and_hadamard():
+    x = torch.randn(2, 16, 4, 64) * 3
+    x8, d = quantize_fp8(x)
+    assert x8.dtype == FP8 and d.shape == (1,)
+    assert (x8.float() * d - x).abs().max() <= 0.07 * x.abs().max()  # e4m3: 3 mantissa bits
+    x8, d = quantize_fp8(x, per_head=True)
+    assert d.shape == (2, 4)
+    y = hadamard_transform(x)
+    torch.testing.assert_close(hadamard_transform(y), x, atol=1e-5, rtol=1e-5)  # H H = I
+    torch.testing.assert_close((y * y).sum(-1), (x * x).sum(-1), atol=1e-3, rtol=1e-5)
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard_transform(torch.zeros(2, 48))
+
+
+# ---- GPU -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hopper():
+    from conftest import cuda_ready
+    if not cuda_ready():
+        pytest.skip("needs a CUDA GPU and a CUDA build")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8 forward needs a compute capability 9.0 GPU")
+
+
+def check_fp8_call(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, causal, per_head,
+                   out_dtype=torch.bfloat16, layout="bshd", outliers=False, rotate=False):
+    q, k, v = fp8_inputs(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, "cuda",
+                         outliers=outliers)
+    if rotate:
+        q, k = hadamard_transform(q), hadamard_transform(k)
+    (q8, k8, v8), (qd, kd, vd) = quantize_all(q, k, v, per_head)
+    qf, kf, vf = (dequantize(x, d, heads_k) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
+    if layout == "bhsd":  # strided views: [B, H, S, D] memory seen as [B, S, H, D]
+        q8, k8, v8 = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q8, k8, v8))
+    out, lse = fa.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                  v_descale=vd, out_dtype=out_dtype, return_lse=True)
+    assert out.dtype == out_dtype and out.shape == q.shape
+    ref, ref_lse = gqa_attention(qf.double(), kf.double(), vf.double(), causal)
+    base, _ = gqa_attention(qf.bfloat16(), kf.bfloat16(), vf.bfloat16(), causal)
+    assert torch.isfinite(out).all()
+    err, base_err = rmse(out, ref), rmse(base, ref)
+    assert err <= 1.5 * base_err + 1e-4, f"RMSE {err:.3e} > 1.5 x bf16's {base_err:.3e}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=2e-2, rtol=0)
+    # Rows without any key (causal, seqlen_q > seqlen_k): zeros.
+    assert (out.transpose(1, 2)[~finite] == 0).all()
+    return err, base_err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(128, 128), (1, 300), (257, 999), (700, 333)])
+def test_values(hopper, head_dim, causal, seqlens):
+    check_fp8_call(2, *seqlens, 4, 4, head_dim, causal, per_head=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_gqa_per_head_descale(hopper, head_dim, causal, out_dtype, layout):
+    check_fp8_call(3, 333, 1055, 8, 2, head_dim, causal, per_head=True, out_dtype=out_dtype,
+                   layout=layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [48, 96, 160])
+def test_padded_head_dims(hopper, head_dim):
+    check_fp8_call(1, 200, 200, 2, 1, head_dim, True, per_head=False)
+
+
+@pytest.mark.gpu
+def test_long_and_mqa(hopper):
+    check_fp8_call(1, 4096, 4096, 8, 1, 128, True, per_head=True)
+
+
+@pytest.mark.gpu
+def test_outliers_with_and_without_rotation(hopper):
+    plain, plain_base = check_fp8_call(1, 512, 512, 4, 4, 128, False, per_head=True,
+                                       outliers=True)
+    rotated, rotated_base = check_fp8_call(1, 512, 512, 4, 4, 128, False, per_head=True,
+                                           outliers=True, rotate=True)
+    print(f"outliers: RMSE {plain:.3e} plain, {rotated:.3e} Hadamard-rotated "
+          f"(bf16 {plain_base:.3e} / {rotated_base:.3e})")
+    assert math.isfinite(plain) and math.isfinite(rotated)
+
+
+@pytest.mark.gpu
+def test_no_backward_and_compile(hopper):
+    q, k, v = fp8_inputs(1, 64, 64, 2, 2, 128, "cuda")
+    (q8, k8, v8), (qd, kd, vd) = quantize_all(q, k, v, False)
+    q8.requires_grad_(True)
+    out = fa.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        out.float().sum().backward()
+    q8 = q8.detach()
+    eager = fa.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    compiled = torch.compile(fa.flash_attn_func, fullgraph=True)(
+        q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+    torch.library.opcheck(torch.ops.flash_attn_ext.fwd_fp8,
+                          (q8, k8, v8, qd, kd, vd, 0.1, True, True, torch.bfloat16),
+                          test_utils=("test_schema", "test_faketensor"))
