@@ -1,0 +1,107 @@
+"""FP8 (e4m3) forward against our bf16 forward and torch's bf16 SDPA backends, same run.
+
+    python bench/bench_fp8.py [--head-dims 128,256] [--seqlens 1024,4096,8192,16384]
+                              [--rounds 3] [--csv out.csv]
+
+Per (head dim, seqlen, causal): B = 16384 / S sequences, H = 2048 / D heads (16k tokens,
+2048 model dims), q/k/v quantised per tensor. Times are medians (triton do_bench, L2
+flushed) with the backends' order rotated every round; TFLOP/s count the bf16 FLOPs
+4 B H S^2 D (half when causal). The FP8 time includes the V transpose pass it runs
+(fp8_fwd.cu). Table printed last; --csv writes it.
+"""
+import argparse
+import csv
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_attn_ext as fa
+from flash_attn_ext.bench.timing import time_ms
+from flash_attn_ext.fp8 import quantize_fp8
+
+BACKENDS = ("fp8", "bf16", "cudnn", "fa2")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dims", default="128,256")
+    ap.add_argument("--seqlens", default="1024,4096,8192,16384")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--csv", default=None)
+    return ap.parse_args(argv)
+
+
+def make_fn(backend, q, k, v, q8, k8, v8, descales, causal):
+    if backend == "fp8":
+        qd, kd, vd = descales
+        return lambda: fa.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                          v_descale=vd)
+    if backend == "bf16":
+        return lambda: fa.flash_attn_func(q, k, v, causal=causal)
+    sdpa = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}[backend]
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def run():
+        with sdpa_kernel(sdpa):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    return run
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows = []
+    for D in (int(d) for d in args.head_dims.split(",")):
+        for S in (int(s) for s in args.seqlens.split(",")):
+            B, H = max(1, 16384 // S), 2048 // D
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            q, k, v = (torch.randn(B, S, H, D, generator=gen).to("cuda", torch.bfloat16)
+                       for _ in range(3))
+            (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(x) for x in (q, k, v))
+            for causal in (False, True):
+                times = {b: [] for b in BACKENDS}
+                with torch.no_grad():
+                    for r in range(args.rounds):
+                        order = BACKENDS[r % len(BACKENDS):] + BACKENDS[:r % len(BACKENDS)]
+                        for b in order:
+                            try:
+                                fn = make_fn(b, q, k, v, q8, k8, v8, (qd, kd, vd), causal)
+                                fn()
+                                times[b].append(time_ms(fn, "cuda"))
+                            except Exception as e:  # a backend that refuses this shape
+                                print(f"  {b}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
+                flops = 4 * B * H * S * S * D / (2 if causal else 1)
+                row = dict(D=D, S=S, B=B, H=H, causal=causal)
+                for b in BACKENDS:
+                    ms = statistics.median(times[b]) if times[b] else None
+                    row[b + "_ms"] = ms
+                    row[b + "_tflops"] = flops / ms / 1e9 if ms else None
+                rows.append(row)
+                print(f"  D={D} S={S} causal={causal} done", file=sys.stderr, flush=True)
+            del q, k, v, q8, k8, v8
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a and b else "-"
+    print(f"\nFP8 forward, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"rounds {args.rounds}; TFLOP/s (bf16 FLOP count)")
+    head = (f"{'D':>4}{'S':>7}{'causal':>8}" + "".join(f"{b:>9}" for b in BACKENDS) +
+            f"{'fp8/bf16':>10}{'fp8/cudnn':>11}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        cells = "".join(f"{r[b + '_tflops']:9.0f}" if r[b + "_tflops"] else f"{'-':>9}"
+                        for b in BACKENDS)
+        print(f"{r['D']:>4}{r['S']:>7}{str(r['causal']):>8}{cells}"
+              f"{ratio(r['bf16_ms'], r['fp8_ms']):>10}{ratio(r['cudnn_ms'], r['fp8_ms']):>11}")
+    print("fp8/bf16, fp8/cudnn: speed-up of the FP8 forward (> 1: FP8 faster)")
+
+
+if __name__ == "__main__":
+    main()
