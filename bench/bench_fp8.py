@@ -30,6 +30,8 @@ def parse_args(argv=None):
     ap.add_argument("--head-dims", default="128,256")
     ap.add_argument("--seqlens", default="1024,4096,8192,16384")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--backends", default=",".join(BACKENDS),
+                    help="a subset of " + ",".join(BACKENDS))
     ap.add_argument("--csv", default=None)
     return ap.parse_args(argv)
 
@@ -52,6 +54,7 @@ def make_fn(backend, q, k, v, q8, k8, v8, descales, causal):
 
 def main(argv=None):
     args = parse_args(argv)
+    backends = tuple(b for b in args.backends.split(",") if b)
     rows = []
     for D in (int(d) for d in args.head_dims.split(",")):
         for S in (int(s) for s in args.seqlens.split(",")):
@@ -61,10 +64,10 @@ def main(argv=None):
                        for _ in range(3))
             (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(x) for x in (q, k, v))
             for causal in (False, True):
-                times = {b: [] for b in BACKENDS}
+                times = {b: [] for b in backends}
                 with torch.no_grad():
                     for r in range(args.rounds):
-                        order = BACKENDS[r % len(BACKENDS):] + BACKENDS[:r % len(BACKENDS)]
+                        order = backends[r % len(backends):] + backends[:r % len(backends)]
                         for b in order:
                             try:
                                 fn = make_fn(b, q, k, v, q8, k8, v8, (qd, kd, vd), causal)
@@ -75,7 +78,7 @@ def main(argv=None):
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
                 row = dict(D=D, S=S, B=B, H=H, causal=causal)
                 for b in BACKENDS:
-                    ms = statistics.median(times[b]) if times[b] else None
+                    ms = statistics.median(times[b]) if times.get(b) else None
                     row[b + "_ms"] = ms
                     row[b + "_tflops"] = flops / ms / 1e9 if ms else None
                 rows.append(row)
