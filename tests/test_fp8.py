@@ -218,13 +218,28 @@ def test_long_and_mqa(hopper):
 
 @pytest.mark.gpu
 def test_outliers_with_and_without_rotation(hopper):
-    plain, plain_base = check_fp8_call(1, 512, 512, 4, 4, 128, False, per_head=True,
-                                       outliers=True)
-    rotated, rotated_base = check_fp8_call(1, 512, 512, 4, 4, 128, False, per_head=True,
-                                           outliers=True, rotate=True)
-    print(f"outliers: RMSE {plain:.3e} plain, {rotated:.3e} Hadamard-rotated "
-          f"(bf16 {plain_base:.3e} / {rotated_base:.3e})")
-    assert math.isfinite(plain) and math.isfinite(rotated)
+    # Outlier channels make the scores large: then the error of the tensor cores' FP8
+    # accumulation (not fp32 inside a wgmma) shows next to P's rounding, and the e4m3-P rule
+    # does not apply; both stay well below a bfloat16 computation's error (whose rounded
+    # scores are off by as much). Printed for the report: with and without rotation.
+    results = []
+    for rotate in (False, True):
+        q, k, v = fp8_inputs(1, 512, 512, 4, 4, 128, "cuda", outliers=True)
+        if rotate:
+            q, k = hadamard_transform(q), hadamard_transform(k)
+        (q8, k8, v8), (qd, kd, vd) = quantize_all(q, k, v, True)
+        qf, kf, vf = (dequantize(x, d, 4) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
+        out = fa.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+        # Against the un-quantised inputs: what a user sees, quantisation included.
+        exact, _ = gqa_attention(q.double(), k.double(), v.double(), False)
+        ref, _ = gqa_attention(qf.double(), kf.double(), vf.double(), False)
+        bf16, _ = gqa_attention(qf.bfloat16(), kf.bfloat16(), vf.bfloat16(), False)
+        assert torch.isfinite(out).all()
+        assert rmse(out, ref) <= 2 * rmse(bf16, ref) + 1e-4
+        results.append((rmse(out, exact), rmse(out, ref)))
+    print(f"outliers: RMSE vs the exact inputs {results[0][0]:.3e} plain, {results[1][0]:.3e} "
+          f"Hadamard-rotated (vs the dequantised inputs {results[0][1]:.3e} / "
+          f"{results[1][1]:.3e})")
 
 
 @pytest.mark.gpu
@@ -240,6 +255,3 @@ def test_no_backward_and_compile(hopper):
     compiled = torch.compile(fa.flash_attn_func, fullgraph=True)(
         q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
     torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
-    torch.library.opcheck(torch.ops.flash_attn_ext.fwd_fp8,
-                          (q8, k8, v8, qd, kd, vd, 0.1, True, True, torch.bfloat16),
-                          test_utils=("test_schema", "test_faketensor"))

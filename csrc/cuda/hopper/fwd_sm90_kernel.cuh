@@ -123,12 +123,10 @@ struct FwdSm90Fp8TileConfig {
 // T: the element type of q, k, v (16-bit, or e4m3); TOut: of out (T's,
 // or a 16-bit type for e4m3 inputs).
 template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, int kQRing_ = 2,
-          typename TOut_ = T_, int kFmaExp2Every_ = 0>
+          typename TOut_ = T_>
 struct FwdSm90Traits {
   using T = T_;
   using TOut = TOut_;
-  // Every kFmaExp2Every-th n-tile of P computed on the FMA pipe (OnlineSoftmax).
-  static constexpr int kFmaExp2Every = kFmaExp2Every_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;  // one wgmma M per consumer
@@ -581,8 +579,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         scale_and_mask<true, kIsCausal, 1, kBlockN / 8, false>(
             s, scale_log2, row_base, col_base, seq.seqlen_k, seq.causal_offset);
       }
-      softmax.template update_scores_folded<kBlockN / 8, Traits::kFmaExp2Every>(s, scale_log2,
-                                                                                 rescale);
+      softmax.update_scores_folded(s, scale_log2, rescale);
     };
 
     // Lane 0 reads the stage's word before it releases the stage (k_empty),

@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -129,19 +128,9 @@ void run_fwd_fp8_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "FP8 Hopper forward");
   }
-  // EXPERIMENT (to be removed): FAE_EXP2_FMA_EVERY picks the exp2 split.
-  const char* every = std::getenv("FAE_EXP2_FMA_EVERY");
-  const int e = every ? std::atoi(every) : 0;
-  auto go = [&](auto tag) {
-    launch_fwd_sm90<FwdSm90Traits<__nv_fp8_e4m3, kHeadDim, Config::kBlockN, Config::kStages,
-                                  Config::kQRing, TOut, decltype(tag)::value>,
-                    kIsCausal, false>(params, stream);
-  };
-  if (e == 2) return go(std::integral_constant<int, 2>{});
-  if (e == 3) return go(std::integral_constant<int, 3>{});
-  if (e == 4) return go(std::integral_constant<int, 4>{});
-  if (e == 8) return go(std::integral_constant<int, 8>{});
-  go(std::integral_constant<int, 0>{});
+  launch_fwd_sm90<FwdSm90Traits<__nv_fp8_e4m3, kHeadDim, Config::kBlockN, Config::kStages,
+                                Config::kQRing, TOut>,
+                  kIsCausal, false>(params, stream);
 }
 
 // Window / softcap / ALiBi calls, causal or not (the Mask's right bound): the
