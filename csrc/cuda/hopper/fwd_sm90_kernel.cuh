@@ -109,14 +109,11 @@ struct FwdSm90TileConfig {
 #endif
 };
 
-// The FP8 (e4m3) forward's tiles: 2 stages, both head dims.
+// The FP8 (e4m3) forward's tiles: 128 keys (a whole 128-byte swizzle row of
+// the transposed V tile, see FwdSm90Traits::kFp8), 2 stages, both head dims.
 template <int kHeadDim>
 struct FwdSm90Fp8TileConfig {
-#ifdef FAE_SM90_FP8_BLOCK_N
-  static constexpr int kBlockN = FAE_SM90_FP8_BLOCK_N;
-#else
   static constexpr int kBlockN = 128;
-#endif
   static constexpr int kStages = 2;
   static constexpr int kBlockNShort = 0;
   static constexpr int kShortSeqlenK = 0;
@@ -151,10 +148,8 @@ struct FwdSm90Traits {
   // One wgmma k-step reads 32 bytes of every row: 16 16-bit or 32 e4m3 columns.
   static constexpr int kKStep = 32 / kElemBytes;
   static constexpr int kKVTileBytes = kBlockN * kHeadDim * kElemBytes;
-  // FP8: the transposed V tile is kBlockN / 64 chunks of [kHeadDim x 64 keys],
-  // 64-byte rows with the 64-byte swizzle (so kBlockN may be any multiple of 64).
-  static constexpr int kVtChunkKeys = 64;
-  static constexpr int kVtChunks = kFp8 ? kBlockN / kVtChunkKeys : 0;
+  // FP8: the transposed V tile is kBlockN / 128 chunks of [kHeadDim x 128 keys].
+  static constexpr int kVtChunks = kFp8 ? kBlockN / 128 : 0;
   // FP8: P = exp2(x + 8) (rows sum and O alike, so O / rowsum is unchanged):
   // probabilities in [0, 256] use e4m3's range (max 448) instead of its
   // subnormals below 2^-6; the LSE takes the 8 off again.
@@ -193,8 +188,8 @@ struct FwdSm90Traits {
   static_assert(sizeof(T) == 2 || sizeof(T) == 1, "16-bit or e4m3 inputs");
   static_assert(sizeof(TOut) == 2, "16-bit outputs");
   static_assert(kFp8 || std::is_same<T, TOut>::value, "16-bit inputs give their own type");
-  static_assert(!kFp8 || kBlockN % kVtChunkKeys == 0,
-                "FP8: the transposed V tile is whole 64-key swizzle rows");
+  static_assert(!kFp8 || kBlockN % 128 == 0,
+                "FP8: the transposed V tile is whole 128-key swizzle rows");
   static_assert(kHeadDim % kChunkCols == 0, "head dim must be a whole number of 128-byte chunks");
   static_assert(kBlockN % 16 == 0 && kBlockN >= 64 && kBlockN <= 256,
                 "wgmma N (key tile) must be a multiple of 16 in [64, 256]");
@@ -404,12 +399,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           mbar_wait(v_empty(stage), ((count / kStages) & 1) ^ 1);
           mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
           if constexpr (kFp8) {
-            // V^T [head_dim x keys]: boxes of 64 keys, every head-dim row.
-            constexpr int kKeys = Traits::kVtChunkKeys;
+            // V^T [head_dim x keys]: boxes of 128 keys, every head-dim row.
 #pragma unroll
             for (int c = 0; c < Traits::kVtChunks; ++c) {
-              tma_load_4d(v_smem(stage) + c * kHeadDim * kKeys, &tmap_v, v_full(stage),
-                          n_block * kBlockN + c * kKeys, 0, tile.h_k, tile.b);
+              tma_load_4d(v_smem(stage) + c * kHeadDim * 128, &tmap_v, v_full(stage),
+                          n_block * kBlockN + c * 128, 0, tile.h_k, tile.b);
             }
           } else {
             tma_load_tile<kChunks>(&tmap_v, v_smem(stage), kBlockN, v_full(stage),
@@ -467,13 +461,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto issue_pv = [&](float (&o)[1][kHeadDim / 8][4],
                       const uint32_t (&p)[kBlockN / Traits::kKStep][4], int stage) {
     if constexpr (kFp8) {
-      // Two 32-key k-steps per 64-key chunk of V^T.
-      const uint64_t desc_vt = smem_desc_sw64_kmajor(v_smem(stage));
+      const uint64_t desc_vt = smem_desc_sw128(v_smem(stage), 16, 1024);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / Traits::kKStep; ++kk) {
         WgmmaOps<T, kHeadDim>::rs_kmajor(
             &o[0][0][0], p[kk],
-            smem_desc_advance(desc_vt, (kk / 2) * kHeadDim * 64 + (kk % 2) * 32), 1);
+            smem_desc_advance(desc_vt, (kk / 4) * kHeadDim * 128 + (kk % 4) * 32), 1);
       }
     } else {
       const uint64_t desc_v = smem_desc_sw128(v_smem(stage), kBlockN * 128, 1024);

@@ -39,8 +39,8 @@ CUtensorMap make_attention_tensor_map(const void* base, bool bf16, int head_dim,
 CUtensorMap make_attention_tensor_map_e4m3(const void* base, int head_dim, int seqlen, int heads,
                                            int batch, const TensorStrides& strides, int box_rows);
 // The FP8 forward's transposed V (params.v_transposed: e4m3 [batch, heads_k,
-// head_dim, seqlen_padded], contiguous): boxes of [box_rows x 64 keys] stored
-// with the 64-byte swizzle, the rows past head_dim read as zeros.
+// head_dim, seqlen_padded], contiguous): boxes of [box_rows x 128 keys], the
+// rows past head_dim read as zeros.
 CUtensorMap make_transposed_v_tensor_map_e4m3(const void* base, int head_dim,
                                               int64_t seqlen_padded, int heads_k, int batch,
                                               int box_rows);

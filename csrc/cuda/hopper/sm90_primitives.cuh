@@ -201,14 +201,6 @@ FAE_DEVICE uint64_t smem_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint
          (static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16) |
          (static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
-// The same for a K-major tile stored in 64-byte-swizzled atoms (8 rows x 64
-// bytes = 512 bytes, TMA's SWIZZLE_64B; 512-byte aligned): SBO = 512 between
-// 8-row groups, and a 32-byte k-step inside a row (the FP8 forward's V^T,
-// whose 64-key chunks let the key tile be any multiple of 64).
-FAE_DEVICE uint64_t smem_desc_sw64_kmajor(uint32_t smem_addr) {
-  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
-         (static_cast<uint64_t>(512 >> 4) << 32) | (2ull << 62);
-}
 // The descriptor of the same operand layout `byte_offset` bytes further (the
 // next k-step or 64-column chunk): one 32-bit add to the start-address field
 // (bits 0-13, address >> 4) instead of rebuilding the descriptor (4 uniform
