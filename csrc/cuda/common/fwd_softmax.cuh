@@ -8,8 +8,6 @@
 //   e = 2,3 -> row g+8, columns 8j + 2q + {0,1}
 // so index (m, h = e / 2) names one of the lane's 2*kMmaM rows.
 #pragma once
-#include <cuda_fp16.h>
-
 #include <cmath>
 #include <type_traits>
 
@@ -496,50 +494,6 @@ struct OnlineSoftmax {
           sum_odd += p1;
         }
         row_sum[m][h] = row_sum[m][h] * rescale[m][h] + (sum_even + sum_odd);
-      }
-    }
-  }
-
-  // update_scores_folded for the FP8 forward, whose P goes to e4m3 (3
-  // mantissa bits) for P V: the exponentials in half precision, two per
-  // ex2.approx.f16x2 (half the MUFU operations and conversions of fp32 ones;
-  // the exponent's half rounding, <= 2^-8 for the largest P, is far below
-  // e4m3's). Scores become packed half2 bits: s[m][j][2h] holds the pair of
-  // row h's columns (s[m][j][2h + 1] is left alone); the tile's row sums add
-  // in half2 (at most 2^8 per P and 32 pairs per lane: no overflow) and
-  // across tiles in fp32.
-  template <int kTilesN>
-  FAE_DEVICE void update_scores_folded_half2(float (&s)[kMmaM][kTilesN][4], float scale_log2,
-                                             float (&rescale)[kMmaM][2]) {
-    static_assert(kTilesN <= 32, "half2 row sums: at most 32 pairs of 2^8 per lane");
-#pragma unroll
-    for (int m = 0; m < kMmaM; ++m) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float max_even = s[m][0][2 * h], max_odd = s[m][0][2 * h + 1];
-#pragma unroll
-        for (int j = 1; j < kTilesN; ++j) {
-          max_even = fmaxf(max_even, s[m][j][2 * h]);
-          max_odd = fmaxf(max_odd, s[m][j][2 * h + 1]);
-        }
-        const float tile_max = quad_max(fmaxf(max_even, max_odd)) * scale_log2;
-        const float new_max = fmaxf(row_max[m][h], tile_max);
-        const float base = new_max == -INFINITY ? 0.f : new_max;  // see update_scores
-        rescale[m][h] = fast_exp2(row_max[m][h] - base);
-        row_max[m][h] = new_max;
-
-        const float offset = static_cast<float>(kPExp2Offset) - base;
-        __half2 sum_even = __float2half2_rn(0.f), sum_odd = __float2half2_rn(0.f);
-#pragma unroll
-        for (int j = 0; j < kTilesN; ++j) {
-          const __half2 p = h2exp2(__floats2half2_rn(fmaf(s[m][j][2 * h], scale_log2, offset),
-                                                     fmaf(s[m][j][2 * h + 1], scale_log2, offset)));
-          if (j % 2 == 0) sum_even = __hadd2(sum_even, p);
-          else sum_odd = __hadd2(sum_odd, p);
-          s[m][j][2 * h] = __uint_as_float(*reinterpret_cast<const uint32_t*>(&p));
-        }
-        const float2 sum = __half22float2(__hadd2(sum_even, sum_odd));
-        row_sum[m][h] = row_sum[m][h] * rescale[m][h] + (sum.x + sum.y);
       }
     }
   }

@@ -123,11 +123,10 @@ struct FwdSm90Fp8TileConfig {
 // T: the element type of q, k, v (16-bit, or e4m3); TOut: of out (T's,
 // or a 16-bit type for e4m3 inputs).
 template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, int kQRing_ = 2,
-          typename TOut_ = T_, bool kHalfP_ = false>
+          typename TOut_ = T_>
 struct FwdSm90Traits {
   using T = T_;
   using TOut = TOut_;
-  static constexpr bool kHalfP = kHalfP_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;  // one wgmma M per consumer
@@ -580,11 +579,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         scale_and_mask<true, kIsCausal, 1, kBlockN / 8, false>(
             s, scale_log2, row_base, col_base, seq.seqlen_k, seq.causal_offset);
       }
-      if constexpr (Traits::kHalfP) {
-        softmax.update_scores_folded_half2(s, scale_log2, rescale);
-      } else {
-        softmax.update_scores_folded(s, scale_log2, rescale);
-      }
+      softmax.update_scores_folded(s, scale_log2, rescale);
     };
 
     // Lane 0 reads the stage's word before it releases the stage (k_empty),
@@ -598,11 +593,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto to_p_fragments = [](const float (&s)[1][kBlockN / 8][4],
                              uint32_t (&p)[kBlockN / Traits::kKStep][4]) {
       if constexpr (kFp8) {
-        if constexpr (Traits::kHalfP) {
-          half2_scores_to_a_fragments_e4m3<kBlockN>(s[0], p);
-        } else {
-          accumulators_to_a_fragments_e4m3<kBlockN>(s[0], p);
-        }
+        accumulators_to_a_fragments_e4m3<kBlockN>(s[0], p);
       } else {
         accumulators_to_a_fragments<T, kBlockN>(s[0], p);
       }

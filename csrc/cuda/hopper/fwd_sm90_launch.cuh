@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -128,14 +127,6 @@ void run_fwd_fp8_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream
       has_variants(params) || params.v_transposed == nullptr) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "FP8 Hopper forward");
-  }
-  // EXPERIMENT (to be removed): FAE_FP8_HALF_P=1 picks the half2 exponentials.
-  const char* half = std::getenv("FAE_FP8_HALF_P");
-  if (half != nullptr && half[0] == '1') {
-    launch_fwd_sm90<FwdSm90Traits<__nv_fp8_e4m3, kHeadDim, Config::kBlockN, Config::kStages,
-                                  Config::kQRing, TOut, true>,
-                    kIsCausal, false>(params, stream);
-    return;
   }
   launch_fwd_sm90<FwdSm90Traits<__nv_fp8_e4m3, kHeadDim, Config::kBlockN, Config::kStages,
                                 Config::kQRing, TOut>,

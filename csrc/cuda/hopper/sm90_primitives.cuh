@@ -284,29 +284,6 @@ FAE_DEVICE void accumulators_to_a_fragments_e4m3(const float (&acc)[kN / 8][4],
   }
 }
 
-// The same from update_scores_folded_half2's scores (packed half2 pairs in
-// acc[j][0] for row g and acc[j][2] for row g + 8): one e4m3x2 conversion
-// per pair.
-template <int kN>
-FAE_DEVICE void half2_scores_to_a_fragments_e4m3(const float (&acc)[kN / 8][4],
-                                                 uint32_t (&a)[kN / 32][4]) {
-  auto e4m3x2 = [](float packed) -> uint32_t {
-    __half2_raw h;
-    const uint32_t bits = __float_as_uint(packed);
-    h.x = static_cast<unsigned short>(bits & 0xFFFFu);
-    h.y = static_cast<unsigned short>(bits >> 16);
-    return __nv_cvt_halfraw2_to_fp8x2(h, __NV_SATFINITE, __NV_E4M3);
-  };
-#pragma unroll
-  for (int kk = 0; kk < kN / 32; ++kk) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // rows g, g + 8
-      a[kk][h] = e4m3x2(acc[4 * kk][2 * h]) | (e4m3x2(acc[4 * kk + 1][2 * h]) << 16);
-      a[kk][2 + h] = e4m3x2(acc[4 * kk + 2][2 * h]) | (e4m3x2(acc[4 * kk + 3][2 * h]) << 16);
-    }
-  }
-}
-
 // ---- warpgroup coordination ---------------------------------------------------
 // bar.sync with an id > 0 syncs only `threads` threads (e.g. one warpgroup),
 // leaving barrier 0 (__syncthreads) to the whole CTA.
