@@ -1,0 +1,77 @@
+"""Host time per call of tiny attention calls: ours against torch's SDPA.
+
+    python bench/bench_host_overhead.py [--device cuda|cpu] [--calls 2000] [--csv out.csv]
+
+A tiny problem (B=1, S=4, H=2, D=64) is called `calls` times back to back under
+torch.no_grad() and the wall time per call is reported (best of 5 repetitions): on CUDA the
+kernels are queued asynchronously and take far less than the host's per-call work, so this
+is the time the Python layer, the dispatcher, the op's checks and the launches cost. Table
+printed last; --csv writes it.
+"""
+import argparse
+import csv
+import time
+
+import torch
+import torch.nn.functional as F
+
+import flash_attn_ext as fa
+
+
+def per_call_us(fn, calls, device):
+    for _ in range(200):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args(argv)
+    dev = args.device
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    q, k, v = (torch.randn(1, 4, 2, 64, device=dev, dtype=dtype) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    kc, vc = (torch.randn(1, 64, 2, 64, device=dev, dtype=dtype) for _ in range(2))
+    seqlens = torch.full((1,), 32, dtype=torch.int32, device=dev)
+    calls = {
+        "torch SDPA": lambda: F.scaled_dot_product_attention(qt, kt, vt),
+        "torch SDPA causal": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+        "flash_attn_func": lambda: fa.flash_attn_func(q, k, v),
+        "flash_attn_func causal": lambda: fa.flash_attn_func(q, k, v, causal=True),
+        "ours SDPA": lambda: fa.scaled_dot_product_attention(qt, kt, vt),
+        "flash_attn_with_kvcache": lambda: fa.flash_attn_with_kvcache(q[:, :1], kc, vc,
+                                                                      cache_seqlens=seqlens),
+    }
+    rows = []
+    with torch.no_grad():
+        for name, fn in calls.items():
+            rows.append(dict(call=name, us=per_call_us(fn, args.calls, dev)))
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["call", "us"])
+            w.writeheader()
+            w.writerows(rows)
+    base = rows[0]["us"]
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    print(f"\nHost time per call ({dev}, {name}, torch {torch.__version__}, {args.calls} calls, "
+          "best of 5)")
+    print(f"{'call':<26}{'us':>8}{'/ torch SDPA':>14}")
+    for r in rows:
+        print(f"{r['call']:<26}{r['us']:8.1f}{r['us'] / base:14.2f}")
+
+
+if __name__ == "__main__":
+    main()
