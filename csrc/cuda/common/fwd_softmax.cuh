@@ -463,9 +463,7 @@ struct OnlineSoftmax {
   // callers dispatch other scales elsewhere. The row max and sum reductions
   // use two independent chains each: their latency, not just the exp2
   // throughput, sits on the critical path of the Hopper kernel's softmax.
-  // kFmaExp2Every > 0: every kFmaExp2Every-th n-tile's exponentials run on
-  // the FMA pipe (exp2_fma) instead of MUFU.
-  template <int kTilesN, int kFmaExp2Every = 0>
+  template <int kTilesN>
   FAE_DEVICE void update_scores_folded(float (&s)[kMmaM][kTilesN][4], float scale_log2,
                                        float (&rescale)[kMmaM][2]) {
 #pragma unroll
@@ -488,12 +486,8 @@ struct OnlineSoftmax {
         float sum_even = 0.f, sum_odd = 0.f;
 #pragma unroll
         for (int j = 0; j < kTilesN; ++j) {
-          constexpr int kEvery = kFmaExp2Every > 0 ? kFmaExp2Every : 1;
-          const bool fma_pipe = kFmaExp2Every > 0 && j % kEvery == kEvery - 1;
-          const float x0 = fmaf(s[m][j][2 * h], scale_log2, offset);
-          const float x1 = fmaf(s[m][j][2 * h + 1], scale_log2, offset);
-          const float p0 = fma_pipe ? exp2_fma(x0) : fast_exp2(x0);
-          const float p1 = fma_pipe ? exp2_fma(x1) : fast_exp2(x1);
+          const float p0 = fast_exp2(fmaf(s[m][j][2 * h], scale_log2, offset));
+          const float p1 = fast_exp2(fmaf(s[m][j][2 * h + 1], scale_log2, offset));
           s[m][j][2 * h] = p0;
           s[m][j][2 * h + 1] = p1;
           sum_even += p0;

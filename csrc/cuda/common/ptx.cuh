@@ -134,23 +134,6 @@ FAE_DEVICE float fast_exp2(float x) {
   return y;
 }
 
-// 2^x without the MUFU unit (FMA / integer pipes only), for kernels whose
-// exponentials, not their GEMMs, bound the softmax: x = n + f with n = rint(x)
-// (adding 1.5 * 2^23 leaves n in the low mantissa bits), 2^f for f in
-// [-0.5, 0.5] by a degree-3 polynomial (least-squares on Chebyshev nodes,
-// relative error < 8e-5), and n added to the result's exponent bits. x below
-// -126 (masked scores, -inf) gives exactly 0, as ex2.approx.ftz flushes.
-FAE_DEVICE float exp2_fma(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23
-  const float t = fmaxf(x, -127.f) + kRound;
-  const float n = t - kRound;
-  const float f = fmaxf(x, -127.f) - n;
-  const float p = fmaf(fmaf(fmaf(0.05508868f, f, 0.24260405f), f, 0.69327623f), f, 0.99992895f);
-  // Only n's low 9 bits survive the shift: (bits(t) << 23) == n << 23 (mod 2^32).
-  const int bits = __float_as_int(p) + (__float_as_int(t) << 23);
-  return x < -126.f ? 0.f : __int_as_float(bits);
-}
-
 // Butterfly reductions across the 4 lanes of a quad (the lanes that share an
 // mma row): after the two shuffles every lane holds the quad's result.
 FAE_DEVICE float quad_max(float x) {

@@ -569,16 +569,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                               1.4426950408889634f / unit);
           }
         }
-#ifndef FAE_VARIANT_EXP2_FMA_EVERY
-#define FAE_VARIANT_EXP2_FMA_EVERY 0
-#endif
-        // EXPERIMENT: exp2 on the FMA pipe for softcap (two MUFU ops per score).
-        if (variants.softcap_in != 0.f) {
-          softmax.template update_scores_folded<kBlockN / 8, FAE_VARIANT_EXP2_FMA_EVERY>(
-              s, unit, rescale);
-        } else {
-          softmax.update_scores_folded(s, unit, rescale);
-        }
+        softmax.update_scores_folded(s, unit, rescale);
         // Dropout on P after the row sums (csrc/dropout.h): the accumulator layout
         // is mma.sync's, so one Philox call per row per 32 keys.
         if (dropout.active()) apply_dropout<kBlockN, 1, kBlockN / 8>(s, dropout, row_base, col_base);
