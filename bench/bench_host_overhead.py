@@ -2,7 +2,7 @@
 
     python bench/bench_host_overhead.py [--device cuda|cpu] [--calls 2000] [--csv out.csv]
 
-A tiny problem (B=1, S=4, H=2, D=64) is called `calls` times back to back under
+A tiny problem (B=1, S=4, H=2, D=128) is called `calls` times back to back under
 torch.no_grad() and the wall time per call is reported (best of 5 repetitions): on CUDA the
 kernels are queued asynchronously and take far less than the host's per-call work, so this
 is the time the Python layer, the dispatcher, the op's checks and the launches cost. Table
@@ -42,9 +42,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dev = args.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    q, k, v = (torch.randn(1, 4, 2, 64, device=dev, dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(1, 4, 2, 128, device=dev, dtype=dtype) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    kc, vc = (torch.randn(1, 64, 2, 64, device=dev, dtype=dtype) for _ in range(2))
+    kc, vc = (torch.randn(1, 64, 2, 128, device=dev, dtype=dtype) for _ in range(2))
     seqlens = torch.full((1,), 32, dtype=torch.int32, device=dev)
     calls = {
         "torch SDPA": lambda: F.scaled_dot_product_attention(qt, kt, vt),
