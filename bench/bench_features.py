@@ -32,10 +32,15 @@ are the result: every reference runs in the same process, on the same inputs, ri
      ours_pagedP  flash_attn_with_kvcache on the same caches cut into pages of P tokens
                   (P = 16, 64, 256: pools [B * S / P, P, H_kv, D] in a shuffled page order,
                   int32 block_table [B, S / P]); the table shows their time over ours
+     ours_fp8     flash_attn_with_kvcache on the caches quantised to FP8 (e4m3, one factor
+                  per tensor: k_descale / v_descale [1]), q in the run's dtype (bf16 when that
+                  is fp32); its GB/s count the FP8 cache bytes (half of a 16-bit cache's), and
+                  the table shows its time and "fp8 speedup" = time(ours) / time(ours_fp8)
      sdpa_<be>    F.scaled_dot_product_attention(q, k, v, enable_gqa=True) on [B, H, S, D]
                   inputs, pinned to flash, efficient, cudnn (and math on the CPU only)
      best_sdpa    the fastest sdpa_<be> of that row (its name in the note)
-   GB/s = (K and V caches read once + q read + out written) / median time; %BW = that over
+   GB/s = (K and V caches read once + q read + out written) / median time (ours_fp8: its
+   1-byte caches); %BW = that over
    the device-copy bandwidth measured at start-up (flash_attn_ext.bench.measure_peaks; a copy
    both reads and writes, so a kernel that mostly reads can pass 100 %: cuDNN reached ~102 % at
    64k on an H200, torch 2.11).
@@ -80,7 +85,8 @@ PADDING_NOTE = ("varlen: ours_padded / sdpa_* run on the zero-padded batch [B, m
                 "TF/s count the useful FLOPs sum_i 4*H*len_i^2*D (halved when causal), bwd 2.5x")
 DECODE_NOTE = ("decode: GB/s = (K + V caches + q + out bytes) / time; %BW = GB/s / measured copy "
                "bandwidth (a copy reads and writes; a read-mostly kernel may pass 100 %); "
-               "best_sdpa = fastest SDPA backend of the row")
+               "best_sdpa = fastest SDPA backend of the row; ours_fp8 GB/s count its FP8 cache "
+               "bytes, fp8 speedup = time(ours, 16-bit cache) / time(ours_fp8)")
 RATIO_NOTE = "ours/X = time(X) / time(ours): above 1, ours is faster"
 
 CSV_FIELDS = ["section", "dtype", "pass_", "backend", "B", "H", "H_kv", "D", "Sq", "Sk", "tokens",
@@ -307,7 +313,7 @@ PAGE_SIZES = (16, 64, 256)
 
 def decode_backends(device):
     sdpa = ["sdpa_flash", "sdpa_efficient", "sdpa_cudnn"] + (["sdpa_math"] if device != "cuda" else [])
-    return ["ours", "ours_func"] + [f"ours_paged{p}" for p in PAGE_SIZES] + sdpa
+    return ["ours", "ours_fp8", "ours_func"] + [f"ours_paged{p}" for p in PAGE_SIZES] + sdpa
 
 
 def _paged(cache, page, order):
@@ -326,6 +332,18 @@ def make_decode_fn(name, seqlens, device):
         if not hasattr(fa, "flash_attn_with_kvcache"):
             raise Skip("no fa.flash_attn_with_kvcache")
         return lambda q, k, v: fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens)
+    if name == "ours_fp8":
+        fp8 = {}  # the quantised caches of this size, made on the first (warm-up) call
+
+        def run_fp8(q, k, v):
+            if "caches" not in fp8:
+                (k8, kd), (v8, vd) = fa.fp8.quantize_fp8(k), fa.fp8.quantize_fp8(v)
+                fp8["caches"] = (k8, v8, kd, vd)
+            k8, v8, kd, vd = fp8["caches"]
+            q16 = q if q.dtype in (torch.float16, torch.bfloat16) else q.to(torch.bfloat16)
+            return fa.flash_attn_with_kvcache(q16, k8, v8, cache_seqlens=seqlens, k_descale=kd,
+                                              v_descale=vd)
+        return run_fp8
     if name == "ours_func":
         return lambda q, k, v: fa.flash_attn_func(q, k, v)
     if name.startswith("ours_paged"):
@@ -391,6 +409,8 @@ def run_decode(run, sizes, progress):
         sets = {"bshd": [(q, kc, vc)],
                 "bhsd": [tuple(t.transpose(1, 2).contiguous() for t in (q, kc, vc))]}
         nbytes = (2 * B * S * Hkv * D + 2 * B * Sq * H * D) * elt  # K, V, q, out
+        q16_elt = elt if elt == 2 else 2  # ours_fp8's q / out: the run's dtype, or bf16
+        nbytes_fp8 = 2 * B * S * Hkv * D + 2 * B * Sq * H * D * q16_elt  # 1-byte K, V
         f = 4.0 * B * H * Sq * S * D
         def time_one(name, first_round):
             make = functools.partial(make_decode_fn, name, seqlens, device)
@@ -412,13 +432,14 @@ def run_decode(run, sizes, progress):
         for name in names + ["best_sdpa"]:
             r = results[name]
             ms = r["ms"]
-            gbps = nbytes / ms / 1e6 if ms else None
+            row_bytes = nbytes_fp8 if name == "ours_fp8" else nbytes
+            gbps = row_bytes / ms / 1e6 if ms else None
             rows.append(_row(
                 section="decode", dtype=dt, pass_="fwd", backend=name, B=B, H=H, H_kv=Hkv, D=D,
                 Sq=Sq, Sk=S, tokens=B * Sq, causal=0, ms=ms, tflops=f / ms / 1e9 if ms else None,
                 gbps=gbps, bw_frac=gbps * 1e9 / run["peak_bw"] if gbps and run["peak_bw"] else None,
                 ours_speedup=ms / ours_ms if ms and ours_ms else None, peak_extra_mb=r["mem_mb"],
-                flops=f, bytes=nbytes, note=r["note"]))
+                flops=f, bytes=row_bytes, note=r["note"]))
         del q, kc, vc, sets
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -491,7 +512,7 @@ def print_decode_table(rows, graph=False):
     frac = any(r["bw_frac"] is not None for r in rows)
     header = (["cache", "ours ms"] + [f"{b} GB/s" for b in backends] +
               (["ours %BW", "best %BW"] if frac else []) +
-              ["best sdpa", "ours/best", "ours/ours_func"] +
+              ["best sdpa", "ours/best", "ours/ours_func", "fp8 ms", "fp8 speedup"] +
               [f"paged{p}/ours" for p in PAGE_SIZES])
     lines, ratios = [], []
     for S in sorted(by):
@@ -505,6 +526,9 @@ def print_decode_table(rows, graph=False):
             ratios.append(sp)
         cells += [(best["note"] if best and best["ms"] else "-"), _fmt(sp, ".2f") or "-",
                   _fmt(res.get("ours_func", {}).get("ours_speedup"), ".2f") or "-"]
+        fp8 = res.get("ours_fp8")
+        fp8_sp = fp8 and fp8["ours_speedup"]  # time(fp8) / time(ours)
+        cells += [_cell(fp8, "ms", ".4g"), _fmt(fp8_sp and 1.0 / fp8_sp, ".2f") or "-"]
         cells += [_fmt(res.get(f"ours_paged{p}", {}).get("ours_speedup"), ".3f") or "-"
                   for p in PAGE_SIZES]
         lines.append(cells)

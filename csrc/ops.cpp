@@ -7,8 +7,10 @@
 //                       -> (dq, dk, dv)
 //   with *variants = window_left, window_right, softcap, alibi_slopes, dropout_p,
 //                    rng_state, attn_mask
-//   fwd also takes block_table, cache_batch_idx, cache_leftpad last, varlen_fwd
-//   block_table (KV cache addressing, forward only; params.h).
+//   fwd also takes block_table, cache_batch_idx, cache_leftpad, then k_descale,
+//   v_descale last, varlen_fwd block_table (KV cache addressing, forward only;
+//   params.h). k_descale / v_descale: an FP8 (float8_e4m3fn) KV cache under a
+//   16-bit q (ops_common.h apply_kv_fp8; the CPU kernel dequantises its tiles).
 //   flash_attn_ext::varlen_fwd / varlen_bwd: the same over packed sequences
 //       (cu_seqlens_q / cu_seqlens_k, max_seqlen_q / max_seqlen_k; causal is
 //       bottom-right per sequence, as flash-attn's varlen API).
@@ -87,10 +89,12 @@ static std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at:
                                                   const std::optional<at::Tensor>& attn_mask,
                                                   const std::optional<at::Tensor>& block_table,
                                                   const std::optional<at::Tensor>& cache_batch_idx,
-                                                  const std::optional<at::Tensor>& cache_leftpad) {
+                                                  const std::optional<at::Tensor>& cache_leftpad,
+                                                  const std::optional<at::Tensor>& k_descale,
+                                                  const std::optional<at::Tensor>& v_descale) {
   const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
                          dropout_p,   rng_state,    attn_mask};
-  const KVCacheArgs cache{block_table, cache_batch_idx, cache_leftpad};
+  const KVCacheArgs cache{block_table, cache_batch_idx, cache_leftpad, k_descale, v_descale};
   const AttentionFwdParams p = make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right,
                                                seqused_k, &var, &cache);
   check_fwd_tuning_args(num_splits, tile);  // accepted and ignored: one CPU kernel
@@ -185,13 +189,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8_cpu(const at::Tensor& q, const at::Te
 
 // The KV cache addressing of the forward operators (flash-attn's names; see
 // params.h): a paged cache's block table, and per batch entry the cache row
-// and the left padding. Forward only: the backward operators have none.
+// and the left padding. Forward only: the backward operators have none. fwd's
+// k_descale / v_descale (last): the factors of an FP8 KV cache.
 TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
       "bool causal_bottom_right, int num_splits=0, int tile=0, Tensor? seqused_k=None, "
       FAE_VARIANT_ARGS ", Tensor? block_table=None, Tensor? cache_batch_idx=None, "
-      "Tensor? cache_leftpad=None) -> (Tensor out, Tensor lse)");
+      "Tensor? cache_leftpad=None, Tensor? k_descale=None, Tensor? v_descale=None) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float softmax_scale, bool causal, bool causal_bottom_right, bool deterministic=False, "

@@ -27,7 +27,8 @@ inline DType to_dtype(at::ScalarType t) {
 }
 
 // Every tensor is [batch, seqlen, heads, head_dim] with a contiguous last dim.
-inline void check_bshd(const at::Tensor& t, const char* name) {
+// allow_fp8: float8_e4m3fn is accepted too (k / v of an FP8 KV cache).
+inline void check_bshd(const at::Tensor& t, const char* name, bool allow_fp8 = false) {
   TORCH_CHECK(t.defined(), "flash_attn_ext: ", name, " is undefined");
   TORCH_CHECK(t.dim() == 4, "flash_attn_ext: ", name,
               " must be a 4-D tensor [batch, seqlen, heads, head_dim], got ", t.dim(),
@@ -37,8 +38,13 @@ inline void check_bshd(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, "flash_attn_ext: ", name,
               " must have a contiguous last (head_dim) dimension, got stride ",
               t.stride(-1), " (call .contiguous() first)");
+  TORCH_CHECK(allow_fp8 || t.scalar_type() != at::kFloat8_e4m3fn, "flash_attn_ext: ", name,
+              " has dtype float8_e4m3fn: FP8 inputs take flash_attn_func with q, k and v in FP8 "
+              "and q_descale / k_descale / v_descale, or an FP8 KV cache "
+              "(flash_attn_with_kvcache with k_descale / v_descale)");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf ||
-                  t.scalar_type() == at::kBFloat16,
+                  t.scalar_type() == at::kBFloat16 ||
+                  (allow_fp8 && t.scalar_type() == at::kFloat8_e4m3fn),
               "flash_attn_ext: ", name, " has dtype ", t.scalar_type(),
               "; expected float32, float16 or bfloat16");
   TORCH_CHECK(t.size(0) <= std::numeric_limits<int>::max() &&
@@ -211,10 +217,14 @@ inline void apply_variants(AttentionFwdParams& p, const VariantArgs& va, const a
 // (params.h, "KV cache addressing"): block_table int32 [batch, max_pages] with
 // k / v pools [num_pages, page_size, heads_k, dim]; cache_batch_idx and
 // cache_leftpad int32 [batch].
+// k_descale / v_descale: the dequantisation factors of an FP8 (e4m3) cache
+// (apply_kv_fp8), required with one and rejected otherwise.
 struct KVCacheArgs {
   std::optional<at::Tensor> block_table;
   std::optional<at::Tensor> cache_batch_idx;
   std::optional<at::Tensor> cache_leftpad;
+  std::optional<at::Tensor> k_descale = {};
+  std::optional<at::Tensor> v_descale = {};
 
   // k / v have their own batch dimension (pages, or cache rows picked per entry).
   bool indexes_kv_batch() const { return block_table.has_value() || cache_batch_idx.has_value(); }
@@ -267,6 +277,61 @@ inline void apply_kv_cache(AttentionFwdParams& p, const KVCacheArgs& c, const at
   }
 }
 
+inline bool is_fp8_kv(const at::Tensor& k, const at::Tensor& v) {
+  return k.scalar_type() == at::kFloat8_e4m3fn || v.scalar_type() == at::kFloat8_e4m3fn;
+}
+
+// An FP8 tensor's dequantisation factor (FA3's q_descale / k_descale /
+// v_descale): fp32 on q's device, one factor ([] / [1]) or one per (query
+// batch entry, kv head) ([batch, heads_k], any strides; with cache_batch_idx
+// or a block table row b is that of q's batch entry b, not of a cache row).
+inline Descale make_descale(const at::Tensor& d, const char* name, const at::Tensor& q,
+                               int64_t batch, int64_t heads_k) {
+  TORCH_CHECK(d.defined(), "flash_attn_ext: ", name, " is undefined");
+  TORCH_CHECK(d.scalar_type() == at::kFloat, "flash_attn_ext: ", name,
+              " must be float32, got ", d.scalar_type());
+  TORCH_CHECK(d.device() == q.device(), "flash_attn_ext: ", name,
+              " must be on the device of q (", q.device(), "), got ", d.device());
+  Descale out;
+  out.ptr = d.data_ptr<float>();
+  if (d.numel() == 1 && d.dim() <= 2) return out;  // one factor: strides 0
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == batch && d.size(1) == heads_k, "flash_attn_ext: ",
+              name, " must have shape [], [1] or [batch, heads_k] = [", batch, ", ", heads_k,
+              "], got ", d.sizes());
+  out.batch_stride = d.stride(0);
+  out.head_stride = d.stride(1);
+  return out;
+}
+
+// An FP8 (float8_e4m3fn) KV cache under a 16-bit q (params.h kv_dtype): both
+// k and v in e4m3, k_descale and v_descale given; after p.batch / p.heads_k.
+// Descales with a 16-bit cache are an error. The forward operator only (the
+// KV cache path): the backward and varlen operators reject FP8 k / v.
+inline void apply_kv_fp8(AttentionFwdParams& p, const KVCacheArgs& c, const at::Tensor& q,
+                         const at::Tensor& k, const at::Tensor& v) {
+  if (!is_fp8_kv(k, v)) {
+    TORCH_CHECK(!c.k_descale.has_value() && !c.v_descale.has_value(),
+                "flash_attn_ext: k_descale / v_descale are the dequantisation factors of an FP8 "
+                "(float8_e4m3fn) KV cache, but k / v have dtype ", k.scalar_type());
+    return;
+  }
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "flash_attn_ext: k and v must have the same "
+              "dtype, got ", k.scalar_type(), " and ", v.scalar_type());
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(),
+              "flash_attn_ext: q, k and v must be on the same device, got ", q.device(), ", ",
+              k.device(), " and ", v.device());
+  TORCH_CHECK_NOT_IMPLEMENTED(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                              "flash_attn_ext: an FP8 KV cache needs q in float16 or bfloat16 "
+                              "(float32 q is not implemented), got ", q.scalar_type());
+  TORCH_CHECK(c.k_descale.has_value() && c.v_descale.has_value(),
+              "flash_attn_ext: an FP8 (float8_e4m3fn) KV cache needs k_descale and v_descale "
+              "(float32, shape [], [1] or [batch, heads_k] = [", p.batch, ", ", p.heads_k,
+              "]; pass torch.ones((), device=q.device) for a cache stored unscaled)");
+  p.kv_dtype = DType::kFloat8E4M3;
+  p.k_descale = make_descale(*c.k_descale, "k_descale", q, p.batch, p.heads_k);
+  p.v_descale = make_descale(*c.v_descale, "v_descale", q, p.batch, p.heads_k);
+}
+
 // Validates q/k/v ([batch, seqlen, heads, head_dim]) and fills everything of
 // AttentionFwdParams except the output pointers (which the device
 // implementation allocates). seqused_k: optional int32 [batch] key counts.
@@ -279,11 +344,16 @@ inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor&
                                           const VariantArgs* variants = nullptr,
                                           const KVCacheArgs* cache = nullptr,
                                           bool kv_batch_free = false) {
+  // An FP8 KV cache (float8_e4m3fn k / v under a 16-bit q): the forward
+  // operator's KV cache path only (apply_kv_fp8).
+  const bool kv_fp8 = cache != nullptr && is_fp8_kv(k, v);
   check_bshd(q, "q");
-  check_bshd(k, "k");
-  check_bshd(v, "v");
-  check_same(q, "q", k, "k");
-  check_same(q, "q", v, "v");
+  check_bshd(k, "k", kv_fp8);
+  check_bshd(v, "v", kv_fp8);
+  if (!kv_fp8) {
+    check_same(q, "q", k, "k");
+    check_same(q, "q", v, "v");
+  }
   TORCH_CHECK(k.sizes() == v.sizes(), "flash_attn_ext: k and v must have the same shape, got ",
               k.sizes(), " and ", v.sizes());
   if (!kv_batch_free && !(cache != nullptr && cache->indexes_kv_batch())) {
@@ -325,7 +395,10 @@ inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor&
     check_seq_tensor(*seqused_k, "seqused_k", q, q.size(0));
     p.seqused_k = seqused_k->data_ptr<int>();
   }
-  if (cache != nullptr) apply_kv_cache(p, *cache, q, k);
+  if (cache != nullptr) {
+    apply_kv_fp8(p, *cache, q, k, v);
+    apply_kv_cache(p, *cache, q, k);
+  }
   if (variants != nullptr) apply_variants(p, *variants, q, causal_bottom_right);
   return p;
 }

@@ -7,26 +7,6 @@
 
 namespace flash_attn_ext {
 
-// A descale tensor: fp32 on q's device, one factor ([] / [1] / [1, 1]) or
-// one per (batch, kv head) ([batch, heads_k], any strides).
-inline Descale make_descale(const at::Tensor& d, const char* name, const at::Tensor& q,
-                            int64_t batch, int64_t heads_k) {
-  TORCH_CHECK(d.defined(), "flash_attn_ext: ", name, " is undefined");
-  TORCH_CHECK(d.scalar_type() == at::kFloat, "flash_attn_ext: ", name,
-              " must be float32, got ", d.scalar_type());
-  TORCH_CHECK(d.device() == q.device(), "flash_attn_ext: ", name,
-              " must be on the device of q (", q.device(), "), got ", d.device());
-  Descale out;
-  out.ptr = d.data_ptr<float>();
-  if (d.numel() == 1 && d.dim() <= 2) return out;  // one factor: strides 0
-  TORCH_CHECK(d.dim() == 2 && d.size(0) == batch && d.size(1) == heads_k, "flash_attn_ext: ",
-              name, " must have shape [], [1] or [batch, heads_k] = [", batch, ", ", heads_k,
-              "], got ", d.sizes());
-  out.batch_stride = d.stride(0);
-  out.head_stride = d.stride(1);
-  return out;
-}
-
 inline void check_e4m3_bshd(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.defined(), "flash_attn_ext: ", name, " is undefined");
   TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, "flash_attn_ext: the FP8 forward needs ",

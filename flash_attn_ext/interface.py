@@ -322,7 +322,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             softmax_scale: Optional[float] = None, causal: bool = False,
                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes=None,
-                            num_splits: int = 0, return_softmax_lse: bool = False):
+                            num_splits: int = 0, return_softmax_lse: bool = False,
+                            k_descale=None, v_descale=None):
     """Attention of new queries against a KV cache (flash-attn's API), forward only.
 
     q: [batch, seqlen_q, heads, head_dim]. k_cache, v_cache: [batch_c, cache_size, heads_k,
@@ -345,6 +346,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     causal=True aligns the queries with the end of each entry's keys, and so do window_size
     and alibi_slopes (softcap as in flash_attn_func). num_splits: split-KV (0 = heuristic).
 
+    FP8 cache (FlashAttention-3's k_descale / v_descale): k_cache and v_cache in
+    torch.float8_e4m3fn under a float16 / bfloat16 q (everything above works alike), with
+    k_descale, v_descale (required then, an error with a 16-bit cache) float32 on q's device,
+    [] / [1] (one factor) or [batch, heads_k] (per batch entry of q and kv head; with
+    cache_batch_idx or block_table still q's entry b): the real cache is descale * the stored
+    values. New k / v in q's dtype (any float dtype) are stored as round(k / k_descale)
+    saturated to +-448 (the factor of the batch entry they belong to), e4m3 ones as given.
+    out stays in q's dtype. On CUDA the decode kernels read the e4m3 tiles (half the bytes of
+    a 16-bit cache) and convert them exactly to q's dtype; the CPU widens them to float32.
+
     No host synchronisation: a decode step can be captured in a CUDA graph. Out-of-range
     values (cache_seqlens + seqlen_new beyond the cache, page ids, cache_batch_idx) are
     clamped into the cache rather than checked; FLASH_ATTN_EXT_DEBUG_CHECKS=1 checks them
@@ -362,6 +373,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise RuntimeError(f"flash_attn_ext: k_cache and v_cache must have the same shape, got "
                            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     batch = q.shape[0]
+    fp8 = _kvcache.check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
     layout = _kvcache.CacheLayout(q, k_cache, block_table, cache_batch_idx, cache_leftpad)
     lengths = _cache_lengths(cache_seqlens, batch, layout.capacity, q.device)
     seqlen_new = 0
@@ -388,16 +400,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         else:
             q_positions = lengths.long().unsqueeze(1)
         k_positions = lengths.long().unsqueeze(1) + torch.arange(seqlen_new, device=q.device)
+        # An FP8 cache's new keys are rotated in fp32 and rounded once, to e4m3; e4m3 ones
+        # are in the cache's units already (rounded back without the factor).
+        k_stored = fp8 and k.dtype is _kvcache.FP8_DTYPE
         with torch.no_grad():
             q = _kvcache.apply_rotary(q, rotary_cos, rotary_sin, q_positions,
                                       bool(rotary_interleaved))
-            k = _kvcache.apply_rotary(k, rotary_cos, rotary_sin, k_positions,
-                                      bool(rotary_interleaved))
+            k = _kvcache.apply_rotary(k.float() if fp8 else k, rotary_cos, rotary_sin,
+                                      k_positions, bool(rotary_interleaved))
+        if k_stored:
+            k = _kvcache.quantize_for_cache(k, None)
     if seqlen_new > 0:
         rows = layout.cache_indices(k_cache, lengths, seqlen_new)
         with torch.no_grad():
-            k_cache[rows] = k.to(k_cache.dtype)
-            v_cache[rows] = v.to(v_cache.dtype)
+            if fp8:
+                k = _kvcache.quantize_for_cache(k, k_descale)
+                v = _kvcache.quantize_for_cache(v, v_descale)
+            _kvcache.store_rows(k_cache, rows, k)
+            _kvcache.store_rows(v_cache, rows, v)
         lengths = lengths + seqlen_new
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q, k_c, v_c = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache)]
@@ -406,5 +426,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                                 int(num_splits), 0, lengths, *variants,
                                                 block_table=block_table,
                                                 cache_batch_idx=cache_batch_idx,
-                                                cache_leftpad=cache_leftpad)
+                                                cache_leftpad=cache_leftpad,
+                                                k_descale=k_descale, v_descale=v_descale)
     return (out, lse) if return_softmax_lse else out

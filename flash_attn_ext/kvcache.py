@@ -1,5 +1,6 @@
 """The parts of flash_attn_with_kvcache (interface.py) that run before the attention kernel:
-checking the cache arguments, rotary embeddings of q and the new k, and the in-place append.
+checking the cache arguments, rotary embeddings of q and the new k, and the in-place append
+(quantised to e4m3 for an FP8 cache).
 
 All of it is torch operations on the inputs' device with no host synchronisation (no .item(),
 no tensor-valued Python conditions), so a decode step can be captured in a CUDA graph. What
@@ -14,6 +15,10 @@ import torch
 # Pages of a paged KV cache hold a multiple of this many keys (csrc/params.h,
 # kKVPageRowAlign: the CUDA tile loaders look a page up once per 16 rows).
 PAGE_ROW_ALIGN = 16
+
+# An FP8 KV cache: e4m3 values, real = descale * stored; appends saturate to +-E4M3_MAX.
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
 
 
 def debug_checks_enabled() -> bool:
@@ -193,3 +198,67 @@ def rotary_per_token(causal, window_size, capacity):
     local (a window bound that the cache does not make moot), else all at cache_seqlens."""
     left, right = window_size
     return bool(causal) or 0 <= left < capacity or 0 <= right < capacity
+
+
+# ---- FP8 (e4m3) KV cache ------------------------------------------------------------------
+def check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale):
+    """Validates an FP8 cache's k_descale / v_descale (float32 on q's device, [] / [1] or
+    [batch, heads_k]) before anything is appended; returns whether the cache is FP8. Descales
+    with a 16-bit cache are an error, and so is an FP8 cache without them."""
+    fp8 = k_cache.dtype is FP8_DTYPE or v_cache.dtype is FP8_DTYPE
+    if not fp8:
+        if k_descale is not None or v_descale is not None:
+            raise ValueError(
+                "flash_attn_ext: k_descale / v_descale are the dequantisation factors of an FP8 "
+                f"(torch.float8_e4m3fn) KV cache, but k_cache has dtype {k_cache.dtype}")
+        return False
+    if k_cache.dtype is not v_cache.dtype:
+        raise RuntimeError("flash_attn_ext: k_cache and v_cache must have the same dtype, got "
+                           f"{k_cache.dtype} and {v_cache.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise NotImplementedError(
+            "flash_attn_ext: an FP8 KV cache needs q in float16 or bfloat16 (float32 q is not "
+            f"implemented), got {q.dtype}")
+    batch, heads_k = q.shape[0], k_cache.shape[2]
+    missing = [n for n, d in (("k_descale", k_descale), ("v_descale", v_descale)) if d is None]
+    if missing:
+        raise ValueError(
+            "flash_attn_ext: an FP8 (torch.float8_e4m3fn) KV cache needs k_descale and "
+            f"v_descale (float32, shape [], [1] or [batch, heads_k] = [{batch}, {heads_k}]); "
+            f"missing {', '.join(missing)}. Pass torch.ones((), device=q.device) for a cache "
+            "stored unscaled.")
+    for d, name in ((k_descale, "k_descale"), (v_descale, "v_descale")):
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"flash_attn_ext: {name} must be a float32 tensor, got "
+                            f"{type(d).__name__}")
+        if d.dtype != torch.float32:
+            raise RuntimeError(f"flash_attn_ext: {name} must be float32, got {d.dtype}")
+        if d.device != q.device:
+            raise RuntimeError(f"flash_attn_ext: {name} must be on the device of q ({q.device}), "
+                               f"got {d.device}")
+        if not (d.numel() == 1 and d.dim() <= 2) and tuple(d.shape) != (batch, heads_k):
+            raise RuntimeError(f"flash_attn_ext: {name} must have shape [], [1] or [batch, "
+                               f"heads_k] = [{batch}, {heads_k}], got {tuple(d.shape)}")
+    return True
+
+
+def quantize_for_cache(x, descale):
+    """New keys or values x [batch, seqlen_new, heads_k, head_dim] as an FP8 cache stores them:
+    e4m3 x as given, else round(x / descale) saturated to +-448 (descale [] / [1] or [batch,
+    heads_k], batch entry b's factor for its rows; None: x is in the cache's units already)."""
+    if x.dtype is FP8_DTYPE:
+        return x
+    xf = x.float()
+    if descale is not None:
+        d = descale.reshape(()) if descale.numel() == 1 else descale[:, None, :, None]
+        xf = xf / d
+    return xf.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+
+
+def store_rows(cache, rows, x):
+    """cache[rows] = x (converted to the cache's dtype); FP8 caches through byte views (the
+    same bits, an index_put that every device implements)."""
+    if cache.dtype is FP8_DTYPE:
+        cache.view(torch.uint8)[rows] = x.view(torch.uint8)
+    else:
+        cache[rows] = x.to(cache.dtype)

@@ -2,7 +2,8 @@
 
 torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0,
                              tile=0, seqused_k=None, *variants, block_table=None,
-                             cache_batch_idx=None, cache_leftpad=None) -> (out, lse)
+                             cache_batch_idx=None, cache_leftpad=None, k_descale=None,
+                             v_descale=None) -> (out, lse)
 torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, softmax_scale, causal,
                              causal_bottom_right, deterministic=False, seqused_k=None,
                              *variants) -> (dq, dk, dv)
@@ -19,7 +20,10 @@ and dropout_p, whose rng_state is an int64 [2] {seed, offset} on q's device, and
 attn_mask; the defaults turn them off). The forward operators also take flash-attn's KV cache
 addressing (forward only): block_table int32 [batch, max_pages] with k / v page pools
 [num_pages, page_size, heads_k, head_dim] (page_size a multiple of 16), cache_batch_idx and
-cache_leftpad int32 [batch] (csrc/params.h).
+cache_leftpad int32 [batch] (csrc/params.h). fwd's k_descale / v_descale (float32 [] / [1] or
+[batch, heads_k] on q's device): k / v are an FP8 (torch.float8_e4m3fn) KV cache under a float16
+/ bfloat16 q, whose real values are descale * the stored ones (required with an FP8 cache, an
+error otherwise); out is in q's dtype.
 torch.ops.flash_attn_ext.dropout_mask(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p)
     -> bool [batch, heads, seqlen_q, seqlen_k]: the elements that dropout keeps.
 torch.ops.flash_attn_ext.fwd_fp8(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
@@ -55,19 +59,20 @@ def has_cuda_kernels() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("flash_attn_ext::fwd", "CUDA")
 
 
-def _check_bshd(t, name):
+def _check_bshd(t, name, allow_fp8=False):
     if t.dim() != 4:
         raise RuntimeError(f"flash_attn_ext: {name} must be a 4-D tensor [batch, seqlen, heads, "
                            f"head_dim], got {t.dim()}-D with shape {tuple(t.shape)}")
-    if t.dtype not in _SUPPORTED_DTYPES:
+    if t.dtype not in _SUPPORTED_DTYPES and not (allow_fp8 and t.dtype is torch.float8_e4m3fn):
         raise RuntimeError(f"flash_attn_ext: {name} has dtype {t.dtype}; expected float32, "
                            "float16 or bfloat16")
 
 
-def _check_qkv(q, k, v, varlen=False, kv_batch_free=False, paged=False):
+def _check_qkv(q, k, v, varlen=False, kv_batch_free=False, paged=False, fp8_kv=False):
     """kv_batch_free: k / v have a batch size of their own (a block table or cache_batch_idx
     picks their rows); paged: k / v are 4-D page pools [num_pages, page_size, heads_k,
-    head_dim] (with varlen q)."""
+    head_dim] (with varlen q); fp8_kv: k / v may be an FP8 (float8_e4m3fn) KV cache under a
+    16-bit q (fwd with k_descale / v_descale)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if paged and name != "q":
             _check_bshd(t, name)
@@ -76,9 +81,14 @@ def _check_qkv(q, k, v, varlen=False, kv_batch_free=False, paged=False):
                 raise RuntimeError(f"flash_attn_ext: varlen {name} must be a 3-D tensor "
                                    f"[total_tokens, heads, head_dim], got shape {tuple(t.shape)}")
         else:
-            _check_bshd(t, name)
+            _check_bshd(t, name, allow_fp8=fp8_kv and name != "q")
+    fp8_kv = fp8_kv and k.dtype is torch.float8_e4m3fn and q.dtype in (torch.float16,
+                                                                        torch.bfloat16)
     for t, name in ((k, "k"), (v, "v")):
-        if t.dtype != q.dtype:
+        if fp8_kv and t.dtype is not torch.float8_e4m3fn:
+            raise RuntimeError(f"flash_attn_ext: an FP8 KV cache needs k and v in "
+                               f"torch.float8_e4m3fn, got {k.dtype} and {v.dtype}")
+        if not fp8_kv and t.dtype != q.dtype:
             raise RuntimeError(f"flash_attn_ext: q and {name} must have the same dtype, got "
                                f"{q.dtype} and {t.dtype}")
         if t.device != q.device:
@@ -101,8 +111,9 @@ def _check_qkv(q, k, v, varlen=False, kv_batch_free=False, paged=False):
 def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0, tile=0,
               seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
               dropout_p=0.0, rng_state=None, attn_mask=None, block_table=None,
-              cache_batch_idx=None, cache_leftpad=None):
-    _check_qkv(q, k, v, kv_batch_free=block_table is not None or cache_batch_idx is not None)
+              cache_batch_idx=None, cache_leftpad=None, k_descale=None, v_descale=None):
+    _check_qkv(q, k, v, kv_batch_free=block_table is not None or cache_batch_idx is not None,
+               fp8_kv=k_descale is not None and v_descale is not None)
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
     return out, lse

@@ -24,6 +24,12 @@ def _i32(values, device):
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
+def _bits(t):
+    """t as raw bytes when it is FP8 (comparisons and indexing of float8 tensors go through
+    uint8 views, which every device implements), else t."""
+    return t.view(torch.uint8) if t.dtype is torch.float8_e4m3fn else t
+
+
 # ---- references ---------------------------------------------------------------------
 def rotary_tables(positions, rotary_dim, dtype, device, base=10000.0):
     """cos / sin [positions, rotary_dim / 2] as flash-attn's rotary_cos / rotary_sin."""
@@ -118,7 +124,8 @@ class Case:
         out, lse = fa.flash_attn_with_kvcache(self.q, kc, vc, k=k, v=v, return_softmax_lse=True,
                                               **self.kwargs(), **extra)
         if k is not None:  # the inputs are not modified
-            assert torch.equal(k, self.k_new) and torch.equal(v, self.v_new)
+            assert torch.equal(_bits(k), _bits(self.k_new)) and torch.equal(_bits(v),
+                                                                              _bits(self.v_new))
         return out, lse, kc, vc
 
     def rows(self, b, start, end):
@@ -154,6 +161,11 @@ class Case:
         assert torch.equal(kc[~written], self.k_cache[~written])
         assert torch.equal(vc[~written], self.v_cache[~written])
 
+    def real_rows(self, cache, b, rows, which):
+        """Batch entry b's rows of the K (which = 0) or V (1) cache, as the values attention
+        sees (Fp8Case: dequantised)."""
+        return cache_rows(cache, b, rows, self.block_table, self.cache_batch_idx)
+
     def reference(self, kc, vc):
         """(out, lse) in float64 and at the inputs' precision, over the updated caches."""
         q64 = self.q.double()
@@ -171,8 +183,8 @@ class Case:
             for b in range(self.batch):
                 start = 0 if self.leftpad is None else self.leftpad[b]
                 rows = self.rows(b, start, self.lengths[b] + self.new_len)
-                k = cache_rows(kc, b, rows, self.block_table, self.cache_batch_idx)
-                v = cache_rows(vc, b, rows, self.block_table, self.cache_batch_idx)
+                k = self.real_rows(kc, b, rows, 0)
+                v = self.real_rows(vc, b, rows, 1)
                 o, l = gqa_attention(q64[b:b + 1].to(dtype), k[None].to(dtype), v[None].to(dtype),
                                      self.causal, **batch_entry(variant, b))
                 outs.append(o)
@@ -633,3 +645,394 @@ def test_cuda_graph_decode_loop(mode):
         torch.cuda.synchronize()
         assert torch.equal(out_s, eager[t]), f"step {t}"
     assert torch.equal(kc, kc_eager) and torch.equal(vc, vc_eager)
+
+
+# ---- FP8 (e4m3) KV cache under a 16-bit q ----------------------------------------------------
+# The cache stores e4m3 values; the real cache is k_descale * stored (k_descale [] / [1] or
+# [batch, heads_k], row b of the query batch also with cache_batch_idx / a block table). The
+# reference is attention over the dequantised cache in float64; the FA rule's baseline the
+# same computation in q's dtype (the dequantised cache rounded to it).
+FP8 = torch.float8_e4m3fn
+# Every finite e4m3 code (NaN is 0x7f / 0xff): subnormals, zeros and +-448 included.
+E4M3_CODES = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+
+
+def quantize_ref(x, descale):
+    """What an FP8 cache stores for the real values x [batch, n, heads_k, dim]: round(x /
+    descale) saturated to +-448 (descale [] / [1] or [batch, heads_k])."""
+    d = descale.reshape(()) if descale.numel() == 1 else descale[:, None, :, None]
+    return (x.float() / d).clamp(-448, 448).to(FP8)
+
+
+def fp8_descale(kind, batch, kv_heads, device, seed):
+    """float32 descale: "scalar" [], "one" [1], "heads" [batch, kv_heads] (random, about
+    1/64: stored values of ~64 are real values of ~1); "pow2" / "pow2_heads" powers of two
+    (the dequantised cache is exact in 16 bits)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "pow2":
+        return torch.tensor(2.0 ** -6, device=device)
+    if kind == "pow2_heads":
+        exps = torch.randint(5, 8, (batch, kv_heads), generator=gen).float()
+        return (2.0 ** -exps).to(device)
+    shape = {"scalar": (), "one": (1,), "heads": (batch, kv_heads)}[kind]
+    return ((torch.rand(shape, generator=gen) + 0.5) / 64).to(device)
+
+
+def fp8_pool(shape, device, seed):
+    """Stored e4m3 values ~ N(0, 64^2), every finite code among the first elements."""
+    gen = torch.Generator().manual_seed(seed)
+    stored = (torch.randn(shape, generator=gen) * 64).clamp(-448, 448).to(FP8)
+    flat = stored.view(-1).view(torch.uint8)
+    n = min(flat.numel(), E4M3_CODES.numel())
+    flat[:n] = E4M3_CODES[torch.randperm(E4M3_CODES.numel(), generator=gen)[:n]]
+    return stored.to(device)
+
+
+class Fp8Case(Case):
+    """A Case whose caches are FP8 with k_descale / v_descale (kind: fp8_descale), q and the
+    new k / v in `dtype` (new_fp8: the new k / v given already in e4m3)."""
+
+    def __init__(self, device, dtype, *, descale="heads", new_fp8=False, seed=0, **kw):
+        super().__init__(device, dtype, seed=seed, **kw)
+        kv_heads = self.k_cache.shape[2]
+        self.k_descale = fp8_descale(descale, self.batch, kv_heads, device, seed + 20)
+        self.v_descale = fp8_descale(descale, self.batch, kv_heads, device, seed + 21)
+        self.k_cache = fp8_pool(self.k_cache.shape, device, seed + 22)
+        self.v_cache = fp8_pool(self.v_cache.shape, device, seed + 23)
+        if new_fp8 and self.k_new is not None:
+            self.k_new = quantize_ref(self.k_new, self.k_descale)
+            self.v_new = quantize_ref(self.v_new, self.v_descale)
+
+    def kwargs(self):
+        return dict(super().kwargs(), k_descale=self.k_descale, v_descale=self.v_descale)
+
+    @staticmethod
+    def factor(descale, b):
+        """Batch entry b's factor, broadcastable over [rows, heads_k, dim]."""
+        d = descale.double()
+        return d.reshape(()) if d.numel() == 1 else d[b][:, None]
+
+    def stored_rows(self, cache, b, rows):
+        """cache_rows of an FP8 cache (gathered as bytes)."""
+        return cache_rows(_bits(cache), b, rows, self.block_table, self.cache_batch_idx).view(FP8)
+
+    def real_rows(self, cache, b, rows, which):
+        d = self.k_descale if which == 0 else self.v_descale
+        return self.stored_rows(cache, b, rows).double() * self.factor(d, b)
+
+    def check_caches(self, kc, vc):
+        """The new rows hold the quantised new keys / values (rotated keys: within e4m3's
+        rounding of the float64 rotation); nothing else changed."""
+        fp8_given = self.k_new.dtype is FP8
+        exp_k = self.k_new if fp8_given else quantize_ref(self.k_new, self.k_descale)
+        exp_v = self.v_new if fp8_given else quantize_ref(self.v_new, self.v_descale)
+        written = torch.zeros(kc.shape[:2], dtype=torch.bool, device=self.device)
+        for b in range(self.batch):
+            rows = self.rows(b, self.lengths[b], self.lengths[b] + self.new_len)
+            got_k = self.stored_rows(kc, b, rows)
+            got_v = self.stored_rows(vc, b, rows)
+            assert torch.equal(got_v.view(torch.uint8), exp_v[b].view(torch.uint8))
+            if self.rotary is None:
+                assert torch.equal(got_k.view(torch.uint8), exp_k[b].view(torch.uint8))
+            else:
+                kd = self.factor(self.k_descale, b)
+                new = self.k_new.double() * (kd if fp8_given else 1.0)
+                rot = rotate64(new, self.cos, self.sin, self._k_positions(), self.interleaved)[b]
+                err = (got_k.double() * kd - rot).abs()
+                # e4m3 keeps 3 mantissa bits: half a step is 1/16 of the value (a full step
+                # where fp32 rotation and float64 round apart), 2^-10 x descale subnormal.
+                assert bool((err <= rot.abs() / 8 + 2.0 ** -9 * kd).all())
+            if self.block_table is not None:
+                page_size = kc.shape[1]
+                written[self.block_table[b].long()[rows // page_size], rows % page_size] = True
+            else:
+                entry = b if self.cache_batch_idx is None else int(self.cache_batch_idx[b])
+                written[entry, rows] = True
+        assert torch.equal(_bits(kc)[~written], _bits(self.k_cache)[~written])
+        assert torch.equal(_bits(vc)[~written], _bits(self.v_cache)[~written])
+
+
+# (dtype, mode, kv_heads, descale, seqlen_q, new_len, causal, extra Case arguments)
+FP8_CASES = [
+    (torch.bfloat16, "dense", 2, "heads", 1, 2, False, {}),
+    (torch.float16, "dense", 1, "scalar", 3, 0, True, {}),              # MQA, no append
+    (torch.bfloat16, "paged", 2, "one", 1, 3, False, dict(lengths=(0, 15, 33))),  # across pages
+    (torch.float16, "paged", 2, "heads", 4, 2, True, dict(rotary=(16, False))),
+    (torch.bfloat16, "batch_idx", 2, "heads", 2, 2, True, {}),
+    (torch.float16, "dense", 2, "one", 3, 2, False, dict(leftpad=(3, 4, 0), lengths=(10, 4, 30))),
+    (torch.bfloat16, "dense", 4, "heads", 2, 1, True,
+     dict(window=(6, 0), softcap=30.0, alibi="head")),
+    (torch.float16, "batch_idx", 2, "scalar", 1, 2, False, dict(rotary=(32, True))),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,mode,kv_heads,descale,seqlen_q,new_len,causal,extra", FP8_CASES,
+                         ids=str)
+def test_fp8_cache(device, dtype, mode, kv_heads, descale, seqlen_q, new_len, causal, extra):
+    """FP8 caches (dense, paged, cache_batch_idx, left padding, GQA / MQA / MHA, rotary,
+    variants) against the dequantised cache; appended 16-bit keys / values are quantised."""
+    extra = dict(dict(lengths=(0, 17, 30)), **extra)
+    Fp8Case(device, dtype, mode=mode, kv_heads=kv_heads, descale=descale, seqlen_q=seqlen_q,
+            new_len=new_len, causal=causal, **extra).check()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["dense", "paged"])
+def test_fp8_cache_append_e4m3(device, mode):
+    """New k / v given in e4m3 are stored as they are (already in the cache's units)."""
+    Fp8Case(device, torch.bfloat16, mode=mode, new_fp8=True, lengths=(5, 0, 31), new_len=3,
+            seqlen_q=2, causal=True).check()
+    Fp8Case(device, torch.float16, mode=mode, new_fp8=True, lengths=(5, 0, 31), new_len=2,
+            rotary=(16, True), descale="scalar").check()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("descale", ["pow2", "pow2_heads"])
+def test_fp8_cache_matches_16bit_cache(device, descale):
+    """With power-of-two descales the dequantised cache is exact in 16 bits: the same call on
+    that 16-bit cache gives the same output (the kernels scale by powers of two only)."""
+    case = Fp8Case(device, torch.bfloat16, mode="paged", kv_heads=2, descale=descale,
+                   lengths=(20, 0, 40), new_len=0, seqlen_q=1)
+    kw = case.kwargs()
+    out = fa.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, **kw)
+    kd, vd = kw.pop("k_descale"), kw.pop("v_descale")
+    # Pages are per batch entry (block_table rows are disjoint): dequantise each entry's pages.
+    k16, v16 = case.k_cache.to(torch.bfloat16), case.v_cache.to(torch.bfloat16)
+    for b in range(case.batch):
+        pages = case.block_table[b].long()
+        for cache16, cache8, d in ((k16, case.k_cache, kd), (v16, case.v_cache, vd)):
+            f = d.reshape(()) if d.numel() == 1 else d[b][:, None]
+            cache16[pages] = (_bits(cache8)[pages].view(FP8).double() * f).to(torch.bfloat16)
+    expected = fa.flash_attn_with_kvcache(case.q, k16, v16, **kw)
+    tol = dict(atol=0, rtol=0) if device == "cuda" else {}
+    torch.testing.assert_close(out, expected, **tol)
+
+
+def _fp8_small(device="cpu", batch=2):
+    q = torch.randn(batch, 1, HEADS, 32, dtype=torch.bfloat16).to(device)
+    cache = (torch.randn(batch, 10, 2, 32) * 32).to(FP8).to(device)
+    k = torch.randn(batch, 1, 2, 32, dtype=torch.bfloat16).to(device)
+    d = torch.ones((), device=device)
+    return q, cache, k, d
+
+
+FP8_BAD = [
+    (dict(k_descale=None), ValueError, "k_descale"),
+    (dict(k_descale=None, v_descale=None), ValueError, "k_descale.*v_descale"),
+    (dict(v_descale=torch.ones(3, 2)), RuntimeError, "v_descale.*shape"),
+    (dict(k_descale=torch.ones(2, 2, 1)), RuntimeError, "k_descale.*shape"),
+    (dict(k_descale=torch.ones(2)), RuntimeError, "k_descale.*shape"),
+    (dict(k_descale=torch.ones((), dtype=torch.float64)), RuntimeError, "k_descale.*float32"),
+    (dict(v_descale=torch.ones((), dtype=torch.bfloat16)), RuntimeError, "v_descale.*float32"),
+    (dict(k_descale=1.0), TypeError, "k_descale"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", FP8_BAD, ids=lambda x: str(x)[:40])
+def test_fp8_bad_descales(kwargs, exc, match):
+    q, cache, k, d = _fp8_small()
+    args = dict(k=k, v=k.clone(), cache_seqlens=3, k_descale=d, v_descale=d.clone())
+    args.update(kwargs)
+    before = cache.clone()
+    with pytest.raises(exc, match=match):
+        fa.flash_attn_with_kvcache(q, cache, cache.clone(), **args)
+    assert torch.equal(_bits(cache), _bits(before))  # nothing appended
+
+
+def test_fp8_bad_inputs():
+    q, cache, k, d = _fp8_small()
+    desc = dict(k_descale=d, v_descale=d)
+    with pytest.raises(ValueError, match="FP8"):  # descales with a 16-bit cache
+        fa.flash_attn_with_kvcache(q, cache.to(torch.bfloat16), cache.to(torch.bfloat16),
+                                   cache_seqlens=3, **desc)
+    with pytest.raises(NotImplementedError, match="float32"):  # float32 q
+        fa.flash_attn_with_kvcache(q.float(), cache, cache, cache_seqlens=3, **desc)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        fa.flash_attn_with_kvcache(q, cache, cache.to(torch.bfloat16), cache_seqlens=3, **desc)
+    # The raw operator checks the same (RuntimeError, NotImplementedError for float32 q).
+    fwd = torch.ops.flash_attn_ext.fwd
+    used = _i32([3, 3], "cpu")
+    with pytest.raises(RuntimeError, match="k_descale and v_descale"):
+        fwd(q, cache, cache, 0.1, False, True, 0, 0, used)
+    with pytest.raises(RuntimeError, match="k_descale and v_descale"):
+        fwd(q, cache, cache, 0.1, False, True, 0, 0, used, k_descale=d)
+    with pytest.raises(RuntimeError, match="FP8"):
+        fwd(q, q, q, 0.1, False, True, 0, 0, None, k_descale=d, v_descale=d)
+    with pytest.raises(RuntimeError, match="v_descale.*shape"):
+        fwd(q, cache, cache, 0.1, False, True, 0, 0, used, k_descale=d,
+            v_descale=torch.ones(2, 3))
+    with pytest.raises(NotImplementedError, match="float32"):
+        fwd(q.float(), cache, cache, 0.1, False, True, 0, 0, used, **desc)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        fwd(q, cache, cache.to(torch.bfloat16), 0.1, False, True, 0, 0, used, **desc)
+    # FP8 k / v reach the kernels through the KV cache path only.
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        fa.flash_attn_func(q, cache, cache)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        torch.ops.flash_attn_ext.bwd(q, q, cache, cache, q, torch.zeros(2, HEADS, 1), 0.1,
+                                     False, True)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        fa.flash_attn_varlen_func(q[:, 0], cache[0], cache[0], _i32([0, 1, 2], "cpu"),
+                                  _i32([0, 5, 10], "cpu"), 1, 5)
+
+
+def test_fp8_opcheck():
+    """opcheck of fwd with an FP8 cache. Its test_schema compares the inputs before and after
+    with torch.allclose, which float8 tensors lack (torch 2.15): the inputs are compared by
+    their bytes here instead."""
+    q, cache, _, d = _fp8_small()
+    fwd = torch.ops.flash_attn_ext.fwd.default
+    utils = [u for u in OPCHECK_UTILS if u != "test_schema"]
+    kd = torch.rand(2, 2) + 0.5
+    pool = (torch.randn(5, 16, 2, 32) * 32).to(FP8)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    calls = [((q, cache, cache, 0.2, True, True, 0, 0, _i32([7, 10], "cpu")),
+              dict(k_descale=kd, v_descale=d)),
+             ((q, pool, pool, 0.2, False, True, 0, 0, _i32([20, 3], "cpu")),
+              dict(block_table=table, k_descale=d.reshape(1), v_descale=kd))]
+    for args, kwargs in calls:
+        torch.library.opcheck(fwd, args, kwargs, test_utils=utils)
+        before = args[1].clone()
+        fwd(*args, **kwargs)
+        assert torch.equal(_bits(args[1]), _bits(before))
+
+
+# ---- FP8 cache on CUDA ----------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_cuda_fp8_head_dims_and_splits(head_dim, num_splits):
+    """Every kernel head dim of the FP8 cache kernels (row-wise and per-copy look-ups, both q
+    dtypes), unsplit, heuristic and forced split-KV, plain and variant kernels."""
+    dtype = torch.bfloat16 if head_dim % 64 == 0 else torch.float16
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    common = dict(head_dim=head_dim, lengths=(0, 200, 517), new_len=3, cache_len=600)
+    Fp8Case("cuda", dtype, mode="paged", page_size=16, seqlen_q=1, **common).check(
+        num_splits=num_splits)
+    Fp8Case("cuda", other, mode="paged", page_size=64, seqlen_q=4, causal=True,
+            rotary=(32, True), descale="one", **common).check(num_splits=num_splits)
+    Fp8Case("cuda", dtype, mode="batch_idx", seqlen_q=2, leftpad=(0, 50, 7), softcap=30.0,
+            descale="scalar", **common).check(num_splits=num_splits)
+    Fp8Case("cuda", other, mode="dense", seqlen_q=1, kv_heads=1, **common).check(
+        num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [40, 72, 200])
+def test_cuda_fp8_padded_head_dim(head_dim):
+    """Head dims that are no multiple of 16: the FP8 cache is padded to one (a copy)."""
+    Fp8Case("cuda", torch.bfloat16, head_dim=head_dim, mode="paged", lengths=(3, 40, 90),
+            new_len=2, cache_len=96, seqlen_q=2, causal=True).check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tile", [1, 2, 3])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_fp8_forced_tiles_match_16bit(dtype, tile, head_dim):
+    """The raw operator with a forced tile and one split: an FP8 cache with power-of-two
+    descales gives exactly the output of the 16-bit cache kernels on the dequantised cache
+    (same tile; the conversion is exact and the factors are powers of two)."""
+    case = Fp8Case("cuda", dtype, head_dim=head_dim, mode="paged", lengths=(100, 0, 300),
+                   new_len=0, cache_len=320, seqlen_q=1, descale="pow2_heads")
+    if dtype == torch.float16:
+        # e4m3 subnormals are fp16 subnormals in both computations (x 2^-8 in the kernel's
+        # conversion, x descale in the 16-bit cache): keep the comparison to normal numbers.
+        for cache in (case.k_cache, case.v_cache):
+            codes = cache.view(torch.uint8)
+            codes[(codes & 0x78) == 0] = 0
+    used = _i32(case.lengths, "cuda")
+    fwd = torch.ops.flash_attn_ext.fwd
+    out, lse = fwd(case.q, case.k_cache, case.v_cache, head_dim ** -0.5, False, True, 1, tile,
+                   used, block_table=case.block_table, k_descale=case.k_descale,
+                   v_descale=case.v_descale)
+    k16, v16 = case.k_cache.to(dtype), case.v_cache.to(dtype)
+    for b in range(case.batch):
+        pages = case.block_table[b].long()
+        k16[pages] = (_bits(case.k_cache)[pages].view(FP8).double() *
+                      case.k_descale[b][:, None]).to(dtype)
+        v16[pages] = (_bits(case.v_cache)[pages].view(FP8).double() *
+                      case.v_descale[b][:, None]).to(dtype)
+    out16, lse16 = fwd(case.q, k16, v16, head_dim ** -0.5, False, True, 1, tile, used,
+                       block_table=case.block_table)
+    assert torch.equal(out, out16)
+    torch.testing.assert_close(lse, lse16, atol=0, rtol=0)
+    (ref_out, _), (base_out, _) = case.reference(case.k_cache, case.v_cache)
+    assert_fa_rule(out, ref_out, base_out, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [2, 3, 6, 7])
+@pytest.mark.parametrize("kv_heads", [8, 32])
+def test_cuda_fp8_decode_splits(num_splits, kv_heads):
+    """The benchmark's decode shape (B=8, H=32, D=128, one query per sequence) with split-KV:
+    up to 6 splits merge in a thread-block cluster on sm_90, 7 in the combine kernel."""
+    case = Fp8Case("cuda", torch.bfloat16, batch=8, kv_heads=kv_heads, head_dim=128,
+                   lengths=tuple(range(1000, 1800, 100)), new_len=1, cache_len=2048,
+                   seqlen_q=1)
+    case.q = randn((8, 1, 32, 128), torch.bfloat16, "cuda", 5)
+    case.check(num_splits=num_splits)
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_long_paged_prefill():
+    """A long query chunk against a paged FP8 cache (the decode tile at seqlen_q > 16)."""
+    Fp8Case("cuda", torch.float16, head_dim=128, mode="paged", page_size=16, lengths=(300, 0),
+            batch=2, new_len=100, seqlen_q=100, cache_len=512, causal=True).check()
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_descale_on_another_device():
+    q, cache, k, d = _fp8_small("cuda")
+    with pytest.raises(RuntimeError, match="k_descale.*device"):
+        fa.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=3,
+                                   k_descale=d.cpu(), v_descale=d)
+    with pytest.raises(RuntimeError, match="v_descale.*device"):
+        torch.ops.flash_attn_ext.fwd(q, cache, cache, 0.1, False, True, 0, 0,
+                                     _i32([3, 3], "cuda"), k_descale=d, v_descale=d.cpu())
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_graph_decode_loop():
+    """Five decode steps on a paged FP8 cache (append with quantisation and rotary embeddings,
+    then attention) captured in a CUDA graph give what eager calls give, bit for bit."""
+    steps = 5
+    case = Fp8Case("cuda", torch.bfloat16, batch=3, head_dim=128, mode="paged", page_size=16,
+                   lengths=(0, 15, 100), new_len=1, cache_len=128, rotary=(64, True),
+                   causal=True)
+    lengths0 = _i32(case.lengths, "cuda")
+    qs = [randn(case.q.shape, case.dtype, "cuda", 100 + t) for t in range(steps)]
+    ks = [randn(case.k_new.shape, case.dtype, "cuda", 200 + t) for t in range(steps)]
+    vs = [randn(case.v_new.shape, case.dtype, "cuda", 300 + t) for t in range(steps)]
+    kw = case.kwargs()
+    del kw["cache_seqlens"]
+    kc_eager, vc_eager = case.k_cache.clone(), case.v_cache.clone()
+    eager = [fa.flash_attn_with_kvcache(qs[t], kc_eager, vc_eager, k=ks[t], v=vs[t],
+                                        cache_seqlens=lengths0 + t, **kw) for t in range(steps)]
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    q_s, k_s, v_s, lengths_s = qs[0].clone(), ks[0].clone(), vs[0].clone(), lengths0.clone()
+
+    def step():
+        return fa.flash_attn_with_kvcache(q_s, kc, vc, k=k_s, v=v_s, cache_seqlens=lengths_s, **kw)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_s = step()
+    kc.copy_(case.k_cache)
+    vc.copy_(case.v_cache)
+    for t in range(steps):
+        q_s.copy_(qs[t])
+        k_s.copy_(ks[t])
+        v_s.copy_(vs[t])
+        lengths_s.copy_(lengths0 + t)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_s, eager[t]), f"step {t}"
+    assert torch.equal(_bits(kc), _bits(kc_eager)) and torch.equal(_bits(vc), _bits(vc_eager))

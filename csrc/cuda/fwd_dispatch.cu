@@ -56,18 +56,29 @@ struct TileShape {
   int ctas_per_sm;  // estimate: registers (<= 255 per thread) and shared memory
 };
 
+template <typename X>
+struct TypeTag {
+  using type = X;
+};
+
+// kv_fp8: the FP8 KV cache kernels' traits (decode tiles; their shared memory).
 template <int D>
-TileShape tile_shape_of(bool causal, FwdTile family) {
-  auto shape = [](auto config) {
+TileShape tile_shape_of(bool causal, FwdTile family, bool kv_fp8) {
+  auto shape = [](auto config, auto traits) {
     using C = decltype(config);
-    using Traits = typename C::template Traits<__half>;
+    using Traits = typename decltype(traits)::type;
     // Up to 255 registers per thread, 64K per SM, at most 32 CTAs per SM.
     const int by_regs = std::max(1, std::min(32, 65536 / (Traits::kNThreads * 255)));
     const int by_smem = std::max(1, (227 * 1024) / Traits::kSmemBytes);
     return TileShape{C::kBlockM, C::kBlockN, std::min(by_regs, by_smem)};
   };
+  auto decode_shape = [&](auto config) {
+    using C = decltype(config);
+    return kv_fp8 ? shape(config, TypeTag<typename C::template Traits<__half, true>>{})
+                  : shape(config, TypeTag<typename C::template Traits<__half>>{});
+  };
   if (family == kFwdTileSmallMKeyWarps) {
-    return shape(FwdTileConfigDecode<D, kFwdDecodeKeyWarps>{});
+    return decode_shape(FwdTileConfigDecode<D, kFwdDecodeKeyWarps>{});
   }
   if (family == kFwdTileSmallM) {
     // Bandwidth-bound: what matters is bytes in flight per SM, not filling
@@ -75,23 +86,26 @@ TileShape tile_shape_of(bool causal, FwdTile family) {
     // K/V): 2 splits (~3.9 CTAs/SM) 4299-4623 > 3 splits (5.8/SM, one full
     // wave of 6) 4240-4565 > 4 splits (two waves) 3822-4057; cuDNN 4268-4572.
     // So the split heuristic sizes one wave as 4 CTAs per SM.
-    TileShape s = shape(FwdTileConfigDecode<D>{});
+    TileShape s = decode_shape(FwdTileConfigDecode<D>{});
     s.ctas_per_sm = std::min(s.ctas_per_sm, 4);
     return s;
   }
-  return causal ? shape(FwdTileConfig<D, true>{}) : shape(FwdTileConfig<D, false>{});
+  using Causal = FwdTileConfig<D, true>;
+  using Full = FwdTileConfig<D, false>;
+  return causal ? shape(Causal{}, TypeTag<typename Causal::template Traits<__half>>{})
+                : shape(Full{}, TypeTag<typename Full::template Traits<__half>>{});
 }
 
-TileShape tile_shape(int kernel_dim, bool causal, FwdTile family) {
+TileShape tile_shape(int kernel_dim, bool causal, FwdTile family, bool kv_fp8) {
   switch (kernel_dim) {
-    case 32: return tile_shape_of<32>(causal, family);
-    case 64: return tile_shape_of<64>(causal, family);
-    case 96: return tile_shape_of<96>(causal, family);
-    case 128: return tile_shape_of<128>(causal, family);
-    case 160: return tile_shape_of<160>(causal, family);
-    case 192: return tile_shape_of<192>(causal, family);
-    case 224: return tile_shape_of<224>(causal, family);
-    default: return tile_shape_of<256>(causal, family);
+    case 32: return tile_shape_of<32>(causal, family, kv_fp8);
+    case 64: return tile_shape_of<64>(causal, family, kv_fp8);
+    case 96: return tile_shape_of<96>(causal, family, kv_fp8);
+    case 128: return tile_shape_of<128>(causal, family, kv_fp8);
+    case 160: return tile_shape_of<160>(causal, family, kv_fp8);
+    case 192: return tile_shape_of<192>(causal, family, kv_fp8);
+    case 224: return tile_shape_of<224>(causal, family, kv_fp8);
+    default: return tile_shape_of<256>(causal, family, kv_fp8);
   }
 }
 
@@ -107,10 +121,11 @@ int64_t unsplit_ctas(const AttentionFwdParams& params, const TileShape& shape) {
          ((params.seqlen_q + shape.block_m - 1) / shape.block_m);
 }
 
-// Bytes of K and V a call reads at most (16-bit elements, the full seqlen_k):
-// the size both the cluster-merge cost model and the L2 policy go by.
+// Bytes of K and V a call reads at most (16-bit or FP8 elements, the full
+// seqlen_k): the size both the cluster-merge cost model and the L2 policy go by.
 double kv_bytes(const AttentionFwdParams& params) {
-  return 2.0 * params.batch * params.heads_k * params.seqlen_k * params.head_dim * 2;
+  const int elem_bytes = params.kv_dtype == DType::kFloat8E4M3 ? 1 : 2;
+  return 2.0 * params.batch * params.heads_k * params.seqlen_k * params.head_dim * elem_bytes;
 }
 
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
@@ -151,10 +166,11 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
 // Never KV cache addressing (block table, cache_batch_idx, left padding): its
 // TMA maps address K/V by (batch, row) strides, so those calls run the
 // mma.sync decode kernels (has_var_seqs also excludes them; this says so).
+// Nor an FP8 KV cache (16-bit q, e4m3 K/V): the mma.sync decode kernels too.
 bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 #ifdef FAE_HAS_SM90A
   if (kernel_impl_requested("FLASH_ATTN_EXT_FWD_IMPL") == KernelImpl::kMma) return false;
-  if (has_kv_cache_addressing(params)) return false;
+  if (fwd_runs_kvcache_kernels(params)) return false;
   return params.dtype != DType::kFloat32 && fwd_sm90_head_dim(kernel_dim) &&
          !has_var_seqs(params) && params.num_splits <= 1 &&
          params.fwd_tile == kFwdTileAuto && !fwd_uses_decode_tile(params) &&
@@ -175,6 +191,9 @@ void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
   const int kernel_dim = fwd_rounded_head_dim(params.head_dim);
   const bool sm90 = use_sm90_forward(params, kernel_dim);
   auto run = [&](auto dim_tag) {
+    if (params.kv_dtype == DType::kFloat8E4M3) {  // an FP8 KV cache: its decode tiles
+      return run_fwd_kvcache_fp8_impl<T, decltype(dim_tag)::value>(params, stream);
+    }
     if (has_kv_cache_addressing(params)) {  // decode tiles with cache addressing
       return run_fwd_kvcache_impl<T, decltype(dim_tag)::value>(params, stream);
     }
@@ -217,7 +236,7 @@ constexpr int kMaxKeyWarpClusterSplits = 3;
 static TileShape call_tile_shape(const AttentionFwdParams& params) {
   // Variant calls run the non-causal tile (run_fwd_variants_impl).
   return tile_shape(fwd_rounded_head_dim(params.head_dim), params.causal && !has_variants(params),
-                    tile_family(params));
+                    tile_family(params), params.kv_dtype == DType::kFloat8E4M3);
 }
 
 // The split heuristic on the call's tile, then: a few splits past the tile's
@@ -258,13 +277,14 @@ static int heuristic_splits(const AttentionFwdParams& params, int num_sms) {
 //   256  4   32     8k     0.833    1.222 (2)
 //   256  1    8    16k     1.251    1.232 (many)
 // A forced split count > 1 keeps the one-warp tile.
-// KV cache addressing is compiled for the decode tiles only
-// (run_fwd_kvcache_impl): such calls run them at any seqlen_q (a forced large
-// tile included). Correct for any shape; a long query (a paged prefill chunk)
-// then re-reads K/V once per 16 query rows instead of once per 128.
+// KV cache addressing and FP8 KV caches are compiled for the decode tiles only
+// (run_fwd_kvcache_impl, run_fwd_kvcache_fp8_impl): such calls run them at any
+// seqlen_q (a forced large tile included). Correct for any shape; a long query
+// (a paged prefill chunk) then re-reads K/V once per 16 query rows instead of
+// once per 128.
 void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {
   if (params.dtype == DType::kFloat32 || params.head_dim <= 0 || params.head_dim > 256) return;
-  if (has_kv_cache_addressing(params) && !fwd_uses_decode_tile(params)) {
+  if (fwd_runs_kvcache_kernels(params) && !fwd_uses_decode_tile(params)) {
     params.fwd_tile = kFwdTileSmallM;
   }
   if (params.fwd_tile != kFwdTileAuto || params.num_splits > 1 || !fwd_uses_decode_tile(params)) {
@@ -304,7 +324,7 @@ bool fwd_merges_splits_in_cluster(const AttentionFwdParams& params, int num_spli
   // so do KV cache calls that run the variant kernel (causal ones included).
   if (num_splits <= 1 || num_splits > kMaxClusterSplits || params.dtype == DType::kFloat32 ||
       params.cu_seqlens_q != nullptr || !fwd_uses_decode_tile(params) || has_variants(params) ||
-      (has_kv_cache_addressing(params) && fwd_kvcache_uses_variant_kernel(params))) {
+      (fwd_runs_kvcache_kernels(params) && fwd_kvcache_uses_variant_kernel(params))) {
     return false;
   }
   return kv_bytes(params) * (num_splits - 1) <= kClusterMergeMaxBytesTimesSplits &&
@@ -388,6 +408,13 @@ void run_fwd(AttentionFwdParams& params, cudaStream_t stream) {
   if (params.head_dim <= 0 || params.head_dim % 8 != 0 || params.head_dim > 256) {
     throw std::runtime_error("flash_attn_ext: CUDA forward needs head_dim % 8 == 0 and <= 256, got " +
                              std::to_string(params.head_dim));
+  }
+  if (params.kv_dtype != params.dtype &&
+      (params.kv_dtype != DType::kFloat8E4M3 || params.dtype == DType::kFloat32 ||
+       params.head_dim % 16 != 0)) {
+    // ops_common.h admits an FP8 K/V only under a 16-bit q; ops_cuda.cpp pads its head dim.
+    throw std::runtime_error("flash_attn_ext: internal error: FP8 K/V need a 16-bit q and a "
+                             "head dim that is a multiple of 16 on CUDA");
   }
   if (params.heads_k <= 0 || params.heads % params.heads_k != 0) {
     throw std::runtime_error("flash_attn_ext: heads (" + std::to_string(params.heads) +

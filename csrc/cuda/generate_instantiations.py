@@ -5,7 +5,8 @@ The attention-variant passes (window / softcap / ALiBi; mma.sync kernels and
 the Hopper forward and backward) have no causal dimension: one file per (pass, dtype, head dim), where causal is the
 window's right bound (fwd_var_*, bwd_var_*, fwd_sm90_var_*, bwd_sm90_var_*).
 The KV cache forward (block table / cache_batch_idx / left padding on the
-mma.sync decode tiles) likewise: fwd_kv_*_cache.cu. The FP8 forward's files
+mma.sync decode tiles) likewise: fwd_kv_*_cache.cu, and fwd_kvfp8_*_cache.cu for
+an FP8 (e4m3) KV cache under a 16-bit q. The FP8 forward's files
 are named by their output dtype (fwd_sm90_fp8_bf16_*: e4m3 in, bf16 out).
 
 Each file explicitly instantiates one launcher template, so nvcc compiles the
@@ -45,6 +46,9 @@ KV_CACHE_PASSES = {
     # mma.sync decode tiles reading K/V through the KV cache addressing (forward only).
     "fwd_kv": ("sm80/fwd_launch_template.cuh", "run_fwd_kvcache_impl", "AttentionFwdParams",
                HEAD_DIMS),
+    # The same tiles on an FP8 (e4m3) KV cache under a 16-bit q (the dtype in the name is q's).
+    "fwd_kvfp8": ("sm80/fwd_launch_template.cuh", "run_fwd_kvcache_fp8_impl",
+                  "AttentionFwdParams", HEAD_DIMS),
 }
 
 # The FP8 (e4m3) Hopper forward, per output dtype (fwd_sm90_fp8_<out dtype>_*):

@@ -33,8 +33,13 @@ bool is_aligned_16(const at::Tensor& t) {
 // Most inputs already qualify (no copy). Otherwise pad the head dim with
 // zeros (zeros leave QK^T unchanged, and the padded columns of O / dQ / dK /
 // dV are sliced away) or copy to a fresh contiguous tensor.
+// FP8 (e4m3) tensors are padded as bytes (0x00 is +0).
 at::Tensor kernel_friendly(const at::Tensor& t, int64_t padded_head_dim) {
   if (t.size(-1) != padded_head_dim) {
+    if (t.scalar_type() == at::kFloat8_e4m3fn) {
+      return at::constant_pad_nd(t.view(at::kByte), {0, padded_head_dim - t.size(-1)}, 0)
+          .view(t.scalar_type());
+    }
     return at::constant_pad_nd(t, {0, padded_head_dim - t.size(-1)}, 0);
   }
   return is_aligned_16(t) ? t : t.contiguous();
@@ -132,7 +137,11 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
   const bool varlen = p.cu_seqlens_q != nullptr;
 
   const int64_t head_dim = q_in.size(-1);
-  const int64_t head_dim_padded = round_up_head_dim(head_dim);
+  // An FP8 cache's rows are copied 16 elements (bytes) at a time
+  // (sm80/fwd_kernel.cuh, load_cache_tile_fp8_async): head dim a multiple of 16.
+  const int64_t head_dim_padded = p.kv_dtype == DType::kFloat8E4M3
+                                      ? (head_dim + 15) / 16 * 16
+                                      : round_up_head_dim(head_dim);
   at::Tensor q = kernel_friendly(q_in, head_dim_padded);
   at::Tensor k = kernel_friendly(k_in, head_dim_padded);
   at::Tensor v = kernel_friendly(v_in, head_dim_padded);
@@ -189,11 +198,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
                                             const std::optional<at::Tensor>& attn_mask,
                                             const std::optional<at::Tensor>& block_table,
                                             const std::optional<at::Tensor>& cache_batch_idx,
-                                            const std::optional<at::Tensor>& cache_leftpad) {
+                                            const std::optional<at::Tensor>& cache_leftpad,
+                                            const std::optional<at::Tensor>& k_descale,
+                                            const std::optional<at::Tensor>& v_descale) {
   // Validate the user's tensors first so messages name their shapes.
   const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
                          dropout_p,   rng_state,    attn_mask};
-  const KVCacheArgs cache{block_table, cache_batch_idx, cache_leftpad};
+  const KVCacheArgs cache{block_table, cache_batch_idx, cache_leftpad, k_descale, v_descale};
   const AttentionFwdParams p = make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right,
                                                seqused_k, &var, &cache);
   return run_fwd_cuda(p, q, k, v, num_splits, tile);

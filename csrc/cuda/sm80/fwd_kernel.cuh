@@ -104,9 +104,10 @@ FAE_DEVICE void load_tile_async(typename Traits::T* smem, const typename Traits:
 // The other map (head dims whose chunk count does not divide the threads)
 // looks every copy up.
 // ---------------------------------------------------------------------------
-template <typename Traits>
+// kChunkElems: elements per 16-byte copy (8 of a 16-bit tile; 16 of an FP8 one).
+template <typename Traits, int kChunkElems = 8>
 struct CacheTileMap {
-  static constexpr int kChunks = Traits::kHeadDim / 8;
+  static constexpr int kChunks = Traits::kHeadDim / kChunkElems;
   static constexpr int kThreads = Traits::kNThreads;
   static constexpr int kRows = Traits::kBlockN;
   static constexpr bool kRowWise =
@@ -127,11 +128,11 @@ struct CacheTileMap {
 // The cache rows (kv_row) of the thread's first row in each 16-row group of the
 // tile whose row 0 is sequence row `row0` (row-wise map); rows past valid_rows
 // are not looked up (their block-table entries may not exist).
-template <typename Traits>
-FAE_DEVICE void cache_tile_rows(KVRow (&rows)[CacheTileMap<Traits>::kGroups],
+template <typename Traits, int kChunkElems = 8>
+FAE_DEVICE void cache_tile_rows(KVRow (&rows)[CacheTileMap<Traits, kChunkElems>::kGroups],
                                 const AttentionFwdParams& params, int batch, int64_t row0,
                                 int valid_rows, int tid) {
-  using Map = CacheTileMap<Traits>;
+  using Map = CacheTileMap<Traits, kChunkElems>;
   if constexpr (Map::kRowWise) {
 #pragma unroll
     for (int g = 0; g < Map::kGroups; ++g) {
@@ -182,6 +183,138 @@ FAE_DEVICE void load_cache_tile_async(typename Traits::T* smem, const typename T
       const auto* src =
           valid ? base + kv_row_offset(params, st, batch, head, row0 + row) + chunk * 8 : base;
       copy_16<kFullL2Hint>(smem + Layout::offset(row, chunk), src, valid, l2_policy);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// FP8 (e4m3) K / V tiles (Traits::kKVFp8: an FP8 KV cache under a 16-bit q).
+// A tile row of kHeadDim bytes is copied in 16-byte chunks (16 elements) with
+// the cache map of 16-element chunks (CacheTileMap<Traits, 16>) into a
+// row-major staging tile, by the same cp.async pipeline (and L2 policy) as the
+// 16-bit tiles; rows past valid_rows and columns past head_dim (a multiple of
+// 16: ops_cuda.cpp pads) are zero-filled. Once a thread's copies have landed
+// (its own cp.async wait, no barrier) it converts exactly those chunks into
+// the 16-bit tile (convert_fp8_tile), and the kernel's barrier publishes them.
+// ---------------------------------------------------------------------------
+template <typename Traits, bool kFullL2Hint>
+FAE_DEVICE void load_cache_tile_fp8_async(uint8_t* stage, const uint8_t* base,
+                                          const TensorStrides& st,
+                                          const KVRow (&rows)[CacheTileMap<Traits, 16>::kGroups],
+                                          const AttentionFwdParams& params, int batch, int head,
+                                          int64_t row0, int valid_rows, int head_dim, int tid,
+                                          uint64_t l2_policy) {
+  using Map = CacheTileMap<Traits, 16>;
+  constexpr int kRowBytes = Traits::kHeadDim;
+  if constexpr (Map::kRowWise) {
+    const int chunk = tid % Map::kChunks;
+    const int row_first = tid / Map::kChunks;
+    const bool col_valid = kFullL2Hint || chunk * 16 < head_dim;
+#pragma unroll
+    for (int g = 0; g < Map::kGroups; ++g) {
+      const uint8_t* src = base + kv_offset(st, rows[g], head) + chunk * 16;
+#pragma unroll
+      for (int j = 0; j < Map::kItersPerGroup; ++j) {
+        const int row = row_first + (g * Map::kItersPerGroup + j) * Map::kRowsPerIter;
+        const bool valid = kFullL2Hint || (col_valid && row < valid_rows);
+        copy_16<kFullL2Hint>(stage + row * kRowBytes + chunk * 16, valid ? src : base, valid,
+                             l2_policy);
+        src += Map::kRowsPerIter * st.row;
+      }
+    }
+  } else {
+    constexpr int kTotal = Map::kRows * Map::kChunks;
+    constexpr int kIters = (kTotal + Map::kThreads - 1) / Map::kThreads;
+#pragma unroll(kIters <= 8 ? kIters : 4)
+    for (int i = 0; i < kIters; ++i) {
+      const int idx = tid + i * Map::kThreads;
+      if (kTotal % Map::kThreads != 0 && idx >= kTotal) break;
+      const int row = idx / Map::kChunks;
+      const int chunk = idx % Map::kChunks;
+      const bool valid = kFullL2Hint || (row < valid_rows && chunk * 16 < head_dim);
+      const uint8_t* src =
+          valid ? base + kv_row_offset(params, st, batch, head, row0 + row) + chunk * 16 : base;
+      copy_16<kFullL2Hint>(stage + idx * 16, src, valid, l2_policy);
+    }
+  }
+}
+
+// Four e4m3 values (bytes 0-3 of w) -> two pairs of T = 2^-8 x their values,
+// exactly (every e4m3 value is a T value): lo = bytes (0, 1), hi = (2, 3). The
+// byte goes to the high byte of a 16-bit lane (s eeee mmm 00000000); one right
+// shift puts exponent and mantissa where fp16's are (bias 15 instead of 7: x
+// 2^-8, subnormals included), four put them where bf16's are (x 2^-120, then
+// one bf16x2 multiply by 2^112, exact, bf16 subnormals being supported). The
+// 2^8 goes into the softmax scale and the epilogue (kFp8Dequant). e4m3's NaN
+// (S.1111.111) comes out as +-480 (x 2^-8).
+template <typename T>
+FAE_DEVICE uint32_t fp8x2_to_16bit(uint32_t w, uint32_t selector) {
+  const uint32_t t = __byte_perm(w, 0u, selector);  // [b_hi, 0, b_lo, 0]
+  if constexpr (std::is_same_v<T, __half>) {
+    return (t & 0x80008000u) | ((t >> 1) & 0x3F803F80u);
+  } else {
+    const uint32_t bits = (t & 0x80008000u) | ((t >> 4) & 0x07F007F0u);  // x 2^-120
+    uint32_t out;
+    // 2^112 = bf16 0x7780; -0 keeps the sign of zeros.
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
+        : "=r"(out) : "r"(bits), "r"(0x77807780u), "r"(0x80008000u));
+    return out;
+  }
+}
+
+// The factor the converted K / V values are short of (fp8x2_to_16bit).
+inline constexpr float kFp8Dequant = 256.f;
+
+// 16 staged e4m3 values (one 16-byte copy) -> 16-bit chunks 2c and 2c + 1 of
+// `row` of a K/V tile. Threads c = 4..7 (mod 8) store chunk 2c + 1 first, so
+// that the 8 threads of a store phase hit 8 different 16-byte bank groups (a
+// row holds its 16-byte copies in consecutive threads; with the swizzle both
+// orders land on {0, 2, 4, 6} ^ s otherwise).
+template <typename Traits>
+FAE_DEVICE void convert_fp8_chunk(typename Traits::T* tile, const uint8_t* staged, int row,
+                                  int chunk) {
+  using T = typename Traits::T;
+  using Layout = typename Traits::KVLayout;
+  const uint4 in = *reinterpret_cast<const uint4*>(staged);
+  const bool swap = (chunk >> 2) & 1;
+  const uint32_t w0 = swap ? in.z : in.x, w1 = swap ? in.w : in.y;  // the chunk stored first
+  const uint32_t w2 = swap ? in.x : in.z, w3 = swap ? in.y : in.w;
+  const int first = 2 * chunk + (swap ? 1 : 0);
+  const int second = 2 * chunk + (swap ? 0 : 1);
+  *reinterpret_cast<uint4*>(tile + Layout::offset(row, first)) =
+      make_uint4(fp8x2_to_16bit<T>(w0, 0x1404), fp8x2_to_16bit<T>(w0, 0x3424),
+                 fp8x2_to_16bit<T>(w1, 0x1404), fp8x2_to_16bit<T>(w1, 0x3424));
+  *reinterpret_cast<uint4*>(tile + Layout::offset(row, second)) =
+      make_uint4(fp8x2_to_16bit<T>(w2, 0x1404), fp8x2_to_16bit<T>(w2, 0x3424),
+                 fp8x2_to_16bit<T>(w3, 0x1404), fp8x2_to_16bit<T>(w3, 0x3424));
+}
+
+// Converts the chunks this thread copied (load_cache_tile_fp8_async's map)
+// from the staging tile into the 16-bit tile.
+template <typename Traits>
+FAE_DEVICE void convert_fp8_tile(typename Traits::T* tile, const uint8_t* stage, int tid) {
+  using Map = CacheTileMap<Traits, 16>;
+  constexpr int kRowBytes = Traits::kHeadDim;
+  if constexpr (Map::kRowWise) {
+    const int chunk = tid % Map::kChunks;
+    const int row_first = tid / Map::kChunks;
+    constexpr int kIters = Map::kRows / Map::kRowsPerIter;
+    // Partial unroll past 8 chunks per thread (one warp at D=256: 16): fully
+    // unrolled, ptxas issued every staged load first and spilled.
+#pragma unroll(kIters <= 8 ? kIters : 4)
+    for (int i = 0; i < kIters; ++i) {
+      const int row = row_first + i * Map::kRowsPerIter;
+      convert_fp8_chunk<Traits>(tile, stage + row * kRowBytes + chunk * 16, row, chunk);
+    }
+  } else {
+    constexpr int kTotal = Map::kRows * Map::kChunks;
+    constexpr int kIters = (kTotal + Map::kThreads - 1) / Map::kThreads;
+    // (Key warps at D=224, 7 chunks per thread: fully unrolled, 8 bytes of spills.)
+#pragma unroll(kIters <= 6 ? kIters : 4)
+    for (int i = 0; i < kIters; ++i) {
+      const int idx = tid + i * Map::kThreads;
+      if (kTotal % Map::kThreads != 0 && idx >= kTotal) break;
+      convert_fp8_chunk<Traits>(tile, stage + idx * 16, idx / Map::kChunks, idx % Map::kChunks);
     }
   }
 }
@@ -356,8 +489,8 @@ template <typename Traits, bool kKVCache = false>
 struct KVTileLoader {
   using T = typename Traits::T;
   const AttentionFwdParams& params;
-  T* smem_k;  // kStages K tiles
-  T* smem_v;  // kStages V tiles
+  T* smem_k;  // kKVSlots K tiles (kStages; kKVFp8: 1, the staging tiles have the stages)
+  T* smem_v;  // kKVSlots V tiles
   const T* k_head;
   const T* v_head;
   int64_t row_stride_k;
@@ -405,11 +538,55 @@ struct KVTileLoader {
                                          valid_rows, params.head_dim, tid, 0);
   }
 
+  // kKVFp8: staging tile `slot` of K (which = 0) or V (1), after the V tile.
+  FAE_DEVICE uint8_t* stage(int slot, int which) const {
+    return reinterpret_cast<uint8_t*>(smem_v + Traits::kKVSlots * Traits::kSmemKVElems) +
+           (which * Traits::kStages + slot) * Traits::kSmemKVFp8Bytes;
+  }
+
+  // kKVFp8: one K or V tile into its staging tile, with load()'s L2 policy rule.
+  FAE_DEVICE void load_cache_fp8(uint8_t* staging, const void* base, const TensorStrides& st,
+                                 const KVRow (&rows)[CacheTileMap<Traits, 16>::kGroups],
+                                 int64_t row0, int valid_rows) const {
+    const uint8_t* tensor = static_cast<const uint8_t*>(base);
+    if constexpr (Traits::kKVL2Policy) {
+      if (params.kv_evict_first && valid_rows >= Traits::kBlockN &&
+          params.head_dim == Traits::kHeadDim) {
+        load_cache_tile_fp8_async<Traits, /*kFullL2Hint=*/true>(
+            staging, tensor, st, rows, params, batch, head_k, row0, valid_rows, params.head_dim,
+            tid, l2_policy_evict_first());
+        return;
+      }
+    }
+    load_cache_tile_fp8_async<Traits, false>(staging, tensor, st, rows, params, batch, head_k,
+                                             row0, valid_rows, params.head_dim, tid, 0);
+  }
+
+  // kKVFp8: the thread's own chunks of the staged K (which = 0) or V (1) tile
+  // in `slot` into the (one) 16-bit tile, once its copies of it have landed;
+  // the caller's barrier then publishes the tile. One 16-bit K and V tile
+  // suffice: K_t is converted after the barrier before P V of tile t-1, which
+  // every warp passes once done with K_{t-1}; V_t after the barrier at the top
+  // of tile t, which every warp passes once done with V_{t-1}.
+  FAE_DEVICE void convert(int slot, int which) const {
+    static_assert(Traits::kKVSlots == 1, "FP8 tiles are converted into one 16-bit tile");
+    convert_fp8_tile<Traits>(which == 0 ? smem_k : smem_v, stage(slot, which), tid);
+  }
+
   FAE_DEVICE void load_tile(int tile, int slot) const {
     const int n_block = range_begin + tile;
     const int64_t key0 = static_cast<int64_t>(n_block) * Traits::kBlockN;
     const int valid_rows = seqlen_k - n_block * Traits::kBlockN;
-    if constexpr (kKVCache) {
+    if constexpr (Traits::kKVFp8) {
+      static_assert(kKVCache, "FP8 K/V tiles are read by the KV cache kernels only");
+      const int64_t row0 = row0_k + key0;
+      KVRow rows[CacheTileMap<Traits, 16>::kGroups];
+      cache_tile_rows<Traits, 16>(rows, params, batch, row0, valid_rows, tid);
+      load_cache_fp8(stage(slot, 0), params.k, params.k_strides, rows, row0, valid_rows);
+      cp_async_commit();
+      load_cache_fp8(stage(slot, 1), params.v, params.v_strides, rows, row0, valid_rows);
+      cp_async_commit();
+    } else if constexpr (kKVCache) {
       // K and V share the look-ups (same rows, their own strides).
       const int64_t row0 = row0_k + key0;
       KVRow rows[CacheTileMap<Traits>::kGroups];
@@ -566,12 +743,16 @@ FAE_DEVICE void store_split_partials(const float (&acc_o)[Traits::kMmaM][Traits:
 // kKVCache: K/V through the KV cache addressing (block table, cache_batch_idx,
 // left padding; KVTileLoader), instantiated for the decode tiles only
 // (run_fwd_kvcache_impl), so the other kernels compile as without it.
+// Traits::kKVFp8 (with kKVCache; run_fwd_kvcache_fp8_impl): an FP8 KV cache,
+// staged and converted to 16 bits per tile (convert_fp8_tile), k_descale
+// folded into the softmax scale and v_descale into the epilogue.
 // ---------------------------------------------------------------------------
 template <typename Traits, bool kIsCausal, bool kVarSeq, bool kClusterMerge = false,
           bool kHasVariants = false, bool kAttnMask = false, bool kKVCache = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_kernel(const __grid_constant__ AttentionFwdParams params) {
   static_assert(!kKVCache || kVarSeq, "KV cache addressing reads per-sequence bounds");
+  static_assert(!Traits::kKVFp8 || kKVCache, "FP8 K/V: the KV cache kernels only");
   using T = typename Traits::T;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -581,8 +762,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem_q = reinterpret_cast<T*>(smem_raw);
-  T* smem_k = smem_q + Traits::kSmemQElems;                     // kStages K tiles
-  T* smem_v = smem_k + kStages * Traits::kSmemKVElems;  // kStages V tiles
+  T* smem_k = smem_q + Traits::kSmemQElems;                     // kKVSlots K tiles
+  T* smem_v = smem_k + Traits::kKVSlots * Traits::kSmemKVElems;  // kKVSlots V tiles
   const FwdThread<Traits> th;
 
   // ---- which tile ----------------------------------------------------------
@@ -604,6 +785,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   ScoreVariants variants;
   if constexpr (kHasVariants) variants = ScoreVariants::make(params, seq, batch, head);
+  // FP8 K: real K = k_descale(batch, kv head) x stored = k_descale x kFp8Dequant
+  // x converted, a factor of the scores folded into the softmax scale.
+  float kv_scale_log2 = 0.f;  // kKVFp8: the scale of this CTA's scores
+  if constexpr (Traits::kKVFp8) {
+    const float k_factor = descale_at(params.k_descale, batch, head_k) * kFp8Dequant;
+    kv_scale_log2 = params.scale_log2 * k_factor;
+    if constexpr (kHasVariants) {
+      variants.scale_log2 *= k_factor;
+      variants.softcap_in *= k_factor;
+    }
+  }
   const KeyTileRange range =
       kHasVariants ? key_tile_range_variants<kBlockM, kBlockN>(seq, variants.mask, m_block, split,
                                                                 num_splits)
@@ -650,12 +842,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int n_block = range.begin + tile;
       const int slot = tile % kStages;
       // The warp's key slice: whole rows, so the swizzle (row % 8) is unchanged.
-      const int slice = slot * Traits::kSmemKVElems + th.warp_key0 * KVLayout::kRowStride;
+      // (kKVFp8: one 16-bit K / V tile, converted from staging slot `slot`.)
+      const int slice = (Traits::kKVSlots == 1 ? 0 : slot) * Traits::kSmemKVElems +
+                        th.warp_key0 * KVLayout::kRowStride;
       const T* smem_k_tile = smem_k + slice;
       const T* smem_v_tile = smem_v + slice;
 
       // Groups newer than K_tile: V_tile and 2 per tile tile+1 .. tile+kStages-2.
       cp_async_wait<2 * kStages - 3>();
+      if constexpr (Traits::kKVFp8) kv.convert(slot, 0);  // this thread's chunks of K_tile
       // K_tile is visible to all threads, and every warp has finished tile-1,
       // so its slot ((tile-1) % kStages) can be refilled.
       __syncthreads();
@@ -680,11 +875,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         score_and_mask_variants<kAttnMask, /*kFold=*/false>(acc_s, variants, row_base, col_base,
                                                             /*mask_elements=*/true);
       } else if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, m_block, n_block)) {
-        scale_and_mask<true, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
-                                        seq.seqlen_k, seq.causal_offset);
+        scale_and_mask<true, kIsCausal>(acc_s,
+                                        Traits::kKVFp8 ? kv_scale_log2 : params.scale_log2,
+                                        row_base, col_base, seq.seqlen_k, seq.causal_offset);
       } else {
-        scale_and_mask<false, kIsCausal>(acc_s, params.scale_log2, row_base, col_base,
-                                         seq.seqlen_k, seq.causal_offset);
+        scale_and_mask<false, kIsCausal>(acc_s,
+                                         Traits::kKVFp8 ? kv_scale_log2 : params.scale_log2,
+                                         row_base, col_base, seq.seqlen_k, seq.causal_offset);
       }
       softmax.update(acc_s, acc_o);
       PFragments<Traits> p16;  // variants: P, 16-bit (gemm_pv_packed)
@@ -704,6 +901,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       // Groups newer than V_tile: 2 per tile tile+1 .. tile+kStages-1.
       cp_async_wait<2 * kStages - 2>();
+      if constexpr (Traits::kKVFp8) kv.convert(slot, 1);  // this thread's chunks of V_tile
       __syncthreads();  // V_tile visible to all threads
       if constexpr (kHasVariants) {
         gemm_pv_packed<Traits>(acc_o, p16, smem_v_tile, th.lane);
@@ -717,6 +915,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // ---- epilogue: normalise, merge key warps / splits, store ------------------
   float lse[kMmaM][2];
   softmax.finalize(acc_o, lse);
+  if constexpr (Traits::kKVFp8) {
+    // FP8 V: O = v_descale(batch, kv head) x kFp8Dequant x P V (the merges of
+    // key warps and splits are linear in O; every split has the same factor).
+    const float v_factor = descale_at(params.v_descale, batch, head_k) * kFp8Dequant;
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m)
+#pragma unroll
+      for (int d = 0; d < Traits::kTilesD; ++d)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc_o[m][d][r] *= v_factor;
+  }
   if constexpr (kHasVariants) {
     // Dropout's scale of the kept probabilities (dropout_packed_p), on the
     // normalised O: the key-warp and split-KV merges are linear in O.

@@ -89,8 +89,16 @@ struct SmemTileLayout {
 //
 //            K/V tile keys  0..15 | 16..31 | 32..47 | 48..63   (one tile, loaded by all)
 //   rows 0..15             warp 0 | warp 1 | warp 2 | warp 3
+// kKVFp8_: K / V are FP8 (e4m3) in global memory (an FP8 KV cache under a
+// 16-bit q; the KV cache kernels only, run_fwd_kvcache_fp8_impl). Their tiles
+// stream into shared-memory staging tiles of kStages x (K, V) x kBlockN x
+// kHeadDim bytes with the same cp.async pipeline, and each thread converts the
+// chunks it copied into one 16-bit K and one V tile (kKVSlots = 1, the layout
+// above) before the barrier that publishes them (fwd_kernel.cuh,
+// convert_fp8_tile): the MMA code is the 16-bit one, the global traffic half
+// of it, and the stages cost half the shared memory of 16-bit ones.
 template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_,
-          bool kQInRegs_, bool kKVL2Policy_ = false, int kKeyWarps_ = 1>
+          bool kQInRegs_, bool kKVL2Policy_ = false, int kKeyWarps_ = 1, bool kKVFp8_ = false>
 struct FwdKernelTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -101,6 +109,7 @@ struct FwdKernelTraits {
   static constexpr bool kQInRegs = kQInRegs_;
   static constexpr bool kKVL2Policy = kKVL2Policy_;
   static constexpr int kKeyWarps = kKeyWarps_;
+  static constexpr bool kKVFp8 = kKVFp8_;
 
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kRowWarps = kNWarps / kKeyWarps;   // warps along the query rows
@@ -117,8 +126,14 @@ struct FwdKernelTraits {
 
   static constexpr int kSmemQElems = QLayout::kElems;
   static constexpr int kSmemKVElems = KVLayout::kElems;
+  // 16-bit K (and V) tiles in shared memory: one per stage, or one (kKVFp8).
+  static constexpr int kKVSlots = kKVFp8 ? 1 : kStages;
+  // kKVFp8: the FP8 staging tiles (bytes, row-major [kBlockN][kHeadDim]; kStages
+  // K tiles, then kStages V tiles) after the V tile.
+  static constexpr int kSmemKVFp8Bytes = kBlockN * kHeadDim;
   static constexpr int kSmemBytes =
-      (kSmemQElems + 2 * kStages * kSmemKVElems) * static_cast<int>(sizeof(T));
+      (kSmemQElems + 2 * kKVSlots * kSmemKVElems) * static_cast<int>(sizeof(T)) +
+      (kKVFp8 ? 2 * kStages * kSmemKVFp8Bytes : 0);
 
   static_assert(sizeof(T) == 2, "the tensor-core kernel handles 16-bit types only");
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256,
@@ -291,6 +306,10 @@ inline constexpr int kFwdDecodeKeyWarps = 4;
 #ifndef FAE_FWD_DECODE_TUNE_STAGES
 #define FAE_FWD_DECODE_TUNE_STAGES 2
 #endif
+// The FP8 KV cache's pipeline depth (its staging tiles; -D to tune, all head dims).
+#ifndef FAE_FWD_DECODE_FP8_STAGES
+#define FAE_FWD_DECODE_FP8_STAGES 4
+#endif
 template <int kHeadDim, int kKeyWarps = 1>
 struct FwdTileConfigDecode {
   static constexpr bool kTuned = kHeadDim == FAE_FWD_DECODE_TUNE_D;
@@ -302,9 +321,16 @@ struct FwdTileConfigDecode {
              : kDefaultBlockN;
   static constexpr int kStages = kTuned ? FAE_FWD_DECODE_TUNE_STAGES : 2;
   static constexpr bool kQInRegs = kHeadDim <= 128;
-  template <typename T>
-  using Traits = FwdKernelTraits<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kQInRegs,
-                                 /*kKVL2Policy=*/true, kKeyWarps>;
+  // kKVFp8: an FP8 (e4m3) KV cache (FwdKernelTraits), same tile. A tile
+  // carries half the bytes of a 16-bit one, so it prefetches further ahead:
+  // kFp8Stages staging tiles (kFp8Stages - 1 tiles in flight) and one 16-bit
+  // K / V tile, e.g. one warp at D=128 keeps 24 KB in flight in 52 KB of
+  // shared memory (16-bit: 16 KB in 36 KB); key warps 48 KB in 100 KB.
+  static constexpr int kFp8Stages = FAE_FWD_DECODE_FP8_STAGES;
+  template <typename T, bool kKVFp8 = false>
+  using Traits = FwdKernelTraits<T, kHeadDim, kBlockM, kBlockN, kNWarps,
+                                 kKVFp8 ? kFp8Stages : kStages, kQInRegs,
+                                 /*kKVL2Policy=*/true, kKeyWarps, kKVFp8>;
 };
 static_assert(FwdTileConfigDecode<128>::kBlockM >= kFwdDecodeMaxSeqlenQ,
               "one decode tile must hold every query row");

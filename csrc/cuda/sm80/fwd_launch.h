@@ -25,6 +25,19 @@ void run_fwd_variants_impl(const AttentionFwdParams& params, cudaStream_t stream
 template <typename T, int kHeadDim>
 void run_fwd_kvcache_impl(const AttentionFwdParams& params, cudaStream_t stream);
 
+// The same kernels for an FP8 (e4m3) KV cache under a 16-bit q (params.kv_dtype
+// == kFloat8E4M3, k_descale / v_descale), with or without cache addressing:
+// instantiations/fwd_kvfp8_*.cu.
+template <typename T, int kHeadDim>
+void run_fwd_kvcache_fp8_impl(const AttentionFwdParams& params, cudaStream_t stream);
+
+// Whether a call runs the KV cache kernels (run_fwd_kvcache_impl or, for an
+// FP8 cache, run_fwd_kvcache_fp8_impl): the decode tiles, never the Hopper
+// forward.
+inline bool fwd_runs_kvcache_kernels(const AttentionFwdParams& params) {
+  return has_kv_cache_addressing(params) || params.kv_dtype == DType::kFloat8E4M3;
+}
+
 // Whether a KV cache call runs the variant kernel (its Mask handles causal)
 // rather than the plain non-causal one: with window / softcap / ALiBi /
 // dropout, and when causal masks something, i.e. unless the only query row

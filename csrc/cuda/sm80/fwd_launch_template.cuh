@@ -141,7 +141,7 @@ void check_fwd_launch(const AttentionFwdParams& params) {
 template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants>
 void run_fwd_tiles(const AttentionFwdParams& params, cudaStream_t stream) {
   check_fwd_launch<kHeadDim>(params);
-  if (has_kv_cache_addressing(params)) {
+  if (fwd_runs_kvcache_kernels(params)) {
     throw std::runtime_error("flash_attn_ext: internal error: a KV cache call reached the "
                              "kernels without cache addressing (run_fwd_kvcache_impl)");
   }
@@ -177,15 +177,22 @@ void run_fwd_variants_impl(const AttentionFwdParams& params, cudaStream_t stream
 // non-causal kernel (split clusters allowed) or, for masks and score
 // modifiers (fwd_kvcache_uses_variant_kernel: causal included), the variant
 // kernel: 6 kernels per (dtype, head dim) in instantiations/fwd_kv_*.cu.
-template <typename T, int kHeadDim>
-void run_fwd_kvcache_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+// kKVFp8: an FP8 (e4m3) cache (run_fwd_kvcache_fp8_impl), the same 6 kernels
+// on FP8 tiles.
+template <typename T, int kHeadDim, bool kKVFp8>
+void run_fwd_kvcache_tiles(const AttentionFwdParams& params, cudaStream_t stream) {
   check_fwd_launch<kHeadDim>(params);
   if (!fwd_uses_decode_tile(params)) {
     throw std::runtime_error("flash_attn_ext: internal error: KV cache addressing runs the "
                              "decode tiles only (fwd_choose_tile)");
   }
-  using OneWarp = typename FwdTileConfigDecode<kHeadDim>::template Traits<T>;
-  using KeyWarps = typename FwdTileConfigDecode<kHeadDim, kFwdDecodeKeyWarps>::template Traits<T>;
+  if ((params.kv_dtype == DType::kFloat8E4M3) != kKVFp8) {
+    throw std::runtime_error("flash_attn_ext: internal error: the K/V dtype does not match the "
+                             "KV cache kernel (run_fwd_kvcache_fp8_impl for an FP8 cache)");
+  }
+  using OneWarp = typename FwdTileConfigDecode<kHeadDim>::template Traits<T, kKVFp8>;
+  using KeyWarps =
+      typename FwdTileConfigDecode<kHeadDim, kFwdDecodeKeyWarps>::template Traits<T, kKVFp8>;
   const bool variants = fwd_kvcache_uses_variant_kernel(params);
   if (fwd_uses_key_warp_tile(params)) {
     if (variants) {
@@ -198,6 +205,18 @@ void run_fwd_kvcache_impl(const AttentionFwdParams& params, cudaStream_t stream)
   } else {
     launch_fwd<OneWarp, false, true, false, true>(params, stream);
   }
+}
+
+template <typename T, int kHeadDim>
+void run_fwd_kvcache_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+  run_fwd_kvcache_tiles<T, kHeadDim, /*kKVFp8=*/false>(params, stream);
+}
+
+// An FP8 (e4m3) KV cache under a 16-bit q (params.kv_dtype; with or without
+// cache addressing): instantiations/fwd_kvfp8_*.cu.
+template <typename T, int kHeadDim>
+void run_fwd_kvcache_fp8_impl(const AttentionFwdParams& params, cudaStream_t stream) {
+  run_fwd_kvcache_tiles<T, kHeadDim, /*kKVFp8=*/true>(params, stream);
 }
 
 }  // namespace cuda
