@@ -544,22 +544,15 @@ struct KVTileLoader {
            (which * Traits::kStages + slot) * Traits::kSmemKVFp8Bytes;
   }
 
-  // kKVFp8: one K or V tile into its staging tile, with load()'s L2 policy rule.
+  // kKVFp8: one K or V tile into its staging tile. Without load()'s L2
+  // evict_first hint: with it, the FP8 kernels hit an illegal instruction at
+  // the hinted cp.async on an H200 (sm_90a, nvcc 13.0; 2026-11-26).
   FAE_DEVICE void load_cache_fp8(uint8_t* staging, const void* base, const TensorStrides& st,
                                  const KVRow (&rows)[CacheTileMap<Traits, 16>::kGroups],
                                  int64_t row0, int valid_rows) const {
-    const uint8_t* tensor = static_cast<const uint8_t*>(base);
-    if constexpr (Traits::kKVL2Policy) {
-      if (params.kv_evict_first && valid_rows >= Traits::kBlockN &&
-          params.head_dim == Traits::kHeadDim) {
-        load_cache_tile_fp8_async<Traits, /*kFullL2Hint=*/true>(
-            staging, tensor, st, rows, params, batch, head_k, row0, valid_rows, params.head_dim,
-            tid, l2_policy_evict_first());
-        return;
-      }
-    }
-    load_cache_tile_fp8_async<Traits, false>(staging, tensor, st, rows, params, batch, head_k,
-                                             row0, valid_rows, params.head_dim, tid, 0);
+    load_cache_tile_fp8_async<Traits, false>(staging, static_cast<const uint8_t*>(base), st,
+                                             rows, params, batch, head_k, row0, valid_rows,
+                                             params.head_dim, tid, 0);
   }
 
   // kKVFp8: the thread's own chunks of the staged K (which = 0) or V (1) tile
