@@ -191,34 +191,32 @@ FAE_DEVICE void load_cache_tile_async(typename Traits::T* smem, const typename T
 // FP8 (e4m3) K / V tiles (Traits::kKVFp8: an FP8 KV cache under a 16-bit q).
 // A tile row of kHeadDim bytes is copied in 16-byte chunks (16 elements) with
 // the cache map of 16-element chunks (CacheTileMap<Traits, 16>) into a
-// row-major staging tile, by the same cp.async pipeline (and L2 policy) as the
-// 16-bit tiles; rows past valid_rows and columns past head_dim (a multiple of
+// row-major staging tile, by the same cp.async pipeline as the 16-bit tiles
+// (without their L2 evict_first hint, see load_cache_fp8); rows past valid_rows and columns past head_dim (a multiple of
 // 16: ops_cuda.cpp pads) are zero-filled. Once a thread's copies have landed
 // (its own cp.async wait, no barrier) it converts exactly those chunks into
 // the 16-bit tile (convert_fp8_tile), and the kernel's barrier publishes them.
 // ---------------------------------------------------------------------------
-template <typename Traits, bool kFullL2Hint>
+template <typename Traits>
 FAE_DEVICE void load_cache_tile_fp8_async(uint8_t* stage, const uint8_t* base,
                                           const TensorStrides& st,
                                           const KVRow (&rows)[CacheTileMap<Traits, 16>::kGroups],
                                           const AttentionFwdParams& params, int batch, int head,
-                                          int64_t row0, int valid_rows, int head_dim, int tid,
-                                          uint64_t l2_policy) {
+                                          int64_t row0, int valid_rows, int head_dim, int tid) {
   using Map = CacheTileMap<Traits, 16>;
   constexpr int kRowBytes = Traits::kHeadDim;
   if constexpr (Map::kRowWise) {
     const int chunk = tid % Map::kChunks;
     const int row_first = tid / Map::kChunks;
-    const bool col_valid = kFullL2Hint || chunk * 16 < head_dim;
+    const bool col_valid = chunk * 16 < head_dim;
 #pragma unroll
     for (int g = 0; g < Map::kGroups; ++g) {
       const uint8_t* src = base + kv_offset(st, rows[g], head) + chunk * 16;
 #pragma unroll
       for (int j = 0; j < Map::kItersPerGroup; ++j) {
         const int row = row_first + (g * Map::kItersPerGroup + j) * Map::kRowsPerIter;
-        const bool valid = kFullL2Hint || (col_valid && row < valid_rows);
-        copy_16<kFullL2Hint>(stage + row * kRowBytes + chunk * 16, valid ? src : base, valid,
-                             l2_policy);
+        const bool valid = col_valid && row < valid_rows;
+        cp_async_16(stage + row * kRowBytes + chunk * 16, valid ? src : base, valid);
         src += Map::kRowsPerIter * st.row;
       }
     }
@@ -231,10 +229,10 @@ FAE_DEVICE void load_cache_tile_fp8_async(uint8_t* stage, const uint8_t* base,
       if (kTotal % Map::kThreads != 0 && idx >= kTotal) break;
       const int row = idx / Map::kChunks;
       const int chunk = idx % Map::kChunks;
-      const bool valid = kFullL2Hint || (row < valid_rows && chunk * 16 < head_dim);
+      const bool valid = row < valid_rows && chunk * 16 < head_dim;
       const uint8_t* src =
           valid ? base + kv_row_offset(params, st, batch, head, row0 + row) + chunk * 16 : base;
-      copy_16<kFullL2Hint>(stage + idx * 16, src, valid, l2_policy);
+      cp_async_16(stage + idx * 16, src, valid);
     }
   }
 }
@@ -550,9 +548,9 @@ struct KVTileLoader {
   FAE_DEVICE void load_cache_fp8(uint8_t* staging, const void* base, const TensorStrides& st,
                                  const KVRow (&rows)[CacheTileMap<Traits, 16>::kGroups],
                                  int64_t row0, int valid_rows) const {
-    load_cache_tile_fp8_async<Traits, false>(staging, static_cast<const uint8_t*>(base), st,
-                                             rows, params, batch, head_k, row0, valid_rows,
-                                             params.head_dim, tid, 0);
+    load_cache_tile_fp8_async<Traits>(staging, static_cast<const uint8_t*>(base), st, rows,
+                                      params, batch, head_k, row0, valid_rows, params.head_dim,
+                                      tid);
   }
 
   // kKVFp8: the thread's own chunks of the staged K (which = 0) or V (1) tile
