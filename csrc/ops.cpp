@@ -16,6 +16,10 @@
 //       bottom-right per sequence, as flash-attn's varlen API).
 //   flash_attn_ext::dropout_mask(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p)
 //       -> bool [batch, heads, seqlen_q, seqlen_k]: the keep-mask dropout applies.
+//   flash_attn_ext::sdpa_fwd(query, key, value, softmax_scale, causal, dropout_p, rng_state,
+//                            attn_mask) -> (out, lse): fwd in torch SDPA's layout [batch,
+//       heads, seqlen, head_dim], top-left causal (scaled_dot_product_attention's
+//       inference path; no autograd).
 //   flash_attn_ext::fwd_fp8(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
 //                           causal_bottom_right, out_dtype) -> (out, lse): e4m3 inputs
 //       (csrc/ops_fp8.h), Hopper only (cuda/ops_fp8_cuda.cpp); the CPU raises
@@ -99,6 +103,14 @@ static std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at:
                                                seqused_k, &var, &cache);
   check_fwd_tuning_args(num_splits, tile);  // accepted and ignored: one CPU kernel
   return run_fwd_cpu(p, q);
+}
+
+static std::tuple<at::Tensor, at::Tensor> sdpa_fwd_cpu(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double softmax_scale,
+    bool causal, double dropout_p, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& attn_mask) {
+  return sdpa_fwd_via(fwd_cpu, query, key, value, softmax_scale, causal, dropout_p, rng_state,
+                      attn_mask);
 }
 
 static std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(
@@ -216,6 +228,10 @@ TORCH_LIBRARY(flash_attn_ext, m) {
       "dropout_mask(Tensor rng_state, int batch, int heads, int seqlen_q, int seqlen_k, "
       "float dropout_p) -> Tensor");
   m.def(
+      "sdpa_fwd(Tensor query, Tensor key, Tensor value, float softmax_scale, bool causal, "
+      "float dropout_p=0.0, Tensor? rng_state=None, Tensor? attn_mask=None) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
       "fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor q_descale, Tensor k_descale, "
       "Tensor v_descale, float softmax_scale, bool causal, bool causal_bottom_right, "
       "ScalarType out_dtype) -> (Tensor out, Tensor lse)");
@@ -229,6 +245,7 @@ TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
   m.impl("varlen_bwd", &varlen_bwd_cpu);
   m.impl("dropout_mask", &dropout_mask_cpu);
   m.impl("fwd_fp8", &fwd_fp8_cpu);
+  m.impl("sdpa_fwd", &sdpa_fwd_cpu);
 }
 
 }  // namespace flash_attn_ext

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <tuple>
 
 #include "dropout.h"
 #include "params.h"
@@ -525,6 +526,30 @@ inline AttentionFwdParams make_dropout_mask_params(const at::Tensor& rng_state, 
 // dense (so SDPA's [B,H,S,D] stays [B,H,S,D]); empty_like falls back to a
 // contiguous [B,S,H,D] tensor otherwise. python/ops.py's fake mirrors this.
 // The forward's tuning knobs (both only steer the CUDA 16-bit kernels).
+// flash_attn_ext::sdpa_fwd: torch SDPA's layout [batch, heads, seqlen,
+// head_dim] on a forward operator implementation `fwd` (fwd_cpu / fwd_cuda,
+// [batch, seqlen, heads, head_dim]): transposed views in, the output
+// transposed back. The inference path of scaled_dot_product_attention, where
+// four Python-level transposes around the call cost ~4 us of host time.
+template <typename Fwd>
+std::tuple<at::Tensor, at::Tensor> sdpa_fwd_via(Fwd&& fwd, const at::Tensor& query,
+                                                const at::Tensor& key, const at::Tensor& value,
+                                                double softmax_scale, bool causal,
+                                                double dropout_p,
+                                                const std::optional<at::Tensor>& rng_state,
+                                                const std::optional<at::Tensor>& attn_mask) {
+  for (const at::Tensor* t : {&query, &key, &value}) {
+    TORCH_CHECK(t->dim() == 4, "flash_attn_ext: query, key and value must be 4-D tensors "
+                "[batch, heads, seqlen, head_dim], got shape ", t->sizes());
+  }
+  auto [out, lse] = fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                        softmax_scale, causal, /*causal_bottom_right=*/false, /*num_splits=*/0,
+                        /*tile=*/0, std::nullopt, -1, -1, 0.0, std::nullopt, dropout_p, rng_state,
+                        attn_mask, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                        std::nullopt);
+  return {out.transpose(1, 2), lse};
+}
+
 inline void check_fwd_tuning_args(int64_t num_splits, int64_t tile) {
   TORCH_CHECK(num_splits >= 0, "flash_attn_ext: num_splits must be >= 0, got ", num_splits);
   TORCH_CHECK(tile >= kFwdTileAuto && tile <= kFwdTileSmallMKeyWarps,

@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import autotune as _autotune
 from . import fp8 as _fp8
 from . import kvcache as _kvcache
 from .ops import FlashAttnFunction, FlashAttnVarlenFunction, new_rng_state
@@ -223,6 +224,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
             f"{key.shape[1]}; pass enable_gqa=True for grouped-query attention")
     dropout = _dropout_args(dropout_p, query.device)
     softmax_scale = _default_scale(query.shape[-1]) if scale is None else float(scale)
+    if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                         or value.requires_grad)) and not _autotune.is_enabled():
+        # Nothing to record: one operator call in this layout (no Python transposes).
+        query, key, value = [t if t.stride(-1) == 1 else t.contiguous()
+                             for t in (query, key, value)]
+        return torch.ops.flash_attn_ext.sdpa_fwd(query, key, value, softmax_scale,
+                                                 bool(is_causal), *dropout, attn_mask)[0]
     q, k, v = [t.transpose(1, 2) for t in (query, key, value)]
     out, _ = _run(FlashAttnFunction, q, k, v, softmax_scale, bool(is_causal), False, False, 0, 0,
                   None, -1, -1, 0.0, None, *dropout, attn_mask)

@@ -26,6 +26,10 @@ cache_leftpad int32 [batch] (csrc/params.h). fwd's k_descale / v_descale (float3
 error otherwise); out is in q's dtype.
 torch.ops.flash_attn_ext.dropout_mask(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p)
     -> bool [batch, heads, seqlen_q, seqlen_k]: the elements that dropout keeps.
+torch.ops.flash_attn_ext.sdpa_fwd(query, key, value, softmax_scale, causal, dropout_p=0.0,
+                                  rng_state=None, attn_mask=None) -> (out, lse): fwd in torch
+    SDPA's layout [batch, heads, seqlen, head_dim] (top-left causal), for calls without
+    autograd (scaled_dot_product_attention's inference path).
 torch.ops.flash_attn_ext.fwd_fp8(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
                                  causal_bottom_right, out_dtype) -> (out, lse): e4m3 q / k / v
     (flash_attn_ext/fp8.py; Hopper only, forward only).
@@ -145,6 +149,16 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
                      dropout_p=0.0, rng_state=None, attn_mask=None):
     _check_qkv(q, k, v, varlen=True)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.register_fake("flash_attn_ext::sdpa_fwd")
+def _sdpa_fwd_fake(query, key, value, softmax_scale, causal, dropout_p=0.0, rng_state=None,
+                   attn_mask=None):
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    _check_qkv(q, k, v)
+    out = torch.empty_like(q).transpose(1, 2)  # as fwd's, transposed back
+    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return out, lse
 
 
 @torch.library.register_fake("flash_attn_ext::fwd_fp8")

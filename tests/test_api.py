@@ -33,6 +33,25 @@ def test_opcheck_bwd(device, causal):
                           (dout, q, k, v, out, lse, 0.2, causal, True, False))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_sdpa_inference_path(device, layout):
+    # Without autograd, scaled_dot_product_attention is one sdpa_fwd call in [B,H,S,D]: the
+    # same values as the autograd path, any strides, the mask and causal passed through.
+    q, k, v = make_qkv(2, 33, 47, 4, 32, torch.float32, device, layout="bhsd",
+                       requires_grad=False)
+    if layout == "strided":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    mask = torch.rand(2, 1, 33, 47, device=device) > 0.3
+    torch.library.opcheck(torch.ops.flash_attn_ext.sdpa_fwd.default,
+                          (q, k, v, 0.25, True, 0.0, None, mask))
+    with torch.no_grad():
+        fast = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    slow = fa.scaled_dot_product_attention(*(t.clone().requires_grad_() for t in (q, k, v)),
+                                           attn_mask=mask, is_causal=True)
+    assert fast.shape == q.shape and fast.stride() == slow.stride()
+    torch.testing.assert_close(fast, slow.detach(), atol=0, rtol=0)
+
+
 def test_opcheck_sdpa_layout(device):
     # [B,H,S,D] tensors seen as [B,S,H,D] through a transpose: outputs keep that layout
     q, k, v = (t.transpose(1, 2) for t in make_qkv(2, 33, 33, 4, 16, torch.float32, device,

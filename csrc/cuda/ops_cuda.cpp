@@ -210,6 +210,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   return run_fwd_cuda(p, q, k, v, num_splits, tile);
 }
 
+std::tuple<at::Tensor, at::Tensor> sdpa_fwd_cuda(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double softmax_scale,
+    bool causal, double dropout_p, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& attn_mask) {
+  return sdpa_fwd_via(fwd_cuda, query, key, value, softmax_scale, causal, dropout_p, rng_state,
+                      attn_mask);
+}
+
 std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
@@ -348,6 +356,7 @@ at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, int64_t batch, int64_t
 
 TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
   m.impl("fwd", &fwd_cuda);
+  m.impl("sdpa_fwd", &sdpa_fwd_cuda);
   m.impl("bwd", &bwd_cuda);
   m.impl("varlen_fwd", &varlen_fwd_cuda);
   m.impl("varlen_bwd", &varlen_bwd_cuda);
