@@ -6,6 +6,9 @@
 //   * every batch/row/head stride is a multiple of 8 elements,
 //   * with a block table (paged KV cache), page_size % kKVPageRowAlign == 0
 //     (params.h; the decode kernels look pages up per 16 rows),
+//   * an FP8 (e4m3) KV cache (params.kv_dtype) has head_dim % 16 == 0 and
+//     strides that are multiples of 16 elements (16-byte rows of 16 values);
+//     the FP8 forward's q/k/v likewise (ops_fp8_cuda.cpp),
 //   * all tensors live on the current device; `stream` is torch's current stream.
 #pragma once
 #include <cuda_runtime.h>
