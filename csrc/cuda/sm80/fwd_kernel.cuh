@@ -192,8 +192,9 @@ FAE_DEVICE void load_cache_tile_async(typename Traits::T* smem, const typename T
 // A tile row of kHeadDim bytes is copied in 16-byte chunks (16 elements) with
 // the cache map of 16-element chunks (CacheTileMap<Traits, 16>) into a
 // row-major staging tile, by the same cp.async pipeline as the 16-bit tiles
-// (without their L2 evict_first hint, see load_cache_fp8); rows past valid_rows and columns past head_dim (a multiple of
-// 16: ops_cuda.cpp pads) are zero-filled. Once a thread's copies have landed
+// (without their L2 evict_first hint, see load_cache_fp8); rows past
+// valid_rows and columns past head_dim (a multiple of 16: ops_cuda.cpp pads)
+// are zero-filled. Once a thread's copies have landed
 // (its own cp.async wait, no barrier) it converts exactly those chunks into
 // the 16-bit tile (convert_fp8_tile), and the kernel's barrier publishes them.
 // ---------------------------------------------------------------------------
