@@ -229,8 +229,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         # Nothing to record: one operator call in this layout (no Python transposes).
         query, key, value = [t if t.stride(-1) == 1 else t.contiguous()
                              for t in (query, key, value)]
-        return torch.ops.flash_attn_ext.sdpa_fwd(query, key, value, softmax_scale,
-                                                 bool(is_causal), *dropout, attn_mask)[0]
+        return torch.ops.flash_attn_ext.sdpa_fwd.default(query, key, value, softmax_scale,
+                                                         bool(is_causal), *dropout, attn_mask)[0]
     q, k, v = [t.transpose(1, 2) for t in (query, key, value)]
     out, _ = _run(FlashAttnFunction, q, k, v, softmax_scale, bool(is_causal), False, False, 0, 0,
                   None, -1, -1, 0.0, None, *dropout, attn_mask)
@@ -434,7 +434,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             None, None, block_table, cache_batch_idx, cache_leftpad, k_descale, v_descale)
     if torch.is_grad_enabled():
         with torch.no_grad():
-            out, lse = torch.ops.flash_attn_ext.fwd(*args)
+            out, lse = torch.ops.flash_attn_ext.fwd.default(*args)
     else:
-        out, lse = torch.ops.flash_attn_ext.fwd(*args)
+        out, lse = torch.ops.flash_attn_ext.fwd.default(*args)
     return (out, lse) if return_softmax_lse else out

@@ -231,8 +231,10 @@ class FlashAttnFunction(torch.autograd.Function):
                 and not _has_variants(*variants)):
             num_splits, tile = autotune.choose_forward_config(q, k, v, softmax_scale, causal,
                                                               causal_bottom_right)
-        return torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right,
-                                            num_splits, tile, seqused_k, *variants)
+        # The overload itself: resolving it on the packet costs ~0.8 us per call.
+        return torch.ops.flash_attn_ext.fwd.default(q, k, v, softmax_scale, causal,
+                                                    causal_bottom_right, num_splits, tile,
+                                                    seqused_k, *variants)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
