@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
-_E4M3_MAX = 448.0
+E4M3_MAX = 448.0  # the largest finite e4m3 value: quantisation saturates there
 
 
 def is_fp8(t) -> bool:
@@ -68,9 +68,9 @@ def quantize_fp8(x: torch.Tensor, per_head: bool = False) -> Tuple[torch.Tensor,
                            f"head_dim], got shape {tuple(x.shape)}")
     xf = x.float()
     amax = xf.abs().amax(dim=(1, 3)) if per_head else xf.abs().amax().reshape(1)
-    descale = (amax / _E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    descale = (amax / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     scale = (1.0 / descale)[:, None, :, None] if per_head else 1.0 / descale
-    x8 = (xf * scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(FP8_DTYPE)
+    x8 = (xf * scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     return x8, descale
 
 

@@ -12,13 +12,13 @@ import os
 
 import torch
 
+# An FP8 KV cache: e4m3 values, real = descale * stored; appends saturate to +-E4M3_MAX.
+from .fp8 import E4M3_MAX, FP8_DTYPE
+
 # Pages of a paged KV cache hold a multiple of this many keys (csrc/params.h,
 # kKVPageRowAlign: the CUDA tile loaders look a page up once per 16 rows).
 PAGE_ROW_ALIGN = 16
 
-# An FP8 KV cache: e4m3 values, real = descale * stored; appends saturate to +-E4M3_MAX.
-FP8_DTYPE = torch.float8_e4m3fn
-E4M3_MAX = 448.0
 
 
 def debug_checks_enabled() -> bool:
