@@ -333,6 +333,58 @@ inline void apply_kv_fp8(AttentionFwdParams& p, const KVCacheArgs& c, const at::
   p.v_descale = make_descale(*c.v_descale, "v_descale", q, p.batch, p.heads_k);
 }
 
+// Points the params at q, k, v ([batch, seqlen, heads, head_dim] or packed
+// 3-D) and their strides; the op layers re-point them at kernel-friendly
+// copies with this too.
+inline void point_at_inputs(AttentionFwdParams& p, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v) {
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_strides = strides_of(q);
+  p.k_strides = strides_of(k);
+  p.v_strides = strides_of(v);
+  p.head_dim = static_cast<int>(q.size(-1));
+}
+
+// The shape rules every padded forward shares: k and v alike, heads a
+// multiple of heads_k, one head_dim; the batch sizes equal unless k / v are
+// indexed by a block table or cache_batch_idx (same_batch = false).
+inline void check_qkv_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             bool same_batch) {
+  TORCH_CHECK(k.sizes() == v.sizes(), "flash_attn_ext: k and v must have the same shape, got ",
+              k.sizes(), " and ", v.sizes());
+  if (same_batch) {
+    TORCH_CHECK(q.size(0) == k.size(0),
+                "flash_attn_ext: q and k must have the same batch size, got ", q.size(0), " and ",
+                k.size(0));
+  }
+  check_heads(q.size(2), k.size(2));
+  TORCH_CHECK(q.size(3) == k.size(3), "flash_attn_ext: q, k and v must have the same head_dim, got ",
+              q.size(3), " (q) and ", k.size(3), " (k/v)");
+}
+
+// Pointers, sizes, scale, causal alignment and the lse layout ([batch, heads,
+// seqlen_q]) of a padded forward call, from checked q, k, v.
+inline void fill_padded_params(AttentionFwdParams& p, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, double softmax_scale, bool causal,
+                               bool causal_bottom_right) {
+  point_at_inputs(p, q, k, v);
+  p.batch = static_cast<int>(q.size(0));
+  p.seqlen_q = static_cast<int>(q.size(1));
+  p.heads = static_cast<int>(q.size(2));
+  p.heads_k = static_cast<int>(k.size(2));
+  p.seqlen_k = static_cast<int>(k.size(1));
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  p.causal = causal;
+  p.causal_bottom_right = causal && causal_bottom_right;
+  p.causal_offset = p.causal_bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+  p.lse_head_stride = p.seqlen_q;
+  p.lse_batch_stride = static_cast<int64_t>(p.heads) * p.seqlen_q;
+  p.q_rows_total = p.batch * p.lse_batch_stride;
+}
+
 // Validates q/k/v ([batch, seqlen, heads, head_dim]) and fills everything of
 // AttentionFwdParams except the output pointers (which the device
 // implementation allocates). seqused_k: optional int32 [batch] key counts.
@@ -355,43 +407,14 @@ inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor&
     check_same(q, "q", k, "k");
     check_same(q, "q", v, "v");
   }
-  TORCH_CHECK(k.sizes() == v.sizes(), "flash_attn_ext: k and v must have the same shape, got ",
-              k.sizes(), " and ", v.sizes());
-  if (!kv_batch_free && !(cache != nullptr && cache->indexes_kv_batch())) {
-    TORCH_CHECK(q.size(0) == k.size(0),
-                "flash_attn_ext: q and k must have the same batch size, got ", q.size(0), " and ",
-                k.size(0));
-  }
-  check_heads(q.size(2), k.size(2));
-  TORCH_CHECK(q.size(3) == k.size(3), "flash_attn_ext: q, k and v must have the same head_dim, got ",
-              q.size(3), " (q) and ", k.size(3), " (k/v)");
+  check_qkv_shapes(q, k, v, !kv_batch_free && !(cache != nullptr && cache->indexes_kv_batch()));
   TORCH_CHECK(std::isfinite(softmax_scale), "flash_attn_ext: softmax_scale must be finite, got ",
               softmax_scale);
 
   AttentionFwdParams p;
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.q_strides = strides_of(q);
-  p.k_strides = strides_of(k);
-  p.v_strides = strides_of(v);
-  p.batch = static_cast<int>(q.size(0));
-  p.seqlen_q = static_cast<int>(q.size(1));
-  p.heads = static_cast<int>(q.size(2));
-  p.heads_k = static_cast<int>(k.size(2));
-  p.seqlen_k = static_cast<int>(k.size(1));
-  p.head_dim = static_cast<int>(q.size(3));
+  fill_padded_params(p, q, k, v, softmax_scale, causal, causal_bottom_right);
   p.dtype = to_dtype(q.scalar_type());
   p.kv_dtype = p.out_dtype = p.dtype;
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  p.causal = causal;
-  p.causal_bottom_right = causal && causal_bottom_right;
-  p.causal_offset = p.causal_bottom_right ? p.seqlen_k - p.seqlen_q : 0;
-  // lse [batch, heads, seqlen_q]
-  p.lse_head_stride = p.seqlen_q;
-  p.lse_batch_stride = static_cast<int64_t>(p.heads) * p.seqlen_q;
-  p.q_rows_total = p.batch * p.lse_batch_stride;
   if (seqused_k.has_value()) {
     check_seq_tensor(*seqused_k, "seqused_k", q, q.size(0));
     p.seqused_k = seqused_k->data_ptr<int>();

@@ -37,13 +37,7 @@ inline AttentionFwdParams make_fwd_fp8_params(const at::Tensor& q, const at::Ten
   check_e4m3_bshd(v, "v");
   check_same(q, "q", k, "k");
   check_same(q, "q", v, "v");
-  TORCH_CHECK(k.sizes() == v.sizes(), "flash_attn_ext: k and v must have the same shape, got ",
-              k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(q.size(0) == k.size(0), "flash_attn_ext: q and k must have the same batch size, got ",
-              q.size(0), " and ", k.size(0));
-  check_heads(q.size(2), k.size(2));
-  TORCH_CHECK(q.size(3) == k.size(3), "flash_attn_ext: q, k and v must have the same head_dim, got ",
-              q.size(3), " (q) and ", k.size(3), " (k/v)");
+  check_qkv_shapes(q, k, v, /*same_batch=*/true);
   TORCH_CHECK(q.size(3) % 16 == 0 && q.size(3) <= 256,
               "flash_attn_ext: the FP8 forward needs head_dim to be a multiple of 16 up to 256 "
               "(16-byte rows), got ", q.size(3));
@@ -55,31 +49,12 @@ inline AttentionFwdParams make_fwd_fp8_params(const at::Tensor& q, const at::Ten
               softmax_scale);
 
   AttentionFwdParams p;
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.q_strides = strides_of(q);
-  p.k_strides = strides_of(k);
-  p.v_strides = strides_of(v);
-  p.batch = static_cast<int>(q.size(0));
-  p.seqlen_q = static_cast<int>(q.size(1));
-  p.heads = static_cast<int>(q.size(2));
-  p.heads_k = static_cast<int>(k.size(2));
-  p.seqlen_k = static_cast<int>(k.size(1));
-  p.head_dim = static_cast<int>(q.size(3));
+  fill_padded_params(p, q, k, v, softmax_scale, causal, causal_bottom_right);
   p.dtype = p.kv_dtype = DType::kFloat8E4M3;
   p.out_dtype = out_dtype == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat16;
   p.q_descale = make_descale(q_descale, "q_descale", q, q.size(0), k.size(2));
   p.k_descale = make_descale(k_descale, "k_descale", q, q.size(0), k.size(2));
   p.v_descale = make_descale(v_descale, "v_descale", q, q.size(0), k.size(2));
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  p.causal = causal;
-  p.causal_bottom_right = causal && causal_bottom_right;
-  p.causal_offset = p.causal_bottom_right ? p.seqlen_k - p.seqlen_q : 0;
-  p.lse_head_stride = p.seqlen_q;
-  p.lse_batch_stride = static_cast<int64_t>(p.heads) * p.seqlen_q;
-  p.q_rows_total = p.batch * p.lse_batch_stride;
   return p;
 }
 

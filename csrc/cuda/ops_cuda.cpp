@@ -70,18 +70,6 @@ void call_kernels(F&& f) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Re-points validated params at the kernel-friendly copies of the inputs.
-void point_at_inputs(AttentionFwdParams& p, const at::Tensor& q, const at::Tensor& k,
-                     const at::Tensor& v) {
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.q_strides = strides_of(q);
-  p.k_strides = strides_of(k);
-  p.v_strides = strides_of(v);
-  p.head_dim = static_cast<int>(q.size(-1));
-}
-
 // The block summary of a boolean attn_mask (cuda/common/mask_blocks.cuh),
 // allocated here and filled by the Hopper launchers; an undefined tensor when
 // the call has none. Keep the result alive until the kernels are queued.

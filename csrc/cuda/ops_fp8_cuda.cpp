@@ -42,12 +42,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8_cuda(const at::Tensor& q_in, const at
                               "flash_attn_ext: the FP8 forward is not available here: ", why);
 
   const at::Tensor q = tma_friendly(q_in), k = tma_friendly(k_in), v = tma_friendly(v_in);
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.q_strides = strides_of(q);
-  p.k_strides = strides_of(k);
-  p.v_strides = strides_of(v);
+  point_at_inputs(p, q, k, v);
 
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(out_dtype));
   at::Tensor lse = empty_lse(q);
