@@ -6,22 +6,26 @@
 // The random numbers are Philox-4x32-10 (Salmon et al., "Parallel random
 // numbers: as easy as 1, 2, 3", SC'11; the generator behind torch's and
 // cuRAND's CUDA dropout): key = seed, 128-bit counter below. One call gives
-// four 32-bit words = eight 16-bit numbers, used for eight elements of one row:
+// 16 bytes = 16 8-bit numbers (flash-attn's and so torch's flash backend's
+// resolution), for a *call group* of 2 keys x 8 queries (i = query, j = key):
 //
-//   counter = { (j / 32) * 4 + (j / 2) % 4,  i,  b * heads + h,  offset }
-//   number of element (i, j) = 16-bit half (j % 2) of word ((j / 8) % 4)
+//   counter = { (j / 16) * 32 + (j % 8) * 4 + (i / 2) % 4,  i / 32,  b * heads + h,  offset }
+//   byte of element (i, j) = 8 * ((j / 8) % 2) + 2 * ((i / 8) % 4) + i % 2
 //
-// i.e. the eight keys {32c + 8t + 2u + e : t = 0..3, e = 0..1} of group (c, u)
-// share a call. That is exactly the set of keys one lane of an mma / wgmma
-// accumulator holds in a 32-key slice (lane % 4 = u, n-tiles t, e = the
-// fragment's column pair), so the tensor-core kernels make one Philox call per
-// row per 32 keys and use all of it (Dropout::keep_bits). Rows and keys are
-// numbered within the sequence (varlen: per sequence b).
+// i.e. keys {16a + k, 16a + k + 8} x queries {32c + 2v + e + 8t : t < 4, e < 2}
+// share a call. That is exactly what one lane of a *transposed* (rows = keys)
+// mma / wgmma accumulator holds of a 16-key x 32-query slice (keys g, g + 8;
+// queries 8t + 2v + e with v = lane % 4), so the backward kernels, whose score
+// GEMMs run transposed, use all 16 numbers of each call: one call per 16
+// elements, the part of dropout that bounds the backward. A forward lane (rows
+// = queries g, g + 8; keys 8t + 2v + e) holds 4 numbers of a call and its
+// partner lane (g ^ 1, lane ^ 4) 4 more: they make one call each and swap.
+// Rows and keys are numbered within the sequence (varlen: per sequence b).
 //
-// An element is kept iff its number >= threshold (= round(p * 65536)), with
-// probability 1 - threshold / 65536; kept probabilities are scaled by
-// 65536 / (65536 - threshold). The forward's row sums (and so lse) are of the
-// probabilities before dropout, as in torch and flash-attn.
+// An element is kept iff its number >= threshold (= round(p * 256), at least 1
+// for p > 0), with probability 1 - threshold / 256; kept probabilities are
+// scaled by 256 / (256 - threshold). The forward's row sums (and so lse) are of
+// the probabilities before dropout, as in torch and flash-attn.
 #pragma once
 #include <cstdint>
 
@@ -67,52 +71,78 @@ FAE_HOST_DEVICE PhiloxWords philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2,
   return PhiloxWords{{c0, c1, c2, c3}};
 }
 
+// The call group of element (i, j) and the element's byte in it (header).
+FAE_HOST_DEVICE uint32_t dropout_call_counter(int i, int j) {
+  const uint32_t ui = static_cast<uint32_t>(i), uj = static_cast<uint32_t>(j);
+  return (uj >> 4) * 32u + (uj & 7u) * 4u + ((ui >> 1) & 3u);
+}
+FAE_HOST_DEVICE int dropout_byte(int i, int j) {
+  return 8 * ((j >> 3) & 1) + 2 * ((i >> 3) & 3) + (i & 1);
+}
+// The inverse: element (i, j) of byte b of the group whose first query is
+// query0 (= 32c + 2v) and first key key0 (= 16a + k, k < 8).
+FAE_HOST_DEVICE void dropout_byte_element(int query0, int key0, int b, int& i, int& j) {
+  i = query0 + 8 * ((b >> 1) & 3) + (b & 1);
+  j = key0 + 8 * (b >> 3);
+}
+
+// Bit 7 of each byte of the result: byte of x >= byte of y (unsigned), for
+// four bytes at once. (x | 0x80) - (y & 0x7f) per byte cannot borrow across
+// bytes, and its bit 7 says x mod 128 >= y mod 128; the top bits decide
+// where they differ (one LOP3 after the subtraction).
+FAE_HOST_DEVICE uint32_t bytes_ge(uint32_t x, uint32_t y) {
+  const uint32_t low_ge = (x | 0x80808080u) - (y & 0x7f7f7f7fu);
+  return ((x & ~y) | (~(x ^ y) & low_ge)) & 0x80808080u;
+}
+
+// Bits 7, 15, 23, 31 of x (the others 0) -> bits 0..3: the four products of
+// the multiply land on bits 28..31 without carries.
+FAE_HOST_DEVICE uint32_t gather_byte_tops(uint32_t x) { return (x * 0x00204081u) >> 28; }
+
 // Dropout of one (sequence b, query head h): built once per tile loop.
 struct Dropout {
   uint32_t seed_lo = 0, seed_hi = 0, offset = 0;
-  uint32_t bh = 0;         // b * heads + h
-  uint32_t threshold = 0;  // 0 = off
+  uint32_t bh = 0;                  // b * heads + h
+  uint32_t threshold = 0;  // 0 = off; else 1..255
   float scale = 1.f;       // applied to kept probabilities
 
   FAE_HOST_DEVICE bool active() const { return threshold > 0; }
 
-  // The eight 16-bit numbers of row i's group holding key j (header comment).
-  FAE_HOST_DEVICE PhiloxWords words(int i, int j) const {
-    const uint32_t group = (static_cast<uint32_t>(j) >> 5) * 4 + ((static_cast<uint32_t>(j) >> 1) & 3u);
-    return philox4x32_10(group, static_cast<uint32_t>(i), bh, offset, seed_lo, seed_hi);
+  // The 16 numbers of the call group holding element (i, j).
+  FAE_HOST_DEVICE PhiloxWords call(int i, int j) const {
+    return philox4x32_10(dropout_call_counter(i, j), static_cast<uint32_t>(i) >> 5, bh, offset,
+                         seed_lo, seed_hi);
   }
 
-  // Whether element (i, j) is kept (one Philox call; use keep_bits in loops).
-  FAE_HOST_DEVICE bool keep(int i, int j) const {
-    const PhiloxWords r = words(i, j);
-    const uint32_t word = r.w[(j >> 3) & 3];
-    return ((j & 1) ? (word >> 16) : (word & 0xffffu)) >= threshold;
+  // Keep bits of the four numbers (bytes) of one word of a call: bit k = byte k.
+  FAE_HOST_DEVICE uint32_t keep_nibble(uint32_t word) const {
+    return gather_byte_tops(bytes_ge(word, threshold * 0x01010101u));
   }
 
-  // Keep bits of the eight keys of row i that share key j's Philox call: bit
-  // 2t + e is key 32 * (j / 32) + 8t + 2 * ((j / 2) % 4) + e.
-  FAE_HOST_DEVICE uint32_t keep_bits(int i, int j) const {
-    const PhiloxWords r = words(i, j);
+  // Keep bits of the call group holding (i, j): bit b = byte b kept, i.e. bit
+  // 8 h + 2 t + e is key 16 (j / 16) + j % 8 + 8 h, query 32 (i / 32) +
+  // 2 ((i / 2) % 4) + 8 t + e.
+  FAE_HOST_DEVICE uint32_t call_keep_bits(int i, int j) const {
+    const PhiloxWords r = call(i, j);
     uint32_t bits = 0;
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-    for (int t = 0; t < 4; ++t) {
-      bits |= static_cast<uint32_t>((r.w[t] & 0xffffu) >= threshold) << (2 * t);
-      bits |= static_cast<uint32_t>((r.w[t] >> 16) >= threshold) << (2 * t + 1);
-    }
+    for (int w = 0; w < 4; ++w) bits |= keep_nibble(r.w[w]) << (4 * w);
     return bits;
   }
 
-  // Keep bits of keys [j32, j32 + 32) of row i (j32 a multiple of 32): bit j - j32
-  // (four Philox calls, one per lane group u).
-  FAE_HOST_DEVICE uint32_t keep_bits32(int i, int j32) const {
-    uint32_t bits = 0;
-    for (int u = 0; u < 4; ++u) {
-      const uint32_t b8 = keep_bits(i, j32 + 2 * u);
-      for (int t = 0; t < 4; ++t) bits |= ((b8 >> (2 * t)) & 3u) << (8 * t + 2 * u);
-    }
-    return bits;
+  // Whether byte k (0..3) of a call's word is kept: byte k at the top of a
+  // word compares as the byte alone (the bytes below it cannot reach the
+  // next multiple of 2^24): one shift and one compare, no extraction.
+  FAE_HOST_DEVICE bool keep_byte(uint32_t word, int k) const {
+    return (word << (24 - 8 * k)) >= (threshold << 24);
+  }
+
+  // Whether element (i, j) is kept (one Philox call: per element only where
+  // speed does not matter).
+  FAE_HOST_DEVICE bool keep(int i, int j) const {
+    return (call_keep_bits(i, j) >> dropout_byte(i, j)) & 1u;
   }
 };
 
@@ -131,11 +161,13 @@ FAE_HOST_DEVICE Dropout make_dropout(const AttentionFwdParams& p, int b, int h) 
   return d;
 }
 
-// dropout_p -> (threshold, scale) as the kernels use them; p in [0, 1).
+// dropout_p -> (threshold, scale) as the kernels use them; p in [0, 1). p > 0
+// never rounds to "off" (flash-attn's rule too: at least 1/256 is dropped).
 inline void dropout_threshold_and_scale(double p, uint32_t& threshold, float& scale) {
-  double t = p * 65536.0 + 0.5;
-  threshold = t >= 65535.0 ? 65535u : static_cast<uint32_t>(t);
-  scale = threshold == 0 ? 1.f : static_cast<float>(65536.0 / (65536.0 - threshold));
+  const double t = p * 256.0 + 0.5;
+  threshold = t >= 255.0 ? 255u : static_cast<uint32_t>(t);
+  if (threshold == 0 && p > 0.0) threshold = 1;
+  scale = threshold == 0 ? 1.f : static_cast<float>(256.0 / (256.0 - threshold));
 }
 
 }  // namespace flash_attn_ext

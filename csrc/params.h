@@ -170,9 +170,9 @@ struct AttentionFwdParams {
     int batch = 0, head = 0, row = 0, col = 0;  // int: the summary has < 2^31 blocks
   } attn_mask_block_strides;
   // Dropout on the attention probabilities (csrc/dropout.h): element (b, h, i, j)
-  // is kept iff a 16-bit Philox random number is >= dropout_threshold
-  // (round(dropout_p * 65536)), and kept values are scaled by dropout_scale =
-  // 65536 / (65536 - threshold), so the expectation is exact. The numbers come
+  // is kept iff an 8-bit Philox random number is >= dropout_threshold
+  // (round(dropout_p * 256), >= 1 for dropout_p > 0), and kept values are scaled
+  // by dropout_scale = 256 / (256 - threshold), so the expectation is exact. The numbers come
   // from rng_state = {seed, offset} (int64 [2] on the kernels' device, drawn
   // from torch's generator by the Python layer and saved for the backward,
   // which regenerates the same mask). threshold 0 = off.

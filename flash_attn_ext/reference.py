@@ -90,6 +90,14 @@ def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
 
 def dropout_keep_scale(dropout_p: float) -> float:
     """The factor kept probabilities are scaled by: 1 / (1 - p) with p rounded to a multiple
-    of 2^-16, the resolution of the kernels' 16-bit random numbers (csrc/dropout.h)."""
-    threshold = min(int(dropout_p * 65536.0 + 0.5), 65535)
-    return 65536.0 / (65536.0 - threshold)
+    of 1/256 (at least 1/256 when p > 0), the resolution of the kernels' 8-bit random numbers
+    (csrc/dropout.h; flash-attn's too)."""
+    threshold = dropout_threshold(dropout_p)
+    return 256.0 / (256.0 - threshold)
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The kernels' drop threshold for dropout_p: an element is dropped iff its 8-bit random
+    number is below it (csrc/dropout.h)."""
+    threshold = min(int(dropout_p * 256.0 + 0.5), 255)
+    return 1 if threshold == 0 and dropout_p > 0 else threshold

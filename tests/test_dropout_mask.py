@@ -16,7 +16,7 @@ import torch
 
 import flash_attn_ext as fa
 from flash_attn_ext.ops import FlashAttnFunction, new_rng_state
-from flash_attn_ext.reference import dropout_keep_scale
+from flash_attn_ext.reference import dropout_keep_scale, dropout_threshold
 from helpers import (OPCHECK_UTILS, alibi_slopes, assert_compiled_matches_eager, batch_entry,
                      check_lse, check_out_and_grads, gqa_attention, make_varlen,
                      opcheck_varlen_ops, randn, ref_and_base)
@@ -45,10 +45,11 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
 
 
 def keep_mask_spec(seed, offset, batch, heads, seqlen_q, seqlen_k, dropout_p):
-    """The documented keep-mask: counter = {(j/32)*4 + (j/2)%4, i, b*heads+h, offset_lo},
-    key = {seed_lo, seed_hi}; element (i, j) = 16-bit half (j%2) of word (j/8)%4; kept iff
-    >= min(round(p * 65536), 65535). Seeds and offsets are int64 (two's complement)."""
-    threshold = min(int(dropout_p * 65536.0 + 0.5), 65535)
+    """The documented keep-mask: counter = {(j/16)*32 + (j%8)*4 + (i/2)%4, i/32, b*heads+h,
+    offset_lo}, key = {seed_lo, seed_hi}; element (i, j) = byte 8*((j/8)%2) + 2*((i/8)%4) + i%2
+    of the 16 (little-endian words); kept iff >= dropout_threshold(p) (round(p * 256), 1..255).
+    Seeds and offsets are int64 (two's complement)."""
+    threshold = dropout_threshold(dropout_p)
     shape = (batch, heads, seqlen_q, seqlen_k)
     if threshold == 0:
         return np.ones(shape, dtype=bool)
@@ -56,12 +57,20 @@ def keep_mask_spec(seed, offset, batch, heads, seqlen_q, seqlen_k, dropout_p):
     bh, i, j = np.meshgrid(np.arange(batch * heads, dtype=np.uint64),
                            np.arange(seqlen_q, dtype=np.uint64),
                            np.arange(seqlen_k, dtype=np.uint64), indexing="ij")
-    group = (j // np.uint64(32)) * np.uint64(4) + (j // np.uint64(2)) % np.uint64(4)
-    words = philox4x32_10(group, i, bh, np.full_like(j, offset & 0xFFFFFFFF),
+    u = np.uint64
+    group = (j // u(16)) * u(32) + (j % u(8)) * u(4) + (i // u(2)) % u(4)
+    words = philox4x32_10(group, i // u(32), bh, np.full_like(j, offset & 0xFFFFFFFF),
                           seed_u & 0xFFFFFFFF, seed_u >> 32)
-    word = np.choose(((j // np.uint64(8)) % np.uint64(4)).astype(np.int64), words)
-    number = np.where(j % np.uint64(2) == 1, word >> np.uint64(16), word & np.uint64(0xFFFF))
+    byte = call_byte(i, j)
+    word = np.choose((byte // u(4)).astype(np.int64), words)
+    number = (word >> (u(8) * (byte % u(4)))) & u(0xFF)
     return (number >= threshold).reshape(shape)
+
+
+def call_byte(i, j):
+    """Element (i, j)'s byte in its Philox call group (csrc/dropout.h)."""
+    u = np.uint64
+    return u(8) * ((j // u(8)) % u(2)) + u(2) * ((i // u(8)) % u(4)) + i % u(2)
 
 
 def test_philox_known_answers():
@@ -83,8 +92,10 @@ MASK_CASES = [  # (seed, offset, batch, heads, seqlen_q, seqlen_k, dropout_p)
     (-(2 ** 63), -3, 1, 3, 2, 130, 0.3),
     (0x0123456789ABCDEF, 2 ** 31 + 1, 3, 1, 7, 33, 0.25),
     (2 ** 63 - 1, 0, 1, 2, 1, 1, 0.6),
-    (99, 1, 2, 2, 3, 64, 0.99999),  # threshold clamps at 65535
-    (5, 5, 1, 2, 3, 45, 1e-6),  # threshold rounds to 0: everything is kept
+    (99, 1, 2, 2, 3, 64, 0.99999),  # threshold clamps at 255
+    (5, 5, 1, 2, 3, 45, 1e-6),  # p > 0 drops at least 1/256 (threshold 1)
+    (5, 5, 1, 2, 3, 45, 0.0),  # everything is kept
+    (7, 9, 1, 2, 75, 37, 0.5),  # several 32-query blocks, odd lengths
     (5, 5, 1, 2, 0, 45, 0.5),  # empty
     (5, 5, 1, 2, 3, 0, 0.5),
 ]
@@ -120,24 +131,29 @@ def test_dropout_mask_seed_and_offset_matter(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_kept_fraction(p, device):
-    """~1e6 elements: the kept fraction within 5 sigma of 1 - threshold / 65536, overall and
-    for each of the 32 key positions of a Philox group (each word half)."""
+    """~1e6 elements: the kept fraction within 5 sigma of 1 - threshold / 256, overall and
+    for each of the 16 bytes of a Philox call group."""
     rng = torch.tensor([20240601, 3], dtype=torch.int64, device=device)
-    mask = torch.ops.flash_attn_ext.dropout_mask(rng, 2, 4, 300, 416, p).cpu()
-    keep_p = 1.0 - min(int(p * 65536 + 0.5), 65535) / 65536.0
-    n = mask.numel()
+    seqlen_q, seqlen_k = 320, 416
+    mask = torch.ops.flash_attn_ext.dropout_mask(rng, 2, 4, seqlen_q, seqlen_k, p).cpu().numpy()
+    keep_p = 1.0 - dropout_threshold(p) / 256.0
+    n = mask.size
     sigma = (keep_p * (1 - keep_p) / n) ** 0.5
-    assert abs(mask.double().mean().item() - keep_p) < 5 * sigma
-    per_lane = mask.view(-1, 32).double().mean(0)
-    sigma_lane = (keep_p * (1 - keep_p) / (n // 32)) ** 0.5
-    assert (per_lane - keep_p).abs().max().item() < 5 * sigma_lane
+    assert abs(mask.mean() - keep_p) < 5 * sigma
+    i, j = np.meshgrid(np.arange(seqlen_q, dtype=np.uint64), np.arange(seqlen_k, dtype=np.uint64),
+                       indexing="ij")
+    byte = np.broadcast_to(call_byte(i, j), mask.shape)
+    sigma_byte = (keep_p * (1 - keep_p) / (n // 16)) ** 0.5
+    for b in range(16):
+        assert abs(mask[byte == b].mean() - keep_p) < 5 * sigma_byte
 
 
 def test_dropout_keep_scale():
     assert dropout_keep_scale(0.0) == 1.0
     assert dropout_keep_scale(0.5) == 2.0
-    assert dropout_keep_scale(0.1) == 65536.0 / (65536 - 6554)
-    assert dropout_keep_scale(0.99999999) == 65536.0
+    assert dropout_keep_scale(0.1) == 256.0 / (256 - 26)
+    assert dropout_keep_scale(1e-6) == 256.0 / 255
+    assert dropout_keep_scale(0.99999999) == 256.0
 
 
 # ---- dropout: values and gradients against the reference --------------------------------------
@@ -405,7 +421,7 @@ def test_reproducible(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_dropout(device):
     """p = 0 draws no rng_state and is the plain call, bit for bit, with return_attn_probs'
-    mask None; p small enough to round to threshold 0 is also the plain call; dropout does
+    mask None; a tiny p > 0 still drops (1/256 of the elements, as flash-attn); dropout does
     not change lse."""
     q, k, v = (randn((2, n, h, 32), torch.float16, device, s, True)
                for n, h, s in ((50, HEADS, 1), (77, KV_HEADS, 2), (77, KV_HEADS, 3)))
@@ -425,10 +441,9 @@ def test_no_dropout(device):
     for a, b in zip(zero, (plain, *plain_grads)):
         assert torch.equal(a, b)
     assert torch.equal(res[0], plain)
-    tiny = _run_dropout(q, k, v, dout, p=1e-6, causal=True)  # round(p * 65536) = 0
+    tiny = _run_dropout(q, k, v, dout, p=1e-6, causal=True)  # threshold 1: drops 1/256
     assert not torch.equal(get_state(), before)  # p > 0 draws
-    for a, b in zip(tiny, (plain, *plain_grads)):
-        assert torch.equal(a, b)
+    assert not torch.equal(tiny[0], plain)
     _, lse_plain = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
     _, lse_drop = fa.flash_attn_func(q, k, v, causal=True, dropout_p=0.5, return_lse=True)
     # CPU: the same arithmetic; CUDA: dropout runs the variant kernels

@@ -269,17 +269,24 @@ void modify_scores(const Mask& mask, float* row, int i, int n0, RowRange r, floa
 }
 
 // Multiplies the [rows, cols] tile at (row m0, key n0) by the dropout factor:
-// the scale where the element is kept, 0 where it is dropped (csrc/dropout.h).
+// the scale where the element is kept, 0 where it is dropped (csrc/dropout.h),
+// with one Philox call per call group (2 keys x 8 queries) that meets the tile.
 void apply_dropout(const Dropout& d, float* tile, int m0, int rows, int n0, int cols) {
   if (!d.active()) return;
-  for (int r = 0; r < rows; ++r) {
-    float* row = tile + static_cast<size_t>(r) * cols;
-    for (int c0 = 0; c0 < cols;) {
-      const int j32 = (n0 + c0) & ~31;  // the 32-key block holding key n0 + c0
-      const uint32_t bits = d.keep_bits32(m0 + r, j32);
-      const int c_end = std::min(cols, j32 + 32 - n0);
-      for (int c = c0; c < c_end; ++c) row[c] = (bits >> (n0 + c - j32)) & 1u ? row[c] * d.scale : 0.f;
-      c0 = c_end;
+  for (int i32 = m0 & ~31; i32 < m0 + rows; i32 += 32) {
+    for (int j16 = n0 & ~15; j16 < n0 + cols; j16 += 16) {
+      for (int k = 0; k < 8; ++k) {
+        for (int v = 0; v < 4; ++v) {
+          const uint32_t bits = d.call_keep_bits(i32 + 2 * v, j16 + k);
+          for (int b = 0; b < 16; ++b) {
+            int i, j;
+            dropout_byte_element(i32 + 2 * v, j16 + k, b, i, j);
+            if (i < m0 || i >= m0 + rows || j < n0 || j >= n0 + cols) continue;
+            float& x = tile[static_cast<size_t>(i - m0) * cols + (j - n0)];
+            x = ((bits >> b) & 1u) ? x * d.scale : 0.f;
+          }
+        }
+      }
     }
   }
 }

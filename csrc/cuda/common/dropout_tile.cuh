@@ -1,25 +1,25 @@
-// Dropout (csrc/dropout.h) on the mma.sync accumulator fragments of the
-// tensor-core kernels: the keep bits of a lane's elements from as few Philox
-// calls as the fragment layout allows, and Z = keep ? scale : 0 applied in
-// place (apply_dropout, apply_dropout_transposed), or the keep mask alone on
-// 16-bit packed P (dropout_pair_mask; the sm80 forward, which scales O once in
-// its epilogue). Only the kernels instantiated with variants include these.
+// Dropout (csrc/dropout.h) on the mma.sync / wgmma accumulator fragments of
+// the tensor-core kernels: the keep bits of a lane's elements from as few
+// Philox calls as the fragment layout allows, and Z = keep ? scale : 0 applied
+// in place (apply_dropout_transposed), or the keep mask alone, on fp32 P
+// (drop_elements; the Hopper forward) or 16-bit packed P (dropout_pair_mask;
+// the sm80 forward): the forwards scale O once in their epilogues. Only the kernels instantiated with variants include these.
 //
-// Philox groups (dropout.h): the keys {32c + 8t + 2u + e : t < 4, e < 2} of one
-// row share a call, and keep_bits(i, j) returns bit 2t + e of row i's group
-// holding key j.
+// Call groups (dropout.h): keys {16a + k, 16a + k + 8} x queries
+// {32c + 2v + e + 8t : t < 4, e < 2} share a call; call_keep_bits returns bit
+// 8h + 2t + e for key 16a + k + 8h, query 32c + 2v + 8t + e.
 //
-// Forward (rows = queries, fwd_softmax.cuh): s[m][j][c] is row
-// row_base + 16m + 8(c / 2) (row_base includes the lane's g = lane / 4), key
-// col_base + 8j + (c % 2) (col_base includes 2u, u = lane % 4). The lane's keys
-// of n-tiles 4c'..4c'+3 of a 32-aligned run are exactly one group: one call per
-// row per 32 keys, all 8 bits used.
+// Backward (transposed, rows = keys): acc[m][j][c] is key key_base + 16m + g +
+// 8(c / 2), query query_base + 8j + 2u + (c % 2) (g = lane / 4, u = lane % 4).
+// With key_base % 16 == 0 and query_base % 32 == 0, n-tiles 4c'..4c'+3 of
+// m-tile m are one whole call group (k = g, v = u): one call per 16 elements,
+// no shuffles.
 //
-// Backward (transposed, rows = keys, bwd_building_blocks.cuh): acc[m][j][c] is
-// key key_base + 16m + g + 8(c / 2), query query_base + 8j + 2u + (c % 2). For
-// one query the lane's keys g + 8t' (t' = 2m + c / 2) are 2 or 4 keys of the
-// group (g / 2, e = g % 2); lanes g and g ^ 1 (lane ^ 4) need the same calls
-// (queries 2u, 2u + 1), so each makes one of the two and they swap results.
+// Forward (rows = queries, fwd_softmax.cuh): s[m][j][c] is row row_base + 16m +
+// 8(c / 2) (row_base includes g), key col_base + 8j + (c % 2) (col_base
+// includes 2u). A call group holds 4 of the lane's elements (rows g, g + 8 x
+// keys of n-tiles 2j', 2j' + 1 with one key parity) and 4 of its partner's
+// (lane ^ 4: rows g ^ 1): each makes the call of one key parity and they swap.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -38,101 +38,95 @@ FAE_DEVICE float dropout_select(float x, Bits bits, int b, float scale) {
 
 // ---------------------------------------------------------------------------
 // Forward (row-major fragments): for every row (m, h) and n-tile j of the lane,
-// f(m, h, j, pair) with pair = the keep bits of keys (col_base + 8j, +1) of
-// row row_base + 16m + 8h in bits 0 and 1.
-// kKeyAlign: a compile-time multiple of which col_base - 2u always is (>= 8).
-// With kKeyAlign % 32 == 0 and kTilesN % 4 == 0 every 4 n-tiles are one Philox
-// group; with 16 (the decode tile's 16-key warp slices) every 2 n-tiles are
-// half a group; otherwise one call per n-tile (8 keys, 2 of its 8 bits used).
+// f(m, h, j, keep_even, keep_odd): whether keys col_base + 8j and + 1 of row
+// row_base + 16m + 8h are kept. kKeyAlign: a compile-time multiple of which
+// col_base - 2u always is. Every lane of the warp must call this (shuffles).
 // ---------------------------------------------------------------------------
 template <int kKeyAlign, int kMmaM, int kTilesN, typename F>
 FAE_DEVICE void for_each_dropout_pair(const Dropout& d, int row_base, int col_base, F&& f) {
-  static_assert(kKeyAlign % 8 == 0, "n-tiles start at multiples of 8 keys");
-  constexpr int kG = (kKeyAlign % 32 == 0 && kTilesN % 4 == 0)   ? 4
-                     : (kKeyAlign % 16 == 0 && kTilesN % 2 == 0) ? 2
-                                                                 : 1;
+  static_assert(kKeyAlign % 16 == 0 && kTilesN % 2 == 0,
+                "n-tile pairs start at multiples of 16 keys (one call group's keys)");
+  const int parity = (threadIdx.x >> 2) & 1;  // g % 2: the lane's query parity
 #pragma unroll
   for (int m = 0; m < kMmaM; ++m) {
+    const int row = row_base + 16 * m;
+    // Rows row and row + 8 are t = t0 and t0 + 1 of their call groups, t0 =
+    // 2 ((row / 16) % 2), so words t0 / 2 (keys k) and 2 + t0 / 2 (keys k + 8)
+    // hold every number of this lane and its partner: byte 2 (t - t0) + the
+    // row parity. The other two words are the other 16 rows'.
+    const bool upper = (row >> 4) & 1;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = row_base + 16 * m + 8 * h;
+    for (int j = 0; j < kTilesN; j += 2) {
+      // This lane: the group of keys with parity g % 2; its partner the
+      // other. They swap the two words (the raw numbers: each lane then
+      // compares only its own 8).
+      const PhiloxWords r = d.call(row, col_base + 8 * j + parity);
+      const uint32_t mine[2] = {upper ? r.w[1] : r.w[0], upper ? r.w[3] : r.w[2]};  // [key half]
+      uint32_t even[2], odd[2];
 #pragma unroll
-      for (int j0 = 0; j0 < kTilesN; j0 += kG) {
-        // Key col_base + 8 j0 = 32c + 8t0 + 2u: its group's bits, from t0 on.
-        uint32_t bits = d.keep_bits(row, col_base + 8 * j0);
-        if constexpr (kKeyAlign % 32 == 0) {
-          bits >>= 2 * (j0 % 4);
-        } else {
-          bits >>= 2 * (((col_base >> 3) + j0) & 3);
+      for (int jj = 0; jj < 2; ++jj) {
+        const uint32_t other = __shfl_xor_sync(0xffffffffu, mine[jj], 4);
+        even[jj] = parity ? other : mine[jj];
+        odd[jj] = parity ? mine[jj] : other;
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const int byte = 2 * h + parity;  // row + 8 h
+          f(m, h, j + jj, d.keep_byte(even[jj], byte), d.keep_byte(odd[jj], byte));
         }
-#pragma unroll
-        for (int jj = 0; jj < kG; ++jj) f(m, h, j0 + jj, (bits >> (2 * jj)) & 3u);
       }
     }
   }
 }
 
-// s[kMmaM][kTilesN][4] (probabilities) *= Z.
+// s[kMmaM][kTilesN][4] (probabilities): the dropped elements set to 0, the
+// kept ones left as they are (the caller applies the scale to O, which is
+// linear in P: one multiply per output element instead of one per score).
 template <int kKeyAlign, int kMmaM, int kTilesN>
-FAE_DEVICE void apply_dropout(float (&s)[kMmaM][kTilesN][4], const Dropout& d, int row_base,
+FAE_DEVICE void drop_elements(float (&s)[kMmaM][kTilesN][4], const Dropout& d, int row_base,
                               int col_base) {
-  const float scale = d.scale;
   for_each_dropout_pair<kKeyAlign, kMmaM, kTilesN>(
-      d, row_base, col_base, [&](int m, int h, int j, uint32_t pair) {
-        s[m][j][2 * h] = dropout_select(s[m][j][2 * h], pair, 0, scale);
-        s[m][j][2 * h + 1] = dropout_select(s[m][j][2 * h + 1], pair, 1, scale);
+      d, row_base, col_base, [&](int m, int h, int j, bool keep_even, bool keep_odd) {
+        if (!keep_even) s[m][j][2 * h] = 0.f;
+        if (!keep_odd) s[m][j][2 * h + 1] = 0.f;
       });
 }
 
 // The AND mask that keeps the kept halves of a packed 16-bit pair (low half =
-// bit 0): dropout on P after its conversion to 16 bits, without the scale.
-FAE_DEVICE uint32_t dropout_pair_mask(uint32_t pair) {
-  return ((pair & 1u) ? 0x0000ffffu : 0u) | ((pair & 2u) ? 0xffff0000u : 0u);
+// the even key): dropout on P after its conversion to 16 bits, without the scale.
+FAE_DEVICE uint32_t dropout_pair_mask(bool keep_even, bool keep_odd) {
+  return (keep_even ? 0x0000ffffu : 0u) | (keep_odd ? 0xffff0000u : 0u);
 }
 
 // ---------------------------------------------------------------------------
 // Backward: the lane's keep bits of a transposed [16 kM keys x 8 kN queries]
-// tile, bit 4kM * j + 4m + c for acc[m][j][c]. key_base (a multiple of
-// kKeyAlign: 16 with kM = 1, 32 with kM = 2) is the tile's first key,
-// query_base its first query. Every lane of the warp must call this (shuffles).
+// tile, call group (m, j / 4) in bits [16 (kM (j / 4) + m), +16), so acc[m][j][c]
+// is bit dropout_bit_transposed<kM>(m, j, c). key_base (the tile's first key)
+// must be a multiple of 16, query_base (its first query) of 32.
 // ---------------------------------------------------------------------------
 template <int kM, int kN>
 using DropoutBitsT = std::conditional_t<(4 * kM * kN <= 32), uint32_t, uint64_t>;
 
-template <int kKeyAlign, int kM, int kN>
+template <int kM>
+FAE_HOST_DEVICE constexpr int dropout_bit_transposed(int m, int j, int c) {
+  return 16 * (kM * (j / 4) + m) + 8 * (c / 2) + 2 * (j % 4) + (c % 2);
+}
+
+template <int kM, int kN>
 FAE_DEVICE DropoutBitsT<kM, kN> dropout_bits_transposed(const Dropout& d, int key_base,
                                                         int query_base, int lane) {
-  static_assert(kM == 1 || kM == 2, "16 or 32 keys per warp");
-  static_assert(kKeyAlign % (16 * kM) == 0, "the warp's keys lie in one 32-key group");
+  static_assert(kN % 4 == 0 && 4 * kM * kN <= 64, "whole 32-query call groups, <= 64 bits");
   using Bits = DropoutBitsT<kM, kN>;
-  const int g = lane / 4, u = lane % 4, e = g & 1;
-  // The lane's group: keys 32c + 2(g / 2) + {0, 1} + 8t.
-  const int group_key = key_base + (g & 6);
-  // Its keys are bits 2t + e of the group's word; t = t0 + 2m + c / 2.
-  int shift = e;
-  if constexpr (kKeyAlign % 32 != 0) shift += 2 * ((key_base >> 3) & 3);
+  const int g = lane / 4, u = lane % 4;
   Bits bits = 0;
 #pragma unroll
-  for (int j4 = 0; j4 < kN; j4 += 4) {
-    // This lane computes query 2u + e of n-tiles j4..j4+3 (8 bits each, packed),
-    // its partner (lane ^ 4) query 2u + (1 - e).
-    uint32_t mine = 0;
+  for (int c = 0; c < kN / 4; ++c) {
 #pragma unroll
-    for (int jj = 0; jj < 4 && j4 + jj < kN; ++jj) {
-      const int query = query_base + 8 * (j4 + jj) + 2 * u + e;
-      mine |= d.keep_bits(query, group_key) << (8 * jj);
-    }
-    const uint32_t other = __shfl_xor_sync(0xffffffffu, mine, 4);
-    // Words of queries 2u (even) and 2u + 1 (odd), shifted to the lane's keys:
-    // bits 0, 2 (kM = 2: also 4, 6) of each byte.
-    const uint32_t w0 = (e ? other : mine) >> shift;
-    const uint32_t w1 = (e ? mine : other) >> shift;
-    constexpr uint32_t kByteMask = kM == 2 ? 0x55u : 0x05u;
-#pragma unroll
-    for (int jj = 0; jj < 4 && j4 + jj < kN; ++jj) {
-      // Interleave: bit 2t' + (query parity) = 4m + c.
-      const uint32_t b = ((w0 >> (8 * jj)) & kByteMask) | (((w1 >> (8 * jj)) & kByteMask) << 1);
-      bits |= static_cast<Bits>(b) << (4 * kM * (j4 + jj));
+    for (int m = 0; m < kM; ++m) {
+      const uint32_t call = d.call_keep_bits(query_base + 32 * c + 2 * u, key_base + 16 * m + g);
+      bits |= static_cast<Bits>(call) << (16 * (kM * c + m));
     }
   }
   return bits;
@@ -147,7 +141,8 @@ FAE_DEVICE void apply_dropout_transposed(float (&acc)[kM][kN][4], Bits bits, flo
     for (int j = 0; j < kN; ++j) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        acc[m][j][c] = dropout_select(acc[m][j][c], bits, 4 * kM * j + 4 * m + c, scale);
+        acc[m][j][c] =
+            dropout_select(acc[m][j][c], bits, dropout_bit_transposed<kM>(m, j, c), scale);
       }
     }
   }

@@ -58,9 +58,11 @@
 // the other variant calls get a kernel without them.
 //
 // Dropout (a uniform branch in the variant kernels; Z = keep ? scale : 0):
-// dS^T = P^T o (dP^T o Z^T - D) (o df/ds) and dV += (P^T o Z^T) dO. The keep
-// bits of a thread's S^T elements (bwd_sm90_dropout_bits, one Philox call per
-// 4 elements) are computed while the step's score GEMMs run. Key split: held
+// dS^T = P^T o (dP^T o Z^T - D) (o df/ds) and dV += (P^T o Z^T) dO, computed as
+// P'^T o (dP^T o keep^T - D / scale) and P'^T o keep^T with P' = P * scale from
+// the exponential (scores_to_probs): no multiply by the scale per element. The
+// keep bits of a thread's S^T elements (bwd_sm90_dropout_bits, one Philox call
+// per 16 elements) are computed while the step's score GEMMs run. Key split: held
 // in 1-2 registers until dP^T and P^T have taken Z. Head-dim split: consumer 0
 // computes them and hands them to consumer 1 as the sign bits of the fp32
 // P^T (softcap: P^T o df/ds; both >= 0), its 16-bit P^T fragments (softcap)
@@ -447,6 +449,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     }
   };
+  // D's factor in dS^T: 1 / the dropout scale, as P^T carries it (scores_to_probs).
+  auto dropout_dsum_factor = [&]() {
+    return kHasVariants && has_dropout(params) ? 1.f / params.dropout_scale : 1.f;
+  };
   auto row_stat_pair = [&](uint32_t row_stat, const RowStat& pre, int j, float (&out)[2]) {
     if constexpr (kPreloadRowStats) {
       out[0] = pre[j][0];
@@ -459,12 +465,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // per-element test. Variants: every tile with score modifiers, and those
   // the window cuts for this warpgroup's keys, take bwd_sm90_variant_scores
   // first (then P = exp2(score * unit - lse), unit from it); softcapped: the
-  // caller has applied the softcap's tanh (and kept df/ds).
+  // caller has applied the softcap's tanh (and kept df/ds). Dropout: P^T times
+  // the dropout scale, from exp2(... - (lse - log2 scale)): the kept elements'
+  // factor comes with the exponential, and dS^T takes D / scale
+  // (dropout_dsum_factor), so no element is multiplied by the scale.
   auto scores_to_probs = [&](int m_block, int stage, float (&s)[kBlockM / 8][4],
                              uint32_t lse_row_stat, const RowStat& lse_pre, bool softcapped) {
     const int query_base = m_block * kBlockM + 2 * (lane % 4);  // + 8j + e % 2
     float scale_log2 = params.scale_log2;
+    float lse_shift = 0.f;
     if constexpr (kHasVariants) {
+      if (has_dropout(params)) lse_shift = __log2f(params.dropout_scale);
       const ScoreVariants variants = make_variants();
       const bool mask_elements =
           !bwd_sm90_keys_inside_window<kBlockM, 64>(variants.mask, m_block, n0 + wg_key0);
@@ -484,6 +495,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int j = 0; j < kBlockM / 8; ++j) {
       float lse_log2[2];
       row_stat_pair(lse_row_stat, lse_pre, j, lse_log2);
+      if constexpr (kHasVariants) lse_log2[0] -= lse_shift, lse_log2[1] -= lse_shift;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float p = exp2f(s[j][e] * scale_log2 - lse_log2[e % 2]);
@@ -629,16 +641,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (!softcap) scores_to_probs(m_block, stage, s, lse_smem(stage), lse_log2, false);
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
-      // Dropout: dS^T = P^T o (dP^T o Z^T - D) (o df/ds), and dV takes P^T o Z^T.
+      // Dropout: dS^T = P^T o (dP^T o Z^T - D) (o df/ds), and dV takes P^T o Z^T,
+      // with Z = keep * scale and P^T already times the scale (scores_to_probs):
+      // dS^T = P^T o (dP^T o keep - D / scale), dV's operand P^T o keep.
       if (softcap) {
         if constexpr (kHasVariants) {
-          if (dropout_on) bwd_sm90_apply_dropout<kBlockM>(dp, keep, params.dropout_scale);
+          if (dropout_on) bwd_sm90_drop<kBlockM>(dp, keep);
         }
         const ScoreVariants variants = make_variants();
+        const float dsum_factor = dropout_dsum_factor();
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
           float d[2];
           row_stat_pair(dsum_smem(stage), dsum, j, d);
+          d[0] *= dsum_factor, d[1] *= dsum_factor;
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float t = ScoreVariants::tanh_fast(s[j][e] * variants.softcap_in);
@@ -653,18 +669,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           for (int e = 0; e < 4; ++e) dp[j][e] *= s[j][e];
         }
         if constexpr (kHasVariants) {
-          if (dropout_on) bwd_sm90_apply_dropout<kBlockM>(s, keep, params.dropout_scale);
+          if (dropout_on) bwd_sm90_drop<kBlockM>(s, keep);
         }
       } else if (dropout_on) {
-        const float scale = params.dropout_scale;
+        const float dsum_factor = dropout_dsum_factor();
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
           float d[2];
           row_stat_pair(dsum_smem(stage), dsum, j, d);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            dp[j][e] = s[j][e] * (dropout_select(dp[j][e], keep, 4 * j + e, scale) - d[e % 2]);
-            s[j][e] = dropout_select(s[j][e], keep, 4 * j + e, scale);
+            // (P^T o keep^T) o dP^T - P^T o D': one select, a multiply, an FMA.
+            const bool kept = (keep >> bwd_sm90_dropout_bit(j, e)) & 1u;
+            const float p_kept = kept ? s[j][e] : 0.f;
+            dp[j][e] = p_kept * dp[j][e] - s[j][e] * (d[e % 2] * dsum_factor);
+            s[j][e] = p_kept;
           }
         }
       } else {
@@ -767,12 +786,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               const float t = ScoreVariants::tanh_fast(acc[q][e] * variants.softcap_in);
               acc[q][e] = t;  // scores_to_probs applies softcap * log2(e)
               dfds[e] = 1.f - t * t;
-              if (dropout_on) dfds[e] = bwd_sm90_mark_dropped(dfds[e], keep >> (4 * q + e));
+              if (dropout_on) {
+                dfds[e] = bwd_sm90_mark_dropped(dfds[e], keep >> bwd_sm90_dropout_bit(q, e));
+              }
             }
             st_shared_v4_f32(p_slot + q * 128 * 16, dfds[0], dfds[1], dfds[2], dfds[3]);
           }
           scores_to_probs(m_block, stage, acc, lse_smem(stage), row_terms, true);
-          const float dropout_scale = params.dropout_scale;
 #pragma unroll
           for (int q = 0; q < kBlockM / 8; ++q) {
             float dfds[4];
@@ -783,7 +803,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             if (dropout_on) {
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
-                acc[q][e] = bwd_sm90_is_dropped(dfds[e]) ? 0.f : acc[q][e] * dropout_scale;
+                acc[q][e] = bwd_sm90_is_dropped(dfds[e]) ? 0.f : acc[q][e];
               }
             }
           }
@@ -797,7 +817,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               for (int q = 0; q < kBlockM / 8; ++q) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                  acc[q][e] = bwd_sm90_mark_dropped(acc[q][e], keep >> (4 * q + e));
+                  acc[q][e] = bwd_sm90_mark_dropped(acc[q][e], keep >> bwd_sm90_dropout_bit(q, e));
                 }
               }
             }
@@ -809,7 +829,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           // Dropout: this consumer's dV operand is P^T o Z^T (the marked
           // elements are the dropped ones, which become 0).
           if constexpr (kHasVariants) {
-            if (dropout_on) bwd_sm90_apply_dropout<kBlockM>(acc, keep, params.dropout_scale);
+            if (dropout_on) bwd_sm90_drop<kBlockM>(acc, keep);
           }
         }
       }
@@ -825,17 +845,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           ld_shared_v4_f32(p_slot + q * 128 * 16, p[q][0], p[q][1], p[q][2], p[q][3]);
         }
         if (dropout_on) {
-          // Z from the sign bits: dS^T = P^T o (dP^T o Z^T - D), and the dV
-          // operand P^T o Z^T (softcap: consumer 0's 16-bit fragments instead).
-          const float scale = params.dropout_scale;
+          // Z from the sign bits: dS^T = P^T o (dP^T o keep - D / scale), and
+          // the dV operand P^T o keep (P^T times the scale: scores_to_probs;
+          // softcap: consumer 0's 16-bit fragments instead).
+          const float dsum_factor = dropout_dsum_factor();
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const bool dropped = bwd_sm90_is_dropped(p[j][e]);
               const float pa = fabsf(p[j][e]);
-              acc[j][e] = pa * ((dropped ? 0.f : acc[j][e] * scale) - row_terms[j][e % 2]);
-              p[j][e] = dropped ? 0.f : pa * scale;
+              const float p_kept = dropped ? 0.f : pa;
+              acc[j][e] = p_kept * acc[j][e] - pa * (row_terms[j][e % 2] * dsum_factor);
+              p[j][e] = p_kept;
             }
           }
         } else {

@@ -164,47 +164,49 @@ FAE_DEVICE float bwd_sm90_variant_scores(float (&s)[kCols / 8][4], const ScoreVa
 // accumulators: a warp's m64nN fragment rows are keys key_base + g and
 // key_base + 8 + g (key_base = the warp's first key, a multiple of 16), its
 // columns queries query_base + 8j + 2u + {0, 1}: acc[j][e] is
-// dropout_tile.cuh's transposed acc[m = 0][j][c = e], so its bit 4j + e.
+// dropout_tile.cuh's transposed acc[m = 0][j][c = e], so its bit
+// dropout_bit_transposed<1>(0, j, e) (bwd_sm90_dropout_bit).
 // ---------------------------------------------------------------------------
 template <int kCols>
 using BwdSm90DropoutBits = DropoutBitsT<1, kCols / 8>;
 
-// The lane's keep bits of the warp's [16 keys x kCols queries]: kCols / 8
-// Philox calls per lane, lanes g and g ^ 1 (lane ^ 4) sharing them, as
-// dropout_bits_transposed<16, 1, kCols / 8> (dropout_tile.cuh, whose bit
-// layout this returns), but one call at a time: the consumers are at the
-// register limit (ptxas -v: four calls in flight spilled more in the D = 128
-// varlen kernel, two or four in the D = 64 attn_mask kernels). Every lane of the warp
-// must call this (shuffles). Pure ALU work: the kernel runs it while the
-// step's score GEMMs are in flight.
+FAE_HOST_DEVICE constexpr int bwd_sm90_dropout_bit(int j, int e) {
+  return dropout_bit_transposed<1>(0, j, e);
+}
+
+// The lane's keep bits of the warp's [16 keys x kCols queries]: kCols / 32
+// Philox calls per lane, each a whole call group (16 elements), as
+// dropout_bits_transposed<1, kCols / 8> (dropout_tile.cuh, whose bit layout
+// this returns), but one call at a time: the consumers are at the register
+// limit (ptxas -v: calls in flight together spilled in the D = 128 varlen and
+// the D = 64 attn_mask kernels). Pure ALU work: the kernel runs it while the
+// step's score GEMMs are in flight. query_base: a multiple of 32.
 template <int kCols>
 FAE_DEVICE BwdSm90DropoutBits<kCols> bwd_sm90_dropout_bits(const Dropout& d, int key_base,
                                                            int query_base, int lane) {
+  static_assert(kCols % 32 == 0, "whole 32-query call groups");
   using Bits = BwdSm90DropoutBits<kCols>;
-  const int g = lane / 4, u = lane % 4, e = g & 1;
-  // The lane's keys key_base + g + {0, 8} are bits 2t + e of the Philox group
-  // of keys 32c + (g & 6) + {0, 1} + 8t, t = t0 + {0, 1}.
-  const int group_key = key_base + (g & 6);
-  const int shift = e + 2 * ((key_base >> 3) & 3);
+  const int g = lane / 4, u = lane % 4;
   Bits bits = 0;
 #pragma unroll 1
-  for (int j = 0; j < kCols / 8; ++j) {
-    // This lane's query 2u + e of n-tile j, its partner's 2u + (1 - e).
-    const uint32_t mine = d.keep_bits(query_base + 8 * j + 2 * u + e, group_key);
-    const uint32_t other = __shfl_xor_sync(0xffffffffu, mine, 4);
-    const uint32_t w0 = (e ? other : mine) >> shift;  // query 2u
-    const uint32_t w1 = (e ? mine : other) >> shift;  // query 2u + 1
-    // Bit 4j + c: key g + 8 (c / 2) (bits 0, 2 of w), query 2u + c % 2.
-    bits |= static_cast<Bits>((w0 & 5u) | ((w1 & 5u) << 1)) << (4 * j);
+  for (int c = 0; c < kCols / 32; ++c) {
+    const uint32_t call = d.call_keep_bits(query_base + 32 * c + 2 * u, key_base + g);
+    bits |= static_cast<Bits>(call) << (16 * c);
   }
   return bits;
 }
 
-// acc[j][e] *= Z.
+// acc[j][e] = 0 where dropped (the kernel folds the scale elsewhere:
+// bwd_sm90_kernel.cuh's scores_to_probs).
 template <int kCols>
-FAE_DEVICE void bwd_sm90_apply_dropout(float (&acc)[kCols / 8][4], BwdSm90DropoutBits<kCols> bits,
-                                       float scale) {
-  apply_dropout_transposed(reinterpret_cast<float(&)[1][kCols / 8][4]>(acc), bits, scale);
+FAE_DEVICE void bwd_sm90_drop(float (&acc)[kCols / 8][4], BwdSm90DropoutBits<kCols> bits) {
+#pragma unroll
+  for (int j = 0; j < kCols / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (!((bits >> bwd_sm90_dropout_bit(j, e)) & 1u)) acc[j][e] = 0.f;
+    }
+  }
 }
 
 // Head-dim split: consumer 0 hands consumer 1 P^T (softcap: P^T o df/ds,

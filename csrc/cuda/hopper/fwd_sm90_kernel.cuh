@@ -571,8 +571,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         softmax.update_scores_folded(s, unit, rescale);
         // Dropout on P after the row sums (csrc/dropout.h): the accumulator layout
-        // is mma.sync's, so one Philox call per row per 32 keys.
-        if (dropout.active()) apply_dropout<kBlockN, 1, kBlockN / 8>(s, dropout, row_base, col_base);
+        // is mma.sync's, so one Philox call per 8 elements (dropout_tile.cuh);
+        // the dropped elements cleared here, the scale applied to O (epilogue).
+        if (dropout.active()) drop_elements<kBlockN, 1, kBlockN / 8>(s, dropout, row_base, col_base);
         return;
       }
       if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, n_block)) {
@@ -688,7 +689,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // store_accumulator_row). Rows past seqlen_q and the columns past the
     // true head dim are not written.
     TOut* out = static_cast<TOut*>(params.out);
-    const float out_scale = kFp8 ? descale_at(params.v_descale, tile.b, tile.h_k) : 1.f;
+    // FP8: V's descale; dropout: the scale of the kept probabilities (1 without).
+    const float out_scale = kFp8          ? descale_at(params.v_descale, tile.b, tile.h_k)
+                            : kHasVariants ? params.dropout_scale
+                                           : 1.f;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = row_base + 8 * hh;

@@ -148,15 +148,23 @@ FAE_DEVICE void scores_tile(float* sP, float* sdS, const float* sQ, const float*
   if constexpr (kVariants) {
     const int key_begin = mask.key_begin(query), key_end = mask.key_end(query);  // <= seqlen_k
     const bool score_mod = mask.has_score_mod();  // CTA-uniform
-    // Dropout: keys key0 + 4 warp + r (key0 % 32 == 0) are bit 2 (warp / 2) + r % 2
-    // of the Philox group (query, u = (2 warp + r / 2) % 4) (csrc/dropout.h).
-    static_assert(kBwdFp32BlockN == 32 && kThreads == 256, "8 warps x 4 keys = one 32-key group");
+    // Dropout: the element (query, key0 + 4 warp + r) is byte `byte` of the
+    // Philox call group (keys 4 (warp % 2) + r + {0, 8}, queries with the same
+    // (query / 2) % 4 in the 32-query block; csrc/dropout.h), whose 8 queries
+    // here are lanes 2v + {0, 1} + 8t. Lane 8r + 2v makes that call (the
+    // others a duplicate) and the lanes read theirs by shuffle: one call per
+    // lane for its 4 keys. query0 % 32 == 0.
+    static_assert(kBwdFp32BlockN == 32 && kBwdFp32BlockM == 32 && kThreads == 256,
+                  "8 warps x 4 keys, 32 queries = one lane each");
     const bool dropout_on = dropout != nullptr && dropout->active();  // CTA-uniform
-    uint32_t keep[2] = {0u, 0u};
+    uint32_t keep = 0;  // bit r: key key0 + 4 warp + r
     if (dropout_on) {
+      const uint32_t mine =
+          dropout->call_keep_bits(query0 + (lane & 6), key0 + 4 * warp + (lane >> 3));
+      const int byte = dropout_byte(query, key0 + 4 * warp);
 #pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        keep[rh] = dropout->keep_bits(query, key0 + 4 * warp + 2 * rh) >> (2 * (warp >> 1));
+      for (int r = 0; r < 4; ++r) {
+        keep |= ((__shfl_sync(0xffffffffu, mine, 8 * r + (lane & 6)) >> byte) & 1u) << r;
       }
     }
 #pragma unroll
@@ -168,7 +176,7 @@ FAE_DEVICE void scores_tile(float* sP, float* sdS, const float* sQ, const float*
       const float p = visible ? exp2f(x - lse2) : 0.f;
       float pz = p, dpz = dp[r];
       if (dropout_on) {
-        const float z = ((keep[r >> 1] >> (r & 1)) & 1u) ? dropout->scale : 0.f;
+        const float z = ((keep >> r) & 1u) ? dropout->scale : 0.f;
         pz = p * z;
         dpz = dp[r] * z;
       }

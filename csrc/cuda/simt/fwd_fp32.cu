@@ -171,32 +171,29 @@ FAE_DEVICE void qk_tile(float (&s)[Fp32Tile<kHeadDim>::kRowsPerThread][4], const
 }
 
 // Dropout keep bits of the thread's elements of key tile n_block (rows
-// row_base + 16i, keys n_block * kBlockN + tx + 16j): bit 4i + j. Key tx + 16j
-// is bit 2((tx / 8) + 2(j % 2)) + tx % 2 of the Philox group (row, 32-key chunk
-// j / 2, u = (tx / 2) % 4) (csrc/dropout.h); the 4 lanes of a row group with the
-// same u need the same 2 groups for each row, so lane tx computes row
-// 2k + tx % 2, chunk tx / 8 of row pair k and the others read it by shuffle.
-// All threads of the warp must call this.
+// row_base + 16i, keys n_block * kBlockN + tx + 16j): bit 4i + j. The threads
+// tx % 8 = k of both row groups (ty) of a warp (lanes k + 8q, q < 4) hold, for
+// rows row_base + 32i' (+ 16) and each key column 16j + k (+ 8), 8 elements of
+// one Philox call group (csrc/dropout.h: keys k + {0, 8}, queries of one
+// (i / 2) % 4 in a 32-row block; kBlockM % 32 == 0 keeps row_base + 32i' and
+// + 16 in one block): lane k + 8q makes the call of key column j = q and the
+// four lanes swap. All threads of the warp must call this.
 template <int kRows>
 FAE_DEVICE uint32_t fp32_dropout_bits(const Dropout& d, int n_block, int row_base, int tx) {
   static_assert(kRows % 2 == 0 && 4 * kRows <= 32, "row pairs, 4 bits per row");
   const int lane = threadIdx.x % 32;
-  const int bit = 2 * (tx >> 3) + (tx & 1);  // of key tx (j = 0); j = 1: + 4
+  const int key0 = n_block * kFp32BlockN;
+  // The byte of (row row_base + 32i', key tx + 16j) in its group; row + 16: + 4.
+  const int byte = dropout_byte(row_base, key0 + tx);
   uint32_t bits = 0;
 #pragma unroll
   for (int k = 0; k < kRows / 2; ++k) {
-    const uint32_t w = d.keep_bits(row_base + 16 * (2 * k + (tx & 1)),
-                                   n_block * kFp32BlockN + 32 * (tx >> 3) + (tx & 6));
+    const uint32_t mine = d.call_keep_bits(row_base + 32 * k, key0 + (tx & 7) + 16 * (lane >> 3));
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t call = __shfl_sync(0xffffffffu, mine, (lane & 7) + 8 * j);
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const uint32_t word = __shfl_sync(0xffffffffu, w, (lane & ~9) | r | (c << 3));
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          bits |= ((word >> (bit + 4 * jj)) & 1u) << (4 * (2 * k + r) + 2 * c + jj);
-        }
-      }
+      for (int r = 0; r < 2; ++r) bits |= ((call >> (byte + 4 * r)) & 1u) << (4 * (2 * k + r) + j);
     }
   }
   return bits;

@@ -148,8 +148,7 @@ FAE_DEVICE void store_a_fragment(typename Kt::T* tile, const uint32_t (&a)[4], i
 // softcap's 1 - tanh^2 (the chain factor of the dK / dQ products). Dropout
 // (dropout != nullptr and active; Z = keep ? scale : 0, csrc/dropout.h):
 //   dS^T = P^T o (dP^T o Z^T - D),  and acc_s leaves as P^T o Z^T (for dV);
-// key0 must then be a multiple of Kt::kKeysPerWarp (dropout_bits_transposed),
-// and every lane of the warp must be here (shuffles).
+// key0 must then be a multiple of 16 and query0 of 32 (dropout_bits_transposed).
 template <typename Kt, bool kIsCausal, int kM, int kN, bool kHasVariants = false>
 FAE_DEVICE void softmax_backward(float (&acc_s)[kM][kN][4], float (&acc_dp)[kM][kN][4],
                                  const float* lse2, const float* dsum, float scale_log2,
@@ -158,12 +157,12 @@ FAE_DEVICE void softmax_backward(float (&acc_s)[kM][kN][4], float (&acc_dp)[kM][
                                  const ScoreVariants* variants = nullptr,
                                  const Dropout* dropout = nullptr) {
   const int g = lane / 4, q4 = lane % 4;
-  // Dropout: the keep bits of the lane's elements (bit 4kM j + 4m + c), and
+  // Dropout: the keep bits of the lane's elements (dropout_bit_transposed), and
   // dP^T o Z^T before the element loop below.
   DropoutBitsT<kM, kN> keep = 0;
   if constexpr (kHasVariants) {
     if (dropout != nullptr && dropout->active()) {  // uniform
-      keep = dropout_bits_transposed<Kt::kKeysPerWarp, kM, kN>(*dropout, key0, query0, lane);
+      keep = dropout_bits_transposed<kM, kN>(*dropout, key0, query0, lane);
       apply_dropout_transposed(acc_dp, keep, dropout->scale);
     }
   }

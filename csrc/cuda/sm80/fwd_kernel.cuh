@@ -437,8 +437,8 @@ template <typename Traits>
 FAE_DEVICE void dropout_packed_p(PFragments<Traits>& a, const Dropout& d, int row_base,
                                  int col_base) {
   for_each_dropout_pair<Traits::kWarpKeys, Traits::kMmaM, Traits::kTilesN>(
-      d, row_base, col_base, [&](int m, int h, int j, uint32_t pair) {
-        a[j / 2][m][2 * (j % 2) + h] &= dropout_pair_mask(pair);
+      d, row_base, col_base, [&](int m, int h, int j, bool keep_even, bool keep_odd) {
+        a[j / 2][m][2 * (j % 2) + h] &= dropout_pair_mask(keep_even, keep_odd);
       });
 }
 
