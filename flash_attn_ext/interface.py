@@ -129,7 +129,9 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     and gradients follow, and unused keys get zero dk / dv.
 
     dropout_p: probability of dropping an attention probability (flash-attn's and torch's
-    dropout: kept ones are scaled by 1 / (1 - p)); the mask comes from torch's generator of
+    dropout: kept ones are scaled by 1 / (1 - p)), taken to a multiple of 1/256 (at least
+    1/256 when p > 0), the resolution of flash-attn's (and so torch's flash backend's) 8-bit
+    random numbers; the mask comes from torch's generator of
     q's device (torch.manual_seed reproduces it) and the backward regenerates it. Pass 0.0
     at evaluation time, as with flash-attn.
 
