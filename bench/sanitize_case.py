@@ -134,10 +134,11 @@ for d in (64, 128, 256):
         out = fa.flash_attn_func(q, k, v, **kw)
         out.backward(torch.randn_like(out))
     qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
-    # (and a bf16 mask with rows of even stride: the forward stages it through shared memory)
+    # (and a bf16 mask with 16-byte aligned rows: the Hopper kernels stage it through shared
+    # memory)
     for mask in (torch.rand(2, 1, 1, 333, device="cuda") > 0.3,
                  torch.randn(200, 333, device="cuda", dtype=torch.bfloat16),
-                 torch.randn(1, 2, 200, 334, device="cuda", dtype=torch.bfloat16)[..., :333]):
+                 torch.randn(1, 2, 200, 336, device="cuda", dtype=torch.bfloat16)[..., :333]):
         out = fa.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=True)
         out.backward(torch.randn_like(out))
 q, k, v = (torch.randn(1, s, 2, 64, device="cuda", dtype=torch.float32, requires_grad=True)

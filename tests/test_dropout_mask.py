@@ -898,6 +898,11 @@ CUDA_MASK = [  # (kind, shape, mask dtype, q dtype, causal, seqlen_q, seqlen_k, 
     ("add_finite", "h_sq_sk", torch.bfloat16, torch.float16, True, 77, 77, 64),
     ("add_finite", "b11_sk", torch.float16, torch.bfloat16, False, 45, 70, 64),
     ("bool", "bh_sq_sk", None, torch.float32, True, 113, 300, 64),
+    # 16-bit masks whose rows are 16-byte aligned: the Hopper kernels stage them through
+    # shared memory (keys past Sk zero-filled, rows past Sq clamped)
+    ("add_finite", "bh_sq_sk", torch.bfloat16, torch.bfloat16, True, 200, 264, 128),
+    ("add", "sq_sk", torch.float16, torch.float16, False, 77, 136, 64),
+    ("add", "11_sq_sk", torch.bfloat16, torch.bfloat16, True, 136, 72, 256),
 ]
 
 

@@ -4,7 +4,8 @@
 //     of dS = P o (dP - D) (since sum_j P_ij dP_ij = dO_i . O_i), and the
 //     zeroed dQ accumulator row(s) of query i (one launch instead of a memset
 //     and a kernel; the writes overlap the reads); for the Hopper backward
-//     also padded copies of lse (as log2) and D, and the zeroed dQ order
+//     also padded copies of lse (as log2) and D (with dropout: lse - log2 scale
+//     and D / scale, see below), and the zeroed dQ order
 //     counters of its deterministic mode (params.h).
 //   * bwd_convert_dq_kernel: dq = softmax_scale * sum_{split} dq_accum[split]
 //     in input dtype, with dq's own strides. Splits are summed in the fixed
@@ -106,8 +107,14 @@ __global__ void __launch_bounds__(256)
     constexpr float kLog2e = 1.4426950408889634f;
     const int64_t padded = (static_cast<int64_t>(b) * params.heads + h) * params.seqlen_q_padded + row;
     const float lse = row < seq.seqlen_q ? params.lse[seq.lse_index(params, b, h, row)] : -INFINITY;
-    params.lse_log2_padded[padded] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-    params.dsum_padded[padded] = row < seq.seqlen_q ? acc : 0.f;
+    // Dropout: lse - log2(scale) makes the Hopper backward's exp2 give P * scale
+    // and D / scale pairs with it (bwd_sm90_kernel.cuh): no per-element
+    // multiply by the scale there, nor a register for it.
+    const bool dropout = params.dropout_threshold > 0;
+    const float lse_shift = dropout ? log2f(params.dropout_scale) : 0.f;
+    const float dsum_factor = dropout ? 1.f / params.dropout_scale : 1.f;
+    params.lse_log2_padded[padded] = lse == -INFINITY ? INFINITY : lse * kLog2e - lse_shift;
+    params.dsum_padded[padded] = row < seq.seqlen_q ? acc * dsum_factor : 0.f;
     // Two counters per 64 rows (params.h), zeroed by the first of the rows.
     if (params.dq_semaphore != nullptr && row % 64 == 0) {
       int* counters = params.dq_semaphore + 2 * (padded / 64);

@@ -60,7 +60,8 @@
 // Dropout (a uniform branch in the variant kernels; Z = keep ? scale : 0):
 // dS^T = P^T o (dP^T o Z^T - D) (o df/ds) and dV += (P^T o Z^T) dO, computed as
 // P'^T o (dP^T o keep^T - D / scale) and P'^T o keep^T with P' = P * scale from
-// the exponential (scores_to_probs): no multiply by the scale per element. The
+// the exponential (the row statistics hold lse - log2 scale and D / scale:
+// bwd_preprocess.cuh): no multiply by the scale per element. The
 // keep bits of a thread's S^T elements (bwd_sm90_dropout_bits, one Philox call
 // per 16 elements) are computed while the step's score GEMMs run. Key split: held
 // in 1-2 registers until dP^T and P^T have taken Z. Head-dim split: consumer 0
@@ -449,10 +450,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     }
   };
-  // D's factor in dS^T: 1 / the dropout scale, as P^T carries it (scores_to_probs).
-  auto dropout_dsum_factor = [&]() {
-    return kHasVariants && has_dropout(params) ? 1.f / params.dropout_scale : 1.f;
-  };
   auto row_stat_pair = [&](uint32_t row_stat, const RowStat& pre, int j, float (&out)[2]) {
     if constexpr (kPreloadRowStats) {
       out[0] = pre[j][0];
@@ -465,17 +462,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // per-element test. Variants: every tile with score modifiers, and those
   // the window cuts for this warpgroup's keys, take bwd_sm90_variant_scores
   // first (then P = exp2(score * unit - lse), unit from it); softcapped: the
-  // caller has applied the softcap's tanh (and kept df/ds). Dropout: P^T times
-  // the dropout scale, from exp2(... - (lse - log2 scale)): the kept elements'
-  // factor comes with the exponential, and dS^T takes D / scale
-  // (dropout_dsum_factor), so no element is multiplied by the scale.
+  // caller has applied the softcap's tanh (and kept df/ds). Dropout: P^T comes
+  // out times the dropout scale, the row statistics being lse - log2(scale)
+  // and D / scale (bwd_preprocess.cuh), so no element is multiplied by it.
+  // staged_mask: the warp's staged attn_mask block (key split, 16-bit masks;
+  // 0 = read per element), see bwd_sm90_stage_attn_mask.
   auto scores_to_probs = [&](int m_block, int stage, float (&s)[kBlockM / 8][4],
-                             uint32_t lse_row_stat, const RowStat& lse_pre, bool softcapped) {
+                             uint32_t lse_row_stat, const RowStat& lse_pre, bool softcapped,
+                             uint32_t staged_mask = 0) {
     const int query_base = m_block * kBlockM + 2 * (lane % 4);  // + 8j + e % 2
     float scale_log2 = params.scale_log2;
-    float lse_shift = 0.f;
     if constexpr (kHasVariants) {
-      if (has_dropout(params)) lse_shift = __log2f(params.dropout_scale);
       const ScoreVariants variants = make_variants();
       const bool mask_elements =
           !bwd_sm90_keys_inside_window<kBlockM, 64>(variants.mask, m_block, n0 + wg_key0);
@@ -487,7 +484,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       if (variants.mask.has_score_mod() || mask_elements) {
         scale_log2 = bwd_sm90_variant_scores<kBlockM, kHasAttnMask>(
-            s, variants, query_base, n0 + key_row, softcapped, mask_elements, read_attn_mask);
+            s, variants, query_base, n0 + key_row, softcapped, mask_elements,
+            read_attn_mask && staged_mask == 0);
+        if constexpr (kHasAttnMask && !Traits::kSplitHeadDim) {
+          if (staged_mask != 0) {
+            bwd_sm90_add_staged_attn_mask<kBlockM, kBlockN * 128>(
+                s, staged_mask, variants.mask.bias_type, 1.4426950408889634f / scale_log2, lane);
+          }
+        }
       }
     }
     const bool needs_mask = kIsCausal && n0 + kBlockN - 1 > m_block * kBlockM + seq.causal_offset;
@@ -495,7 +499,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int j = 0; j < kBlockM / 8; ++j) {
       float lse_log2[2];
       row_stat_pair(lse_row_stat, lse_pre, j, lse_log2);
-      if constexpr (kHasVariants) lse_log2[0] -= lse_shift, lse_log2[1] -= lse_shift;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float p = exp2f(s[j][e] * scale_log2 - lse_log2[e % 2]);
@@ -620,6 +623,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_fence();
       issue_transposed_scores(s, k_smem, q_smem(stage));
       issue_transposed_scores(dp, v_smem, do_smem(stage));
+      // A 16-bit attn_mask: the warp's block into its rows of this step's dS^T
+      // buffer while the GEMMs run (bwd_sm90_stage_attn_mask).
+      uint32_t staged_mask = 0;
+      if constexpr (kHasAttnMask) {
+        const Mask mask = make_variants().mask;
+        const bool reads = ((ld_shared_b32(mask_reads_slot(stage)) >> (wg_key0 / 64)) & 1u) != 0u;
+        if (reads && attn_mask_stageable(mask)) {  // uniform
+          staged_mask = ds_smem(i % 2) + (wg_key0 + warp * 16) * 128;
+          bwd_sm90_stage_attn_mask<kBlockM, kBlockN * 128>(staged_mask, mask, m_block * kBlockM,
+                                                           n0 + wg_key0 + warp * 16, lane);
+        }
+      }
       RowStat lse_log2, dsum;  // while the GEMMs run
       load_row_stat(lse_smem(stage), lse_log2);
       load_row_stat(dsum_smem(stage), dsum);
@@ -638,7 +653,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // Softcap: P^T after dP^T, which carries df/ds = 1 - tanh^2 from the
       // softcap to dS^T = P^T o ((dP^T - D) o df/ds) (no registers held for it).
       const bool softcap = kHasVariants && params.softcap > 0.f;
-      if (!softcap) scores_to_probs(m_block, stage, s, lse_smem(stage), lse_log2, false);
+      if (!softcap) scores_to_probs(m_block, stage, s, lse_smem(stage), lse_log2, false, staged_mask);
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
       // Dropout: dS^T = P^T o (dP^T o Z^T - D) (o df/ds), and dV takes P^T o Z^T,
@@ -649,12 +664,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           if (dropout_on) bwd_sm90_drop<kBlockM>(dp, keep);
         }
         const ScoreVariants variants = make_variants();
-        const float dsum_factor = dropout_dsum_factor();
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
           float d[2];
           row_stat_pair(dsum_smem(stage), dsum, j, d);
-          d[0] *= dsum_factor, d[1] *= dsum_factor;
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float t = ScoreVariants::tanh_fast(s[j][e] * variants.softcap_in);
@@ -662,7 +675,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             dp[j][e] = (dp[j][e] - d[e % 2]) * (1.f - t * t);
           }
         }
-        scores_to_probs(m_block, stage, s, lse_smem(stage), lse_log2, true);
+        scores_to_probs(m_block, stage, s, lse_smem(stage), lse_log2, true, staged_mask);
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
@@ -672,18 +685,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           if (dropout_on) bwd_sm90_drop<kBlockM>(s, keep);
         }
       } else if (dropout_on) {
-        const float dsum_factor = dropout_dsum_factor();
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
           float d[2];
           row_stat_pair(dsum_smem(stage), dsum, j, d);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            // (P^T o keep^T) o dP^T - P^T o D': one select, a multiply, an FMA.
             const bool kept = (keep >> bwd_sm90_dropout_bit(j, e)) & 1u;
-            const float p_kept = kept ? s[j][e] : 0.f;
-            dp[j][e] = p_kept * dp[j][e] - s[j][e] * (d[e % 2] * dsum_factor);
-            s[j][e] = p_kept;
+            dp[j][e] = s[j][e] * ((kept ? dp[j][e] : 0.f) - d[e % 2]);
+            s[j][e] = kept ? s[j][e] : 0.f;
           }
         }
       } else {
@@ -848,7 +858,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           // Z from the sign bits: dS^T = P^T o (dP^T o keep - D / scale), and
           // the dV operand P^T o keep (P^T times the scale: scores_to_probs;
           // softcap: consumer 0's 16-bit fragments instead).
-          const float dsum_factor = dropout_dsum_factor();
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
@@ -856,7 +865,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               const bool dropped = bwd_sm90_is_dropped(p[j][e]);
               const float pa = fabsf(p[j][e]);
               const float p_kept = dropped ? 0.f : pa;
-              acc[j][e] = p_kept * acc[j][e] - pa * (row_terms[j][e % 2] * dsum_factor);
+              acc[j][e] = p_kept * acc[j][e] - pa * row_terms[j][e % 2];
               p[j][e] = p_kept;
             }
           }

@@ -168,6 +168,14 @@ FAE_DEVICE void stmatrix_x4(uint32_t row_addr, const uint32_t (&r)[4]) {
                "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                : "memory");
 }
+// The transposed load: lane l gives the 16-byte row (l % 8) of matrix l / 8;
+// its register i holds rows 2 (lane % 4) + {0, 1}, column lane / 4 of matrix i.
+FAE_DEVICE void ldmatrix_x4_trans_at(uint32_t row_addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row_addr)
+               : "memory");
+}
 FAE_DEVICE void ld_shared_v2_f32(uint32_t addr, float& x, float& y) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
 }
