@@ -37,10 +37,16 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
     tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
   }
 
-  // Calls with an attn_mask run a variant kernel of their own (fwd_softmax.cuh).
-  auto kernel = kHasVariants && params.attn_bias != nullptr
-                    ? flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, kHasVariants>
-                    : flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false>;
+  // Calls with an attn_mask run a variant kernel of their own (fwd_softmax.cuh),
+  // the other variant calls one with or without the dropout code.
+  auto kernel = flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false>;
+  if constexpr (kHasVariants) {
+    if (params.attn_bias != nullptr) {
+      kernel = flash_fwd_sm90_kernel<Traits, kIsCausal, true, true>;
+    } else if (has_dropout(params)) {
+      kernel = flash_fwd_sm90_kernel<Traits, kIsCausal, true, false, true>;
+    }
+  }
   const int smem_bytes =
       kHasVariants && params.attn_bias != nullptr ? Traits::kSmemBytesAttnMask : Traits::kSmemBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
