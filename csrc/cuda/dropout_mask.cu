@@ -23,7 +23,8 @@ __global__ void dropout_mask_kernel(AttentionFwdParams params, bool* mask) {
     int i, j;
     dropout_byte_element(query0, key0, b, i, j);
     if (i < params.seqlen_q && j < params.seqlen_k) {
-      mask[(static_cast<int64_t>(bh) * params.seqlen_q + i) * params.seqlen_k + j] = (bits >> b) & 1u;
+      const int64_t row = static_cast<int64_t>(bh) * params.seqlen_q + i;
+      mask[row * params.seqlen_k + j] = (bits >> b) & 1u;
     }
   }
 }

@@ -3,7 +3,8 @@
 // Philox calls as the fragment layout allows, and Z = keep ? scale : 0 applied
 // in place (apply_dropout_transposed), or the keep mask alone, on fp32 P
 // (drop_elements; the Hopper forward) or 16-bit packed P (dropout_pair_mask;
-// the sm80 forward): the forwards scale O once in their epilogues. Only the kernels instantiated with variants include these.
+// the sm80 forward): the forwards scale O once in their epilogues. Only the
+// kernels instantiated with variants include these.
 //
 // Call groups (dropout.h): keys {16a + k, 16a + k + 8} x queries
 // {32c + 2v + e + 8t : t < 4, e < 2} share a call; call_keep_bits returns bit

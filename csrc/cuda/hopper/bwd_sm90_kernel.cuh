@@ -653,7 +653,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // Softcap: P^T after dP^T, which carries df/ds = 1 - tanh^2 from the
       // softcap to dS^T = P^T o ((dP^T - D) o df/ds) (no registers held for it).
       const bool softcap = kHasVariants && params.softcap > 0.f;
-      if (!softcap) scores_to_probs(m_block, stage, s, lse_smem(stage), lse_log2, false, staged_mask);
+      if (!softcap) {
+        scores_to_probs(m_block, stage, s, lse_smem(stage), lse_log2, false, staged_mask);
+      }
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
       // Dropout: dS^T = P^T o (dP^T o Z^T - D) (o df/ds), and dV takes P^T o Z^T,

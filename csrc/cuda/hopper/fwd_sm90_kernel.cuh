@@ -578,7 +578,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // the dropped elements cleared here, the scale applied to O (epilogue).
         if constexpr (kDropout) {
           const Dropout dropout = make_dropout(params, tile.b, tile.h);
-          if (dropout.active()) drop_elements<kBlockN, 1, kBlockN / 8>(s, dropout, row_base, col_base);
+          if (dropout.active()) {
+            drop_elements<kBlockN, 1, kBlockN / 8>(s, dropout, row_base, col_base);
+          }
         }
         return;
       }
