@@ -142,32 +142,33 @@ FAE_DEVICE void cache_tile_rows(KVRow (&rows)[CacheTileMap<Traits, kChunkElems>:
   }
 }
 
-// load_tile_async of a K or V tile (tensor base `base`, strides `st`) through
-// the KV cache addressing: `rows` from cache_tile_rows (row-wise map), or a
-// look-up per copy (batch, head, row0: the other map).
-template <typename Traits, bool kFullL2Hint>
-FAE_DEVICE void load_cache_tile_async(typename Traits::T* smem, const typename Traits::T* base,
-                                      const TensorStrides& st,
-                                      const KVRow (&rows)[CacheTileMap<Traits>::kGroups],
-                                      const AttentionFwdParams& params, int batch, int head,
-                                      int64_t row0, int valid_rows, int head_dim, int tid,
-                                      uint64_t l2_policy) {
-  using Map = CacheTileMap<Traits>;
-  using Layout = typename Traits::KVLayout;
+// The 16-byte copies of a K or V tile through the KV cache addressing, with
+// kChunkElems elements per copy: copy(row, chunk, offset, valid) for each of
+// the thread's copies, offset = the element offset of the chunk in the K or V
+// tensor (strides `st`; meaningful only where valid). `rows` from
+// cache_tile_rows (row-wise map: a look-up per 16-row group, then the row
+// stride), else a look-up per copy (batch, head, row0). kAllValid: every row
+// and column in range (no tests). Rows past valid_rows and columns past
+// head_dim are not valid (the copies zero-fill them).
+template <typename Traits, int kChunkElems, bool kAllValid, typename Copy>
+FAE_DEVICE void for_each_cache_copy(const TensorStrides& st,
+                                    const KVRow (&rows)[CacheTileMap<Traits, kChunkElems>::kGroups],
+                                    const AttentionFwdParams& params, int batch, int head,
+                                    int64_t row0, int valid_rows, int head_dim, int tid,
+                                    Copy&& copy) {
+  using Map = CacheTileMap<Traits, kChunkElems>;
   if constexpr (Map::kRowWise) {
     const int chunk = tid % Map::kChunks;
     const int row_first = tid / Map::kChunks;
-    const bool col_valid = kFullL2Hint || chunk * 8 < head_dim;
+    const bool col_valid = kAllValid || chunk * kChunkElems < head_dim;
 #pragma unroll
     for (int g = 0; g < Map::kGroups; ++g) {
-      const auto* src = base + kv_offset(st, rows[g], head) + chunk * 8;
+      int64_t offset = kv_offset(st, rows[g], head) + chunk * kChunkElems;
 #pragma unroll
       for (int j = 0; j < Map::kItersPerGroup; ++j) {
         const int row = row_first + (g * Map::kItersPerGroup + j) * Map::kRowsPerIter;
-        const bool valid = kFullL2Hint || (col_valid && row < valid_rows);
-        copy_16<kFullL2Hint>(smem + Layout::offset(row, chunk), valid ? src : base, valid,
-                             l2_policy);
-        src += Map::kRowsPerIter * st.row;
+        copy(row, chunk, offset, kAllValid || (col_valid && row < valid_rows));
+        offset += Map::kRowsPerIter * st.row;
       }
     }
   } else {
@@ -179,12 +180,30 @@ FAE_DEVICE void load_cache_tile_async(typename Traits::T* smem, const typename T
       if (kTotal % Map::kThreads != 0 && idx >= kTotal) break;
       const int row = idx / Map::kChunks;
       const int chunk = idx % Map::kChunks;
-      const bool valid = kFullL2Hint || (row < valid_rows && chunk * 8 < head_dim);
-      const auto* src =
-          valid ? base + kv_row_offset(params, st, batch, head, row0 + row) + chunk * 8 : base;
-      copy_16<kFullL2Hint>(smem + Layout::offset(row, chunk), src, valid, l2_policy);
+      const bool valid = kAllValid || (row < valid_rows && chunk * kChunkElems < head_dim);
+      copy(row, chunk,
+           valid ? kv_row_offset(params, st, batch, head, row0 + row) + chunk * kChunkElems : 0,
+           valid);
     }
   }
+}
+
+// load_tile_async of a K or V tile (tensor base `base`) through the KV cache
+// addressing (for_each_cache_copy).
+template <typename Traits, bool kFullL2Hint>
+FAE_DEVICE void load_cache_tile_async(typename Traits::T* smem, const typename Traits::T* base,
+                                      const TensorStrides& st,
+                                      const KVRow (&rows)[CacheTileMap<Traits>::kGroups],
+                                      const AttentionFwdParams& params, int batch, int head,
+                                      int64_t row0, int valid_rows, int head_dim, int tid,
+                                      uint64_t l2_policy) {
+  using Layout = typename Traits::KVLayout;
+  for_each_cache_copy<Traits, 8, kFullL2Hint>(
+      st, rows, params, batch, head, row0, valid_rows, head_dim, tid,
+      [&](int row, int chunk, int64_t offset, bool valid) {
+        copy_16<kFullL2Hint>(smem + Layout::offset(row, chunk), valid ? base + offset : base,
+                             valid, l2_policy);
+      });
 }
 
 // ---------------------------------------------------------------------------
@@ -204,38 +223,12 @@ FAE_DEVICE void load_cache_tile_fp8_async(uint8_t* stage, const uint8_t* base,
                                           const KVRow (&rows)[CacheTileMap<Traits, 16>::kGroups],
                                           const AttentionFwdParams& params, int batch, int head,
                                           int64_t row0, int valid_rows, int head_dim, int tid) {
-  using Map = CacheTileMap<Traits, 16>;
   constexpr int kRowBytes = Traits::kHeadDim;
-  if constexpr (Map::kRowWise) {
-    const int chunk = tid % Map::kChunks;
-    const int row_first = tid / Map::kChunks;
-    const bool col_valid = chunk * 16 < head_dim;
-#pragma unroll
-    for (int g = 0; g < Map::kGroups; ++g) {
-      const uint8_t* src = base + kv_offset(st, rows[g], head) + chunk * 16;
-#pragma unroll
-      for (int j = 0; j < Map::kItersPerGroup; ++j) {
-        const int row = row_first + (g * Map::kItersPerGroup + j) * Map::kRowsPerIter;
-        const bool valid = col_valid && row < valid_rows;
-        cp_async_16(stage + row * kRowBytes + chunk * 16, valid ? src : base, valid);
-        src += Map::kRowsPerIter * st.row;
-      }
-    }
-  } else {
-    constexpr int kTotal = Map::kRows * Map::kChunks;
-    constexpr int kIters = (kTotal + Map::kThreads - 1) / Map::kThreads;
-#pragma unroll(kIters <= 8 ? kIters : 4)
-    for (int i = 0; i < kIters; ++i) {
-      const int idx = tid + i * Map::kThreads;
-      if (kTotal % Map::kThreads != 0 && idx >= kTotal) break;
-      const int row = idx / Map::kChunks;
-      const int chunk = idx % Map::kChunks;
-      const bool valid = row < valid_rows && chunk * 16 < head_dim;
-      const uint8_t* src =
-          valid ? base + kv_row_offset(params, st, batch, head, row0 + row) + chunk * 16 : base;
-      cp_async_16(stage + idx * 16, src, valid);
-    }
-  }
+  for_each_cache_copy<Traits, 16, false>(
+      st, rows, params, batch, head, row0, valid_rows, head_dim, tid,
+      [&](int row, int chunk, int64_t offset, bool valid) {
+        cp_async_16(stage + row * kRowBytes + chunk * 16, valid ? base + offset : base, valid);
+      });
 }
 
 // Four e4m3 values (bytes 0-3 of w) -> two pairs of T = 2^-8 x their values,
