@@ -244,6 +244,33 @@ def test_cuda_head_dims(case, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("softcap,causal", [(50.0, True), (55.0, False), (56.0, True)])
+def test_cuda_softcap_saturated(softcap, causal, head_dim):
+    """Softcapped bf16 scores pushed to both caps (the Hopper forward skips the running max
+    when softcap <= 55, csrc/cuda/common/fwd_softmax.cuh): rows whose every score sits near
+    -softcap (probabilities ~2^-79 before normalising) and rows near +softcap keep the
+    reference's values, lse and gradients."""
+    dtype, batch, seqlen_q, seqlen_k = torch.bfloat16, 2, 200, 333
+    direction = randn((head_dim,), torch.float32, "cuda", 5)
+    direction = direction / direction.norm()
+    k = randn((batch, seqlen_k, KV_HEADS, head_dim), torch.float32, "cuda", 2) * 0.3
+    k = (k + 4.0 * direction).to(dtype).requires_grad_()
+    q = randn((batch, seqlen_q, HEADS, head_dim), torch.float32, "cuda", 1) * 0.3
+    sign = torch.where(torch.arange(seqlen_q, device="cuda") % 3 == 0, -1.0, 1.0)
+    q = (q + 400.0 * sign[None, :, None, None] * direction).to(dtype).requires_grad_()
+    v = randn((batch, seqlen_k, KV_HEADS, head_dim), dtype, "cuda", 3, True)
+    scale = 1.0 / head_dim ** 0.5
+    out, lse = fa.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, softcap=softcap,
+                                  return_lse=True)
+    dout = randn(out.shape, dtype, "cuda", 4)
+    ref, base = ref_and_base(lambda q, k, v: gqa_attention(q, k, v, causal, scale=scale,
+                                                           softcap=softcap), (q, k, v), dout)
+    check_out_and_grads(out, torch.autograd.grad(out, (q, k, v), dout), ref, base, dtype)
+    check_lse(lse, ref[1], dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["window_1_1", "all_three_causal"])
 def test_cuda_deterministic(case):
     test_flash_attn_func(case, torch.float16, 300, 113, "cuda", head_dim=64, deterministic=True)

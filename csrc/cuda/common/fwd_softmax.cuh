@@ -148,6 +148,18 @@ struct ScoreVariants {
   }
 };
 
+// Whether every score of a call lies in [-softcap, softcap] * log2(e) with
+// softcap <= kMaxUnshiftedSoftcap (softcap on, no additive ALiBi or attn_mask
+// term; masked scores are -inf), so that a softmax with bf16 P may skip the
+// running max (OnlineSoftmax::update_scores_unshifted): 2^(+-80) and a row sum
+// of up to 2^31 such terms stay far inside fp32's and bf16's normal range.
+// Gemma 2 caps at 50, Grok at 30.
+constexpr float kMaxUnshiftedSoftcap = 55.f;  // 55 * log2(e) = 79.3
+FAE_HOST_DEVICE bool softcap_bounds_scores(const AttentionFwdParams& p) {
+  return p.softcap > 0.f && p.softcap <= kMaxUnshiftedSoftcap && p.alibi_slopes == nullptr &&
+         p.attn_bias == nullptr;
+}
+
 // Key tiles [begin, end) of a CTA with variants: those holding a key that some
 // valid row of the query tile sees ([key_begin(first row), key_end(last row)),
 // both bounds non-decreasing in the row), cut into num_splits contiguous
@@ -494,6 +506,33 @@ struct OnlineSoftmax {
           sum_odd += p1;
         }
         row_sum[m][h] = row_sum[m][h] * rescale[m][h] + (sum_even + sum_odd);
+      }
+    }
+  }
+
+  // update_scores_folded for scores bounded in magnitude (softcap_bounds_scores):
+  // p = exp2(s * scale_log2), no running max, so no max reduction and no
+  // rescaling of O or of the row sum (the softmax is shift-invariant; the LSE
+  // comes out as log(row sum)). A softcapped softmax's extra tanh is paid for by
+  // what this leaves out: the plain kernel's instruction count per score.
+  template <int kTilesN>
+  FAE_DEVICE void update_scores_unshifted(float (&s)[kMmaM][kTilesN][4], float scale_log2) {
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_max[m][h] = 0.f;
+        float sum_even = 0.f, sum_odd = 0.f;
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) {
+          const float p0 = fast_exp2(fmaf(s[m][j][2 * h], scale_log2, kPExp2Offset));
+          const float p1 = fast_exp2(fmaf(s[m][j][2 * h + 1], scale_log2, kPExp2Offset));
+          s[m][j][2 * h] = p0;
+          s[m][j][2 * h + 1] = p1;
+          sum_even += p0;
+          sum_odd += p1;
+        }
+        row_sum[m][h] += sum_even + sum_odd;
       }
     }
   }
