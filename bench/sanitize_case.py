@@ -94,6 +94,19 @@ k_new, v_new = (torch.randn(2, 1, 2, 128, device="cuda", dtype=torch.bfloat16) f
 fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
                            cache_seqlens=torch.tensor([10, 250], dtype=torch.int32, device="cuda"),
                            num_splits=3)
+# Paged caches (pages of 16 keys, a shuffled block table; 16-bit and FP8) and cache_batch_idx:
+# the decode tiles read each K/V tile's table entries one tile ahead of its copies.
+pages = torch.randperm(64, device="cuda", dtype=torch.int32).reshape(2, 32)
+lens = torch.tensor([37, 500], dtype=torch.int32, device="cuda")
+for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    pool_k, pool_v = (torch.randn(64, 16, 2, 128, device="cuda").to(cache_dtype) for _ in range(2))
+    descale = {} if cache_dtype == torch.bfloat16 else dict(
+        k_descale=torch.ones((), device="cuda"), v_descale=torch.ones((), device="cuda"))
+    fa.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=pages,
+                               **descale)
+fa.flash_attn_with_kvcache(q, k_cache.repeat(2, 1, 1, 1), v_cache.repeat(2, 1, 1, 1),
+                           cache_seqlens=lens.clamp(max=300),
+                           cache_batch_idx=torch.tensor([3, 0], dtype=torch.int32, device="cuda"))
 q = torch.randn(1, 1, 2, 128, device="cuda", dtype=torch.float16)
 k, v = (torch.randn(1, 700, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
 for splits in (6, 7, 40):  # sm_90: the cluster merge, then the combine kernel (> 6 splits)
