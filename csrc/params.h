@@ -325,30 +325,21 @@ struct KVRow {
   int row;    // row within it
 };
 
-// kv_row in two steps, so that a kernel can read the table entries of a tile
-// ahead of its copies: kv_row_entry reads the block-table (page id) or
-// cache_batch_idx entry that row `row` of batch entry b goes through (b itself
-// without either), kv_row_at clamps it into the cache and completes the KVRow.
-FAE_HOST_DEVICE int kv_row_entry(const AttentionFwdParams& p, int b, int64_t row) {
+FAE_HOST_DEVICE KVRow kv_row(const AttentionFwdParams& p, int b, int64_t row) {
   if (p.block_table != nullptr) {
     // Unsigned: row >= 0, and division by a run-time divisor is cheaper so.
-    const uint32_t page_index = static_cast<uint32_t>(row) / static_cast<uint32_t>(p.page_size);
-    return p.block_table[b * p.block_table_batch_stride + page_index];
+    const uint32_t r = static_cast<uint32_t>(row);
+    const uint32_t size = static_cast<uint32_t>(p.page_size);
+    int page = p.block_table[b * p.block_table_batch_stride + r / size];
+    page = page < 0 ? 0 : (page < p.num_pages ? page : p.num_pages - 1);
+    return {page, static_cast<int>(r % size)};
   }
-  return p.kv_batch_idx != nullptr ? p.kv_batch_idx[b] : b;
-}
-
-FAE_HOST_DEVICE KVRow kv_row_at(const AttentionFwdParams& p, int64_t row, int entry) {
-  if (p.block_table != nullptr) {
-    const int page = entry < 0 ? 0 : (entry < p.num_pages ? entry : p.num_pages - 1);
-    return {page, static_cast<int>(static_cast<uint32_t>(row) % static_cast<uint32_t>(p.page_size))};
+  int kb = b;
+  if (p.kv_batch_idx != nullptr) {
+    kb = p.kv_batch_idx[b];
+    kb = kb < 0 ? 0 : (kb < p.kv_batch ? kb : p.kv_batch - 1);
   }
-  if (p.kv_batch_idx != nullptr) entry = entry < 0 ? 0 : (entry < p.kv_batch ? entry : p.kv_batch - 1);
-  return {entry, static_cast<int>(row)};
-}
-
-FAE_HOST_DEVICE KVRow kv_row(const AttentionFwdParams& p, int b, int64_t row) {
-  return kv_row_at(p, row, kv_row_entry(p, b, row));
+  return {kb, static_cast<int>(row)};
 }
 
 FAE_HOST_DEVICE int64_t kv_offset(const TensorStrides& st, KVRow r, int h) {

@@ -125,42 +125,19 @@ struct CacheTileMap {
                 "a thread's rows must fall into whole 16-row groups");
 };
 
-// The table entries (kv_row_entry: page ids, cache_batch_idx) of the thread's
-// first row in each 16-row group of the tile whose row 0 is sequence row `row0`
-// (row-wise map), read a tile ahead of the copies (KVTileLoader::look_up);
-// rows past valid_rows are not looked up (their block-table entries may not
-// exist). cache_tile_rows turns them into the rows' KVRow (kv_row_at).
-template <typename Traits, int kChunkElems>
-FAE_DEVICE int cache_tile_row(int g, int tid) {
-  using Map = CacheTileMap<Traits, kChunkElems>;
-  return tid / Map::kChunks + g * Map::kItersPerGroup * Map::kRowsPerIter;
-}
-
-template <typename Traits, int kChunkElems>
-FAE_DEVICE void cache_tile_entries(int (&entries)[CacheTileMap<Traits, kChunkElems>::kGroups],
-                                   const AttentionFwdParams& params, int batch, int64_t row0,
-                                   int valid_rows, int tid) {
-  using Map = CacheTileMap<Traits, kChunkElems>;
-  if constexpr (Map::kRowWise) {
-#pragma unroll
-    for (int g = 0; g < Map::kGroups; ++g) {
-      const int row = cache_tile_row<Traits, kChunkElems>(g, tid);
-      entries[g] = row < valid_rows ? kv_row_entry(params, batch, row0 + row) : 0;
-    }
-  }
-}
-
-template <typename Traits, int kChunkElems>
+// The cache rows (kv_row) of the thread's first row in each 16-row group of the
+// tile whose row 0 is sequence row `row0` (row-wise map); rows past valid_rows
+// are not looked up (their block-table entries may not exist).
+template <typename Traits, int kChunkElems = 8>
 FAE_DEVICE void cache_tile_rows(KVRow (&rows)[CacheTileMap<Traits, kChunkElems>::kGroups],
-                                const int (&entries)[CacheTileMap<Traits, kChunkElems>::kGroups],
-                                const AttentionFwdParams& params, int64_t row0, int valid_rows,
-                                int tid) {
+                                const AttentionFwdParams& params, int batch, int64_t row0,
+                                int valid_rows, int tid) {
   using Map = CacheTileMap<Traits, kChunkElems>;
   if constexpr (Map::kRowWise) {
 #pragma unroll
     for (int g = 0; g < Map::kGroups; ++g) {
-      const int row = cache_tile_row<Traits, kChunkElems>(g, tid);
-      rows[g] = row < valid_rows ? kv_row_at(params, row0 + row, entries[g]) : KVRow{0, 0};
+      const int row = tid / Map::kChunks + g * Map::kItersPerGroup * Map::kRowsPerIter;
+      rows[g] = row < valid_rows ? kv_row(params, batch, row0 + row) : KVRow{0, 0};
     }
   }
 }
@@ -503,11 +480,6 @@ using QFragments = uint32_t[Traits::kQInRegs ? Traits::kMmaM : 1]
 template <typename Traits, bool kKVCache = false>
 struct KVTileLoader {
   using T = typename Traits::T;
-  // kKVCache: the table entries of one tile's look-ups (cache_tile_entries),
-  // read one tile ahead (look_up) so that their latency is not in front of
-  // the tile's copies. Elements per copy: 16 of an FP8 tile, 8 of a 16-bit one.
-  static constexpr int kChunkElems = Traits::kKVFp8 ? 16 : 8;
-  using Entries = int[kKVCache ? CacheTileMap<Traits, kChunkElems>::kGroups : 1];
   const AttentionFwdParams& params;
   T* smem_k;  // kKVSlots K tiles (kStages; kKVFp8: 1, the staging tiles have the stages)
   T* smem_v;  // kKVSlots V tiles
@@ -586,18 +558,7 @@ struct KVTileLoader {
     convert_fp8_tile<Traits>(which == 0 ? smem_k : smem_v, stage(slot, which), tid);
   }
 
-  // kKVCache: the table entries of tile `tile` (for load_tile).
-  FAE_DEVICE void look_up(int tile, Entries& entries) const {
-    if constexpr (kKVCache) {
-      const int n_block = range_begin + tile;
-      cache_tile_entries<Traits, kChunkElems>(
-          entries, params, batch, row0_k + static_cast<int64_t>(n_block) * Traits::kBlockN,
-          seqlen_k - n_block * Traits::kBlockN, tid);
-    }
-  }
-
-  // Tile `tile` into slot `slot`; kKVCache: through its entries (look_up).
-  FAE_DEVICE void load_tile(int tile, int slot, const Entries& entries) const {
+  FAE_DEVICE void load_tile(int tile, int slot) const {
     const int n_block = range_begin + tile;
     const int64_t key0 = static_cast<int64_t>(n_block) * Traits::kBlockN;
     const int valid_rows = seqlen_k - n_block * Traits::kBlockN;
@@ -605,7 +566,7 @@ struct KVTileLoader {
       static_assert(kKVCache, "FP8 K/V tiles are read by the KV cache kernels only");
       const int64_t row0 = row0_k + key0;
       KVRow rows[CacheTileMap<Traits, 16>::kGroups];
-      cache_tile_rows<Traits, 16>(rows, entries, params, row0, valid_rows, tid);
+      cache_tile_rows<Traits, 16>(rows, params, batch, row0, valid_rows, tid);
       load_cache_fp8(stage(slot, 0), params.k, params.k_strides, rows, row0, valid_rows);
       cp_async_commit();
       load_cache_fp8(stage(slot, 1), params.v, params.v_strides, rows, row0, valid_rows);
@@ -614,7 +575,7 @@ struct KVTileLoader {
       // K and V share the look-ups (same rows, their own strides).
       const int64_t row0 = row0_k + key0;
       KVRow rows[CacheTileMap<Traits>::kGroups];
-      cache_tile_rows<Traits, 8>(rows, entries, params, row0, valid_rows, tid);
+      cache_tile_rows<Traits>(rows, params, batch, row0, valid_rows, tid);
       load_cache(smem_k + slot * Traits::kSmemKVElems, params.k, params.k_strides, rows, row0,
                  valid_rows);
       cp_async_commit();
@@ -641,11 +602,8 @@ struct KVTileLoader {
 
 // ---- prologue: Q, then K/V tiles 0 .. kStages-2 -----------------------------
 // Commit groups in flight, oldest first: Q | K0 | V0 | K1 | V1 | ...
-// next_entries: the table entries of tile kStages - 1 (KVTileLoader::look_up),
-// for the main loop's first prefetch.
 template <typename Traits, typename Loader>
 FAE_DEVICE void fwd_prologue(QFragments<Traits>& q_frags, const Loader& kv,
-                             typename Loader::Entries& next_entries,
                              typename Traits::T* smem_q, const typename Traits::T* q_tile,
                              int64_t q_row_stride, int q_valid_rows, int head_dim, int n_tiles,
                              const FwdThread<Traits>& th) {
@@ -656,13 +614,11 @@ FAE_DEVICE void fwd_prologue(QFragments<Traits>& q_frags, const Loader& kv,
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < n_tiles) {
-      kv.look_up(s, next_entries);
-      kv.load_tile(s, s, next_entries);
+      kv.load_tile(s, s);
     } else {
       kv.commit_empty();
     }
   }
-  if (kStages - 1 < n_tiles) kv.look_up(kStages - 1, next_entries);
 
   if constexpr (Traits::kQInRegs) {
     cp_async_wait<2 * (kStages - 1)>();  // all but the K/V groups: Q has landed
@@ -860,8 +816,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (n_tiles > 0) {  // CTA-uniform; an empty range writes O = 0, lse = -inf
     QFragments<Traits> q_frags;
-    typename KVTileLoader<Traits, kKVCache>::Entries next_entries;  // of tile `prefetch` below
-    fwd_prologue<Traits>(q_frags, kv, next_entries, smem_q, q_tile, params.q_strides.row,
+    fwd_prologue<Traits>(q_frags, kv, smem_q, q_tile, params.q_strides.row,
                          seq.seqlen_q - m_block * kBlockM, params.head_dim, n_tiles, th);
 
     // ---- main loop over key tiles --------------------------------------------
@@ -886,9 +841,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       __syncthreads();
       const int prefetch = tile + kStages - 1;
       if (prefetch < n_tiles) {
-        kv.load_tile(prefetch, prefetch % kStages, next_entries);
-        // The next prefetch's entries, read now: in flight during this tile's math.
-        if (prefetch + 1 < n_tiles) kv.look_up(prefetch + 1, next_entries);
+        kv.load_tile(prefetch, prefetch % kStages);
       } else {
         kv.commit_empty();
       }
