@@ -475,9 +475,19 @@ struct OnlineSoftmax {
   // callers dispatch other scales elsewhere. The row max and sum reductions
   // use two independent chains each: their latency, not just the exp2
   // throughput, sits on the critical path of the Hopper kernel's softmax.
-  template <int kTilesN>
-  FAE_DEVICE void update_scores_folded(float (&s)[kMmaM][kTilesN][4], float scale_log2,
+  //
+  // kLazyRescale (FlashAttention 4's conditional rescaling): a row keeps its
+  // running max while the tile's scores exceed it by at most kLazyRescaleLog2
+  // (its probabilities then reach 2^8 instead of 1, exact in fp32 and far from
+  // the 16-bit P's limits), so that once the maxima settle, most tiles leave O
+  // alone. Returns whether some row of the warp changed its max (the caller
+  // rescales O only then; the rows that kept theirs have rescale = 1).
+  static constexpr float kLazyRescaleLog2 = 8.f;
+  template <bool kLazyRescale = false, int kTilesN>
+  FAE_DEVICE bool update_scores_folded(float (&s)[kMmaM][kTilesN][4], float scale_log2,
                                        float (&rescale)[kMmaM][2]) {
+    static_assert(!kLazyRescale || kPExp2Offset == 0, "P scaled by 2^offset and by 2^8 overflows e4m3");
+    bool max_changed = false;
 #pragma unroll
     for (int m = 0; m < kMmaM; ++m) {
 #pragma unroll
@@ -489,9 +499,12 @@ struct OnlineSoftmax {
           max_odd = fmaxf(max_odd, s[m][j][2 * h + 1]);
         }
         const float tile_max = quad_max(fmaxf(max_even, max_odd)) * scale_log2;
-        const float new_max = fmaxf(row_max[m][h], tile_max);
+        float new_max = fmaxf(row_max[m][h], tile_max);
+        // (-inf + 8 = -inf: a row without visible keys takes its first finite max.)
+        if (kLazyRescale && tile_max <= row_max[m][h] + kLazyRescaleLog2) new_max = row_max[m][h];
         const float base = new_max == -INFINITY ? 0.f : new_max;  // see update_scores
         rescale[m][h] = fast_exp2(row_max[m][h] - base);
+        max_changed |= new_max != row_max[m][h];
         row_max[m][h] = new_max;
 
         const float offset = static_cast<float>(kPExp2Offset) - base;
@@ -508,6 +521,7 @@ struct OnlineSoftmax {
         row_sum[m][h] = row_sum[m][h] * rescale[m][h] + (sum_even + sum_odd);
       }
     }
+    return !kLazyRescale || __any_sync(0xffffffffu, max_changed);
   }
 
   // update_scores_folded for scores bounded in magnitude (softcap_bounds_scores):

@@ -559,8 +559,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // softcap forward 4% faster at D = 128 (H100, S = 4k), but 4% slower at D = 64.
     const bool unshifted = kHasVariants && kHeadDim >= 128 &&
                            std::is_same_v<T, __nv_bfloat16> && softcap_bounds_scores(params);
+    // softmax_tile returns whether O needs the rescale (OnlineSoftmax's lazy
+    // rescaling; the FP8 kernel's P, 2^8-scaled already, always rescales).
+    constexpr bool kLazyRescale = !kFp8;
     auto softmax_tile = [&](Softmax& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
-                            float (&rescale)[1][2], bool mask_reads) {
+                            float (&rescale)[1][2], bool mask_reads) -> bool {
       const int col_base = n_block * kBlockN + 2 * (lane % 4);
       if constexpr (kHasVariants) {
         const ScoreVariants variants = ScoreVariants::make(params, seq, tile.b, tile.h);
@@ -577,10 +580,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                               1.4426950408889634f / unit);
           }
         }
+        bool rescale_o = false;
         if (unshifted) {
           softmax.update_scores_unshifted(s, unit);
         } else {
-          softmax.update_scores_folded(s, unit, rescale);
+          rescale_o = softmax.template update_scores_folded<kLazyRescale>(s, unit, rescale);
         }
         // Dropout on P after the row sums (csrc/dropout.h): the accumulator layout
         // is mma.sync's, so one Philox call per 8 elements (dropout_tile.cuh);
@@ -591,13 +595,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             drop_elements<kBlockN, 1, kBlockN / 8>(s, dropout, row_base, col_base);
           }
         }
-        return;
+        return rescale_o;
       }
       if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, n_block)) {
         scale_and_mask<true, kIsCausal, 1, kBlockN / 8, false>(
             s, scale_log2, row_base, col_base, seq.seqlen_k, seq.causal_offset);
       }
-      softmax.update_scores_folded(s, scale_log2, rescale);
+      return softmax.template update_scores_folded<kLazyRescale>(s, scale_log2, rescale);
     };
 
     // Lane 0 reads the stage's word before it releases the stage (k_empty),
@@ -670,12 +674,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           mbar_arrive(k_empty(stage_of(i)));
           if (i == n_tiles - 1) mbar_arrive(q_empty(q_slot));
         }
-        softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale, mask_reads);
+        const bool rescale_o =
+            softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale, mask_reads);
         wgmma_wait<0>();
         fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
         fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
         if (lane == 0) mbar_arrive(v_empty(stage_of(i - 1)));
-        if (!unshifted) Softmax::rescale_rows(o, rescale);
+        if (rescale_o) Softmax::rescale_rows(o, rescale);
         to_p_fragments(s, p);  // P: A operand of P V
       }
 
