@@ -244,8 +244,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                          or value.requires_grad)) and not _autotune.is_enabled():
         # Nothing to record: one operator call in this layout (no Python transposes).
-        query, key, value = (_last_dim_contiguous(query), _last_dim_contiguous(key),
-                             _last_dim_contiguous(value))
+        if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+            query, key, value = (_last_dim_contiguous(query), _last_dim_contiguous(key),
+                                 _last_dim_contiguous(value))
         return torch.ops.flash_attn_ext.sdpa_fwd.default(query, key, value, softmax_scale,
                                                          bool(is_causal), *dropout, attn_mask)[0]
     q, k, v = [t.transpose(1, 2) for t in (query, key, value)]
@@ -394,9 +395,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                  "[batch, seqlen, heads, head_dim]")
     if (k is None) != (v is None):
         raise RuntimeError("flash_attn_ext: pass both k and v to append to the cache, or neither")
-    if k_cache.shape != v_cache.shape:
-        raise RuntimeError(f"flash_attn_ext: k_cache and v_cache must have the same shape, got "
-                           f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     batch = q.shape[0]
     fp8 = _kvcache.check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
     layout = _kvcache.CacheLayout(q, k_cache, block_table, cache_batch_idx, cache_leftpad)
@@ -406,6 +404,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cache_seqlens is None:
             raise RuntimeError("flash_attn_ext: appending k / v needs cache_seqlens (where each "
                                "batch entry's new keys go)")
+        # (Checked here before anything is written; without an append the operator checks it.)
+        if k_cache.shape != v_cache.shape:
+            raise RuntimeError(f"flash_attn_ext: k_cache and v_cache must have the same shape, "
+                               f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
         for t, name in ((k, "k"), (v, "v")):
             _check_rank(t, name, "[batch, seqlen_new, heads_k, head_dim]")
             if (t.shape[0], t.shape[2:]) != (batch, k_cache.shape[2:]):
@@ -445,8 +447,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _kvcache.store_rows(v_cache, rows, v)
         lengths = lengths + seqlen_new
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    q, k_c, v_c = (_last_dim_contiguous(q), _last_dim_contiguous(k_cache),
-                   _last_dim_contiguous(v_cache))
+    k_c, v_c = k_cache, v_cache
+    if q.stride(-1) != 1 or k_c.stride(-1) != 1 or v_c.stride(-1) != 1:
+        q, k_c, v_c = (_last_dim_contiguous(q), _last_dim_contiguous(k_c),
+                       _last_dim_contiguous(v_c))
     # Positional arguments (keywords cost the dispatcher's parsing ~1 us per call).
     args = (q, k_c, v_c, scale, bool(causal), True, int(num_splits), 0, lengths, *variants, 0.0,
             None, None, block_table, cache_batch_idx, cache_leftpad, k_descale, v_descale)
