@@ -486,7 +486,8 @@ struct OnlineSoftmax {
   template <bool kLazyRescale = false, int kTilesN>
   FAE_DEVICE bool update_scores_folded(float (&s)[kMmaM][kTilesN][4], float scale_log2,
                                        float (&rescale)[kMmaM][2]) {
-    static_assert(!kLazyRescale || kPExp2Offset == 0, "P scaled by 2^offset and by 2^8 overflows e4m3");
+    static_assert(!kLazyRescale || kPExp2Offset == 0,
+                  "P scaled by 2^kPExp2Offset and by up to 2^8 would overflow e4m3");
     bool max_changed = false;
 #pragma unroll
     for (int m = 0; m < kMmaM; ++m) {
@@ -527,8 +528,8 @@ struct OnlineSoftmax {
   // update_scores_folded for scores bounded in magnitude (softcap_bounds_scores):
   // p = exp2(s * scale_log2), no running max, so no max reduction and no
   // rescaling of O or of the row sum (the softmax is shift-invariant; the LSE
-  // comes out as log(row sum)). A softcapped softmax's extra tanh is paid for by
-  // what this leaves out: the plain kernel's instruction count per score.
+  // comes out as log(row sum)). What it leaves out offsets part of the cost of
+  // the softcap's tanh (docs/PERFORMANCE.md).
   template <int kTilesN>
   FAE_DEVICE void update_scores_unshifted(float (&s)[kMmaM][kTilesN][4], float scale_log2) {
 #pragma unroll

@@ -556,7 +556,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     using Softmax = OnlineSoftmax<1, Traits::kPExp2Offset>;
     // Softcapped bf16 calls without additive terms skip the running max and the
     // rescaling of O (update_scores_unshifted; fp16 P has too narrow a range):
-    // softcap forward 4% faster at D = 128 (H100, S = 4k), but 4% slower at D = 64.
+    // softcap forward 4% faster at D = 128, 11-14% at D = 256 (H100, S = 4k), but
+    // 4% slower at D = 64, which keeps the running max.
     const bool unshifted = kHasVariants && kHeadDim >= 128 &&
                            std::is_same_v<T, __nv_bfloat16> && softcap_bounds_scores(params);
     // softmax_tile returns whether O needs the rescale: OnlineSoftmax's lazy
