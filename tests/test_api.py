@@ -196,6 +196,15 @@ def test_bad_rank_public_api():
         fa.scaled_dot_product_attention(q[0], k[0], v[0])
     with pytest.raises(TypeError, match="torch.Tensor"):
         fa.flash_attn_func(q.numpy(), k, v)
+    # Every entry point names the argument that is not a 4-D tensor.
+    with pytest.raises(TypeError, match="v must be a torch.Tensor.*list"):
+        fa.flash_attn_func(q, k, v.tolist())
+    with pytest.raises(TypeError, match="value must be a torch.Tensor"):
+        fa.scaled_dot_product_attention(q, k, None)
+    with pytest.raises(TypeError, match="k_cache must be a torch.Tensor"):
+        fa.flash_attn_with_kvcache(q, "cache", v, cache_seqlens=1)
+    with pytest.raises(RuntimeError, match="v_cache must be a 4-D"):
+        fa.flash_attn_with_kvcache(q, k, v[0], cache_seqlens=1)
 
 
 def test_mismatched_devices_meta():
