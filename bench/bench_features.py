@@ -31,6 +31,7 @@ are the result: every reference runs in the same process, on the same inputs, ri
      ours_func    flash_attn_ext.flash_attn_func(q, k_cache, v_cache) (GQA, no cache API): info
      ours_pagedP  flash_attn_with_kvcache on the same caches cut into pages of P tokens
                   (P = 16, 64, 256: pools [B * S / P, P, H_kv, D] in a shuffled page order,
+                  or in sequence order with --page-order sequential,
                   int32 block_table [B, S / P]); the table shows their time over ours
      ours_fp8     flash_attn_with_kvcache on the caches quantised to FP8 (e4m3, one factor
                   per tensor: k_descale / v_descale [1]), q in the run's dtype (bf16 when that
@@ -117,6 +118,11 @@ def parse_args(argv=None):
     p.add_argument("--graph", action="store_true",
                    help="decode: time every backend's call replayed from a CUDA graph (captured "
                         "once per input set) instead of eager calls")
+    p.add_argument("--page-order", choices=("shuffled", "sequential"), default="shuffled",
+                   help="decode: where the paged backends' pages lie in their pools: a seeded "
+                        "random permutation (default; what a long-running server's pool looks "
+                        "like) or in sequence order (the same look-ups over memory laid out as "
+                        "the contiguous cache: what is left of the paged cost is the look-ups')")
     p.add_argument("--csv", default=None, help="write every row to this CSV file")
     p.add_argument("--json", default=None, help="write every row and the run's metadata here")
     return p.parse_args(argv)
@@ -327,7 +333,7 @@ def _paged(cache, page, order):
     return pool, table
 
 
-def make_decode_fn(name, seqlens, device):
+def make_decode_fn(name, seqlens, device, page_order="shuffled"):
     if name == "ours":
         if not hasattr(fa, "flash_attn_with_kvcache"):
             raise Skip("no fa.flash_attn_with_kvcache")
@@ -354,8 +360,10 @@ def make_decode_fn(name, seqlens, device):
             if k.shape[1] % page != 0:
                 raise Skip(f"cache not a multiple of {page}")
             if "pools" not in paged:
-                order = torch.randperm(k.shape[0] * (k.shape[1] // page),
-                                       generator=torch.Generator().manual_seed(0)).to(k.device)
+                n_pages = k.shape[0] * (k.shape[1] // page)
+                order = (torch.arange(n_pages) if page_order == "sequential" else
+                         torch.randperm(n_pages, generator=torch.Generator().manual_seed(0)))
+                order = order.to(k.device)
                 (kp, table), (vp, _) = _paged(k, page, order), _paged(v, page, order)
                 paged["pools"] = (kp, vp, table)
             kp, vp, table = paged["pools"]
@@ -413,7 +421,8 @@ def run_decode(run, sizes, progress):
         nbytes_fp8 = 2 * B * S * Hkv * D + 2 * B * Sq * H * D * q16_elt  # 1-byte K, V
         f = 4.0 * B * H * Sq * S * D
         def time_one(name, first_round):
-            make = functools.partial(make_decode_fn, name, seqlens, device)
+            make = functools.partial(make_decode_fn, name, seqlens, device,
+                                     run.get("page_order", "shuffled"))
             if run.get("graph") and device == "cuda":
                 make = lambda make=make: _graphed(make())  # noqa: E731
             layout = "bhsd" if name.startswith("sdpa_") else "bshd"
@@ -558,12 +567,13 @@ def main(argv=None):
     sizes = SIZES["full" if not args.quick else "quick_cuda" if device == "cuda" else "quick_cpu"]
     parts = [args.only] if args.only else ["varlen", "decode"]
     run = dict(device=device, dtype=DTYPES[dtype_name], dtype_name=dtype_name, seed=args.seed,
-               rounds=args.rounds, graph=args.graph,
+               rounds=args.rounds, graph=args.graph, page_order=args.page_order,
                peak_flops=None, peak_bw=None)
     meta = dict(torch=torch.__version__, flash_attn_ext=getattr(fa, "__version__", "?"),
                 device=device, device_name=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 cpu_threads=torch.get_num_threads(), dtype=dtype_name, timer=timer_name(device),
-                quick=args.quick, seed=args.seed, graph=args.graph, parts=parts,
+                quick=args.quick, seed=args.seed, graph=args.graph, page_order=args.page_order,
+                parts=parts,
                 sizes={k: sizes[k] for k in parts},
                 notes=[PADDING_NOTE, DECODE_NOTE, RATIO_NOTE])
     if not args.no_peaks:
