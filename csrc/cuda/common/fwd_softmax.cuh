@@ -468,6 +468,24 @@ struct OnlineSoftmax {
     }
   }
 
+  // Row (m, h) of the lane's scores -> p = exp2(s * scale_log2 + offset) in
+  // place; returns their sum (two independent chains, see update_scores_folded).
+  template <int kTilesN>
+  static FAE_DEVICE float exp2_row(float (&s)[kMmaM][kTilesN][4], int m, int h, float scale_log2,
+                                   float offset) {
+    float sum_even = 0.f, sum_odd = 0.f;
+#pragma unroll
+    for (int j = 0; j < kTilesN; ++j) {
+      const float p0 = fast_exp2(fmaf(s[m][j][2 * h], scale_log2, offset));
+      const float p1 = fast_exp2(fmaf(s[m][j][2 * h + 1], scale_log2, offset));
+      s[m][j][2 * h] = p0;
+      s[m][j][2 * h + 1] = p1;
+      sum_even += p0;
+      sum_odd += p1;
+    }
+    return sum_even + sum_odd;
+  }
+
   // update_scores for raw (unscaled) scores with the scale folded into the
   // exponent: p = exp2(s * scale_log2 - max * scale_log2), one FFMA per score
   // instead of an FMUL and an FADD. Needs scale_log2 > 0 (the max of the raw
@@ -508,18 +526,9 @@ struct OnlineSoftmax {
         max_changed |= new_max != row_max[m][h];
         row_max[m][h] = new_max;
 
-        const float offset = static_cast<float>(kPExp2Offset) - base;
-        float sum_even = 0.f, sum_odd = 0.f;
-#pragma unroll
-        for (int j = 0; j < kTilesN; ++j) {
-          const float p0 = fast_exp2(fmaf(s[m][j][2 * h], scale_log2, offset));
-          const float p1 = fast_exp2(fmaf(s[m][j][2 * h + 1], scale_log2, offset));
-          s[m][j][2 * h] = p0;
-          s[m][j][2 * h + 1] = p1;
-          sum_even += p0;
-          sum_odd += p1;
-        }
-        row_sum[m][h] = row_sum[m][h] * rescale[m][h] + (sum_even + sum_odd);
+        const float tile_sum =
+            exp2_row(s, m, h, scale_log2, static_cast<float>(kPExp2Offset) - base);
+        row_sum[m][h] = row_sum[m][h] * rescale[m][h] + tile_sum;
       }
     }
     return !kLazyRescale || __any_sync(0xffffffffu, max_changed);
@@ -537,17 +546,7 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         row_max[m][h] = 0.f;
-        float sum_even = 0.f, sum_odd = 0.f;
-#pragma unroll
-        for (int j = 0; j < kTilesN; ++j) {
-          const float p0 = fast_exp2(fmaf(s[m][j][2 * h], scale_log2, kPExp2Offset));
-          const float p1 = fast_exp2(fmaf(s[m][j][2 * h + 1], scale_log2, kPExp2Offset));
-          s[m][j][2 * h] = p0;
-          s[m][j][2 * h + 1] = p1;
-          sum_even += p0;
-          sum_odd += p1;
-        }
-        row_sum[m][h] += sum_even + sum_odd;
+        row_sum[m][h] += exp2_row(s, m, h, scale_log2, static_cast<float>(kPExp2Offset));
       }
     }
   }
