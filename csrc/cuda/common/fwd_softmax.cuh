@@ -281,34 +281,41 @@ FAE_DEVICE void stage_attn_mask(uint32_t scratch, const Mask& m, int row0, int c
 }
 
 // Waits for the warp's copies and adds each lane's values times factor to its
-// scores (the m16 accumulator layout of one warp: kMmaM = 1).
+// scores (the m16 accumulator layout of one warp: kMmaM = 1). An 8 x 8 matrix
+// of the staged rows (8 rows, one 16-byte chunk) read by ldmatrix lands in the
+// lanes exactly as the accumulator holds it (lane 4g + q: row g, elements 2q,
+// 2q + 1), so one ldmatrix.x4 hands a lane 8 values (rows g and g + 8 of
+// n-tiles j and j + 1): a quarter of the loads of one 4-byte read per pair.
 template <int kTilesN>
 FAE_DEVICE void add_staged_attn_mask(float (&s)[1][kTilesN][4], uint32_t scratch, int lane,
                                      BiasType type, float factor) {
+  static_assert(kTilesN % 2 == 0, "n-tiles in pairs, one ldmatrix.x4 per pair");
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   __syncwarp();
   const bool bf16 = type == BiasType::kBFloat16;
-  const int g = lane / 4, q = lane % 4;
+  // Lane l addresses row l % 8 of matrix l / 8 = (row half m % 2, n-tile
+  // j + m / 2); stage_attn_mask's chunk swizzle keeps the 8 rows of a matrix on
+  // distinct banks.
+  const int m = lane / 8, r = lane % 8 + 8 * (m % 2);
+  const uint32_t row_addr = scratch + r * (kTilesN * 16);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = g + 8 * h;
+  for (int j = 0; j < kTilesN; j += 2) {
+    uint32_t w[4];
+    ldmatrix_x4_at(w, row_addr + (((j + m / 2) ^ (lane % 8)) * 16));
 #pragma unroll
-    for (int j = 0; j < kTilesN; ++j) {
-      uint32_t w;
-      asm volatile("ld.shared.b32 %0, [%1];\n"
-                   : "=r"(w)
-                   : "r"(scratch + r * (kTilesN * 16) + ((j ^ g) * 16) + 4 * q));
+    for (int i = 0; i < 4; ++i) {
       float lo, hi;
       if (bf16) {  // (fp16 below through the hardware conversion, not mask.h's bit path)
-        lo = bf16_bits_to_float(static_cast<uint16_t>(w));
-        hi = bf16_bits_to_float(static_cast<uint16_t>(w >> 16));
+        lo = bf16_bits_to_float(static_cast<uint16_t>(w[i]));
+        hi = bf16_bits_to_float(static_cast<uint16_t>(w[i] >> 16));
       } else {
-        const __half2 pair = *reinterpret_cast<const __half2*>(&w);
+        const __half2 pair = *reinterpret_cast<const __half2*>(&w[i]);
         lo = __low2float(pair);
         hi = __high2float(pair);
       }
-      s[0][j][2 * h] += lo * factor;
-      s[0][j][2 * h + 1] += hi * factor;
+      // w[i]: row half i % 2 (elements 0, 1 or 2, 3) of n-tile j + i / 2.
+      s[0][j + i / 2][2 * (i % 2)] += lo * factor;
+      s[0][j + i / 2][2 * (i % 2) + 1] += hi * factor;
     }
   }
 }

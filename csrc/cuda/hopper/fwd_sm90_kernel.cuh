@@ -287,10 +287,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // through the tile slot; the trimming loop would cost them registers).
   auto tile_at = [&](int t, bool trim) {
     Tile tile;
-    tile.m_block = num_m_blocks - 1 - t % num_m_blocks;
-    const int bh = t / num_m_blocks;
-    tile.h = bh % params.heads;
-    tile.b = bh / params.heads;
+    if constexpr (kAttnMask) {  // batch / heads first where the mask broadcasts
+      const MaskGridTile g = attn_mask_grid_tile(params, t, num_m_blocks);
+      tile.m_block = num_m_blocks - 1 - g.block;
+      tile.h = g.h;
+      tile.b = g.b;
+    } else {
+      tile.m_block = num_m_blocks - 1 - t % num_m_blocks;
+      const int bh = t / num_m_blocks;
+      tile.h = bh % params.heads;
+      tile.b = bh / params.heads;
+    }
     tile.h_k = tile.h / (params.heads / params.heads_k);
     const SeqBounds seq = seq_bounds<false>(params, tile.b);
     if constexpr (kHasVariants) {
