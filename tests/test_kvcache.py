@@ -444,6 +444,42 @@ def test_cache_batch_size_mismatch():
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
+def test_dense_decode_fast_path(monkeypatch):
+    # A plain decode step (dense cache, cache_seqlens tensor, nothing else) takes the Python
+    # fast path (interface._dense_decode_step) and gives bit-identical results to the general
+    # path (forced by the debug checks); a non-contiguous q with unit last stride takes it too,
+    # an FP8 cache or a wrong cache_seqlens dtype falls through to the general path's checks.
+    from flash_attn_ext import interface
+    calls = []
+    step = interface._dense_decode_step
+    monkeypatch.setattr(interface, "_dense_decode_step",
+                        lambda *a: calls.append(1) or step(*a))
+    q = torch.randn(3, 2, 4, 64)[:, :1]  # strided, unit last stride
+    kc, vc = torch.randn(3, 20, 2, 64), torch.randn(3, 20, 2, 64)
+    seqlens = _i32([0, 7, 20], "cpu")
+    for causal, scale in ((False, None), (True, 0.3)):
+        out, lse = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=causal,
+                                              softmax_scale=scale, return_softmax_lse=True)
+        assert calls and interface._dense_decode_step is not step
+        monkeypatch.setenv("FLASH_ATTN_EXT_DEBUG_CHECKS", "1")
+        ref_out, ref_lse = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                                      causal=causal, softmax_scale=scale,
+                                                      return_softmax_lse=True)
+        monkeypatch.delenv("FLASH_ATTN_EXT_DEBUG_CHECKS")
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert step(q, kc, vc, seqlens.long(), None, False, 0) is None
+    with pytest.raises(RuntimeError, match="cache_seqlens must be int32"):
+        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens.long())
+    with pytest.raises(RuntimeError, match="cache_seqlens must have shape"):
+        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens[:2])
+    with pytest.raises(RuntimeError, match="batch entries"):
+        fa.flash_attn_with_kvcache(q[:2], kc, vc, cache_seqlens=seqlens[:2])
+    with pytest.raises(TypeError):
+        fa.flash_attn_with_kvcache("q", kc, vc, cache_seqlens=seqlens)
+    fp8 = kc.to(torch.float8_e4m3fn)
+    assert step(q, fp8, fp8, seqlens, None, False, 0) is None
+
+
 def test_raw_operator_bad_inputs():
     q, pool, k, table = _small()
     fwd = torch.ops.flash_attn_ext.fwd
