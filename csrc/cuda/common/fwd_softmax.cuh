@@ -280,17 +280,18 @@ FAE_DEVICE void stage_attn_mask(uint32_t scratch, const Mask& m, int row0, int c
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
-// Waits for the warp's copies and adds each lane's values times factor to its
-// scores (the m16 accumulator layout of one warp: kMmaM = 1). An 8 x 8 matrix
+// Waits for the warp's copies but the kPending newest groups (those of the
+// tiles that the Hopper forward stages ahead) and adds each lane's values
+// times factor to its scores (the m16 accumulator layout of one warp: kMmaM = 1). An 8 x 8 matrix
 // of the staged rows (8 rows, one 16-byte chunk) read by ldmatrix lands in the
 // lanes exactly as the accumulator holds it (lane 4g + q: row g, elements 2q,
 // 2q + 1), so one ldmatrix.x4 hands a lane 8 values (rows g and g + 8 of
 // n-tiles j and j + 1): a quarter of the loads of one 4-byte read per pair.
-template <int kTilesN>
+template <int kTilesN, int kPending>
 FAE_DEVICE void add_staged_attn_mask(float (&s)[1][kTilesN][4], uint32_t scratch, int lane,
                                      BiasType type, float factor) {
   static_assert(kTilesN % 2 == 0, "n-tiles in pairs, one ldmatrix.x4 per pair");
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
   __syncwarp();
   const bool bf16 = type == BiasType::kBFloat16;
   // Lane l addresses row l % 8 of matrix l / 8 = (row half m % 2, n-tile

@@ -172,11 +172,17 @@ struct FwdSm90Traits {
   static constexpr int kSmemBytes =
       kQRing * kQSliceBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
 
-  // attn_mask kernels: scratch for a 16-bit additive mask's values of one key
-  // tile, staged per consumer thread (fwd_softmax.cuh, stage_attn_mask), where
-  // shared memory has room (not at D = 256); +16 aligns it after the barriers
-  // (16-byte cp.async).
-  static constexpr int kMaskScratchBytes = kConsumerWarps * kStagedMaskWarpBytes<kBlockN>;
+  // attn_mask kernels: scratch for a 16-bit additive mask's values, staged per
+  // consumer warp (fwd_softmax.cuh, stage_attn_mask) where shared memory has
+  // room (D = 64 / 128), in kMaskBuffers buffers of one key tile each: tile i's
+  // copies are issued kMaskBuffers - 1 tiles ahead, while tile
+  // i - kMaskBuffers + 1's GEMMs run. Two at D = 64, whose GEMMs are too short
+  // to hide the copies' latency (H100, [1, H, S, S] bf16 bias: 4% faster),
+  // one at D = 128 (two measured 2% slower); +16 aligns the scratch after the
+  // barriers (16-byte cp.async).
+  static constexpr int kMaskBuffers = kHeadDim <= 64 ? 2 : 1;
+  static constexpr int kMaskScratchBytes =
+      kConsumerWarps * kMaskBuffers * kStagedMaskWarpBytes<kBlockN>;
   static constexpr bool kStageAttnMask =
       kBlockN % 64 == 0 && kSmemBytes + kMaskScratchBytes + 16 <= 227 * 1024;
   static constexpr int kSmemBytesAttnMask =
@@ -529,19 +535,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       scale_log2 *= descale_at(params.q_descale, tile.b, tile.h_k) *
                     descale_at(params.k_descale, tile.b, tile.h_k);
     }
-    // A 16-bit additive attn_mask goes through this thread's scratch words:
-    // copied while the tile's GEMMs run (stage_mask), added in the softmax.
+    // A 16-bit additive attn_mask goes through the warp's scratch: key tile i
+    // of the loop (i = 0 the last tile) in buffer i % kMaskBuffers, copied
+    // kMaskBuffers - 1 tiles ahead (stage_mask(i + kMaskBuffers - 1) while
+    // tile i's GEMMs run), added in the softmax. One cp.async group per tile,
+    // empty past the last, so that "all but the kMaskBuffers - 1 newest groups
+    // done" always covers tile i's copies.
     bool staged = false;
     if constexpr (kAttnMask && Traits::kStageAttnMask) {
       staged = attn_mask_stageable(make_mask(params, seq, tile.b, tile.h));
     }
-    const uint32_t warp_scratch = mask_scratch + (wg * 4 + warp) * kStagedMaskWarpBytes<kBlockN>;
-    auto stage_mask = [&](int n_block) {
+    constexpr int kMaskBufferBytes = kStagedMaskWarpBytes<kBlockN>;
+    constexpr int kMaskBuffers = Traits::kMaskBuffers;
+    const uint32_t warp_scratch = mask_scratch + (wg * 4 + warp) * kMaskBuffers * kMaskBufferBytes;
+    auto stage_mask = [&](int i) {
       if constexpr (kAttnMask && Traits::kStageAttnMask) {
         if (staged) {
-          stage_attn_mask<kBlockN>(warp_scratch, make_mask(params, seq, tile.b, tile.h),
-                                   tile.m_block * kBlockM + wg * 64 + warp * 16, n_block * kBlockN,
-                                   lane);
+          if (kMaskBuffers == 1 || i < n_tiles) {  // (one buffer: always a tile)
+            stage_attn_mask<kBlockN>(warp_scratch + (i % kMaskBuffers) * kMaskBufferBytes,
+                                     make_mask(params, seq, tile.b, tile.h),
+                                     tile.m_block * kBlockM + wg * 64 + warp * 16,
+                                     (tile.keys.end - 1 - i) * kBlockN, lane);
+          } else {
+            cp_async_commit();
+          }
         }
       }
     };
@@ -587,8 +604,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             s, variants, row_base, col_base, mask_elements, mask_reads && !staged);
         if constexpr (kAttnMask && Traits::kStageAttnMask) {
           if (staged) {
-            add_staged_attn_mask<kBlockN / 8>(s, warp_scratch, lane, variants.mask.bias_type,
-                                              1.4426950408889634f / unit);
+            const int i = tile.keys.end - 1 - n_block;  // stage_mask's buffer
+            add_staged_attn_mask<kBlockN / 8, kMaskBuffers - 1>(
+                s, warp_scratch + (i % kMaskBuffers) * kMaskBufferBytes, lane,
+                variants.mask.bias_type, 1.4426950408889634f / unit);
           }
         }
         bool rescale_o = false;
@@ -653,7 +672,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       auto stage_of = [&](int i) { return (kv_count + i) % kStages; };
       auto parity_of = [&](int i) { return static_cast<uint32_t>(((kv_count + i) / kStages) & 1); };
 
-      stage_mask(tile.keys.end - 1);
+#pragma unroll
+      for (int i = 0; i < Traits::kMaskBuffers; ++i) stage_mask(i);
       mbar_wait(k_full(stage_of(0)), parity_of(0));
       gemm_turn_begin();
       wgmma_fence();
@@ -677,7 +697,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         issue_qk(s, stage_of(i));
         issue_pv(o, p, stage_of(i - 1));
         gemm_turn_end();
-        stage_mask(tile.keys.end - 1 - i);  // while the GEMMs run
+        stage_mask(i + Traits::kMaskBuffers - 1);  // while the GEMMs run
         wgmma_wait<1>();  // S_i done (groups retire in order), P V still running
         fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
         mask_reads = read_mask_flag(stage_of(i));
