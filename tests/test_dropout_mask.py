@@ -465,6 +465,7 @@ def _mask(kind, shape, seqlen_q, seqlen_k, dtype, device, seed=5, first_key=True
     full = {"sq_sk": (seqlen_q, seqlen_k), "11_sq_sk": (1, 1, seqlen_q, seqlen_k),
             "b11_sk": (B, 1, 1, seqlen_k), "bh_sq_sk": (B, HEADS, seqlen_q, seqlen_k),
             "1h_sq1": (1, HEADS, seqlen_q, 1), "h_sq_sk": (HEADS, seqlen_q, seqlen_k),
+            "b1_sq_sk": (B, 1, seqlen_q, seqlen_k),
             "sk": (seqlen_k,)}[shape]
     gen = torch.Generator().manual_seed(seed)
     u = torch.rand(full, generator=gen)
@@ -555,6 +556,7 @@ MASK_PARAMS = [  # (kind, shape, mask dtype, q dtype, causal, seqlen_q, seqlen_k
     ("add_finite", "1h_sq1", torch.float32, torch.float32, False, 37, 45),
     ("add_finite", "sq_sk", "q", torch.bfloat16, True, 300, 113),
     ("add_finite", "h_sq_sk", "q", torch.float16, False, 77, 1),
+    ("add", "b1_sq_sk", torch.float32, torch.float32, True, 45, 70),
 ]
 
 
@@ -903,6 +905,8 @@ CUDA_MASK = [  # (kind, shape, mask dtype, q dtype, causal, seqlen_q, seqlen_k, 
     ("add_finite", "bh_sq_sk", torch.bfloat16, torch.bfloat16, True, 200, 264, 128),
     ("add", "sq_sk", torch.float16, torch.float16, False, 77, 136, 64),
     ("add", "11_sq_sk", torch.bfloat16, torch.bfloat16, True, 136, 72, 256),
+    # per-batch planes broadcast over the heads: the Hopper forward walks its tiles heads-first
+    ("add_finite", "b1_sq_sk", torch.bfloat16, torch.bfloat16, False, 200, 264, 128),
 ]
 
 
