@@ -141,3 +141,43 @@ def test_single_key(device, dtype):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(dv.double(), dout.double().sum(1, keepdim=True), atol=tol * 10, rtol=tol)
     assert dq.abs().max().item() <= tol and dk.abs().max().item() <= tol * 10
+
+
+def test_cpu_backward_one_and_two_passes():
+    """The CPU backward runs in one pass when there are enough (batch, kv head) tasks for the
+    threads, else in two (csrc/cpu/attention_cpu.cpp): 1 thread takes the first path and 16
+    threads the second for the same calls (GQA with a window, softcap and dropout; varlen with
+    an empty sequence); both give the same gradients, the varlen ones those of the reference."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 77, 4, 32, generator=gen, requires_grad=True)
+    k = torch.randn(2, 91, 2, 32, generator=gen, requires_grad=True)
+    v = torch.randn(2, 91, 2, 32, generator=gen, requires_grad=True)
+    dout = torch.randn(2, 77, 4, 32, generator=gen)
+    lens = [30, 0, 47]
+    cu = torch.tensor([0, 30, 30, 77], dtype=torch.int32)
+    qp, kp, vp = (torch.randn(77, 4, 32, generator=gen, requires_grad=True) for _ in range(3))
+    calls = [
+        (lambda: fa.flash_attn_func(q, k, v, causal=True, window_size=(40, 0), softcap=5.0,
+                                    dropout_p=0.2), (q, k, v), dout),
+        (lambda: fa.flash_attn_varlen_func(qp, kp, vp, cu, cu, max(lens), max(lens),
+                                           causal=True), (qp, kp, vp), dout[0]),
+    ]
+    saved = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 16):
+            torch.set_num_threads(threads)
+            torch.manual_seed(0)
+            results.append([torch.autograd.grad(fn(), inputs, g) for fn, inputs, g in calls])
+    finally:
+        torch.set_num_threads(saved)
+    for one_pass, two_passes in zip(*results):
+        for a, b in zip(one_pass, two_passes):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the varlen gradients per sequence against the reference of that sequence alone
+    for lo, hi in ((0, 30), (30, 77)):
+        seq = [t.detach()[lo:hi].unsqueeze(0).requires_grad_() for t in (qp, kp, vp)]
+        (_, *ref_grads), (_, *base_grads) = reference_and_baseline(
+            *seq, dout[0, lo:hi].unsqueeze(0), True, True)
+        for g, r, b in zip(results[0][1], ref_grads, base_grads):
+            assert_fa_rule(g[lo:hi].unsqueeze(0), r, b, 3)

@@ -8,15 +8,17 @@
 //     m_new = max(m, rowmax(S)); P = exp(S - m_new); l = l*exp(m - m_new) + rowsum(P)
 //     O = O*exp(m - m_new) + P V_j              (BLAS tile GEMM)
 //   O /= l; lse = m + log(l)
-// Backward (recomputation from lse, D = rowsum(dO * O)), in two passes so that
-// every output block has exactly one writer (no atomics, deterministic):
-//   pass 1, task = (batch, head, key tile j):   dV_j = sum_i P_ij^T dO_i,
-//                                                dK_j = scale * sum_i dS_ij^T Q_i
-//   pass 2, task = (batch, head, query tile i): dQ_i = scale * sum_j dS_ij K_j
+// Backward (recomputation from lse, D = rowsum(dO * O)); every output block
+// has exactly one writer (no atomics, deterministic):
+//   dV_j = sum_i P_ij^T dO_i, dK_j = scale * sum_i dS_ij^T Q_i, dQ_i = scale * sum_j dS_ij K_j
 //   with P_ij = exp(S_ij - lse_i) and dS_ij = P_ij * (dO_i V_j^T - D_i) * f'(.)
 //   (f' = 1 - tanh^2 with softcap, else 1).
-// Memory beyond inputs/outputs: O(batch*heads*seqlen_q) for lse/D plus a few
-// tiles per thread.
+// One pass where there are enough (batch, kv head) tasks for the threads: a
+// task walks its key tiles and adds dQ into its own fp32 buffer. Else two
+// passes: task = (batch, kv head, key tile j) for dK_j, dV_j, then task =
+// (batch, head, query tile i) for dQ_i, recomputing P and dP.
+// Memory beyond inputs/outputs: O(batch*heads*seqlen_q) for lse/D, a few tiles
+// per thread, and in one pass a dQ buffer per thread (<= 16 MB).
 //
 // Tiles are fp32: 16-bit inputs are widened on load (so all arithmetic is
 // fp32), fp32 inputs are used in place through their row stride.
@@ -149,15 +151,19 @@ float exp_shifted_sum(float* x, int n, float shift) {
   return sum;
 }
 
+// The row's maximum, over 16 independent lanes in whole groups of 16 (a fixed
+// inner loop that GCC turns into vector max instructions; indexing the lanes
+// by i % 16 in one loop did not vectorise and cost as much as the exp).
 __attribute__((target_clones("avx512f", "avx2", "default")))
 float row_max_of(const float* x, int n) {
   constexpr int kLanes = 16;
   float lane_max[kLanes];
   std::fill(lane_max, lane_max + kLanes, -std::numeric_limits<float>::infinity());
-  for (int i = 0; i < n; ++i) {
-    const int l = i % kLanes;
-    lane_max[l] = x[i] > lane_max[l] ? x[i] : lane_max[l];
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lane_max[l] = x[i + l] > lane_max[l] ? x[i + l] : lane_max[l];
   }
+  for (; i < n; ++i) lane_max[0] = x[i] > lane_max[0] ? x[i] : lane_max[0];
   return *std::max_element(lane_max, lane_max + kLanes);
 }
 
@@ -451,64 +457,132 @@ void bwd_impl(const AttentionBwdParams& p) {
     }
   };
 
-  // Pass 1: dK, dV per key tile, summed over the query heads of the kv head's group.
-  const int64_t kv_tasks = static_cast<int64_t>(p.batch) * p.heads_k * n_blocks;
-  at::parallel_for(0, kv_tasks, 1, [&](int64_t begin, int64_t end) {
+  // Per-thread tiles of one (query tile, key tile) pair.
+  struct Scratch {
     std::vector<float> q_buf, k_buf, v_buf, do_buf;
-    std::vector<float> probs(static_cast<size_t>(kBlockM) * kBlockN), dprobs(probs.size());
-    std::vector<float> dfds(p.softcap > 0.f ? probs.size() : 0);
-    std::vector<float> dropped(has_dropout(p) ? probs.size() : 0);  // P times the dropout factor
+    std::vector<float> probs, dprobs, dfds, dropped;  // dropped: P times the dropout factor
+    explicit Scratch(const AttentionBwdParams& p)
+        : probs(static_cast<size_t>(kBlockM) * kBlockN), dprobs(probs.size()),
+          dfds(p.softcap > 0.f ? probs.size() : 0), dropped(has_dropout(p) ? probs.size() : 0) {}
+  };
+  // The gradients of query rows [m0, m0 + rows) of head h against keys
+  // [n0, n0 + cols): dV += (P o Z)^T dO and dK += scale dS^T Q into the
+  // [cols, D] accumulators (when given), dQ += scale dS K into the [rows, D]
+  // one at dq_acc (when given).
+  auto tile_grads = [&](Scratch& t, const SeqBounds& s, int b, int h, const Mask& mask,
+                        const Dropout& dropout, const Tile& k, const Tile& v, int m0, int rows,
+                        int n0, int cols, float* dk_acc, float* dv_acc, float* dq_acc) {
+    const int64_t q_row = s.row0_q + m0;
+    const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, q_row), p.q_strides.row, rows, D,
+                             t.q_buf);
+    const Tile dout = load_tile(at_row<T>(p.dout, p.dout_strides, b, h, q_row),
+                                p.dout_strides.row, rows, D, t.do_buf);
+    recompute_probs(p, mask, q, k, m0, rows, n0, cols, lse_row(s, b, h) + m0, t.probs.data(),
+                    t.dfds.data());
+    if (dv_acc != nullptr) {
+      const float* pv = t.probs.data();  // dV = (P * dropout factor)^T dO
+      if (dropout.active()) {
+        std::copy(t.probs.begin(), t.probs.end(), t.dropped.begin());
+        apply_dropout(dropout, t.dropped.data(), m0, rows, n0, cols);
+        pv = t.dropped.data();
+      }
+      gemm_tn(cols, D, rows, 1.f, pv, cols, dout.data, dout.ld, 1.f, dv_acc, D);
+    }
+    gemm_nt(rows, cols, D, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, t.dprobs.data(), cols);
+    apply_dropout(dropout, t.dprobs.data(), m0, rows, n0, cols);
+    softmax_grad(t.dprobs.data(), t.probs.data(), dsum_row(s, b, h) + m0, rows, cols,
+                 mask.has_softcap() ? t.dfds.data() : nullptr);
+    if (dk_acc != nullptr) {
+      gemm_tn(cols, D, rows, p.softmax_scale, t.dprobs.data(), cols, q.data, q.ld, 1.f, dk_acc, D);
+    }
+    if (dq_acc != nullptr) {
+      gemm_nn(rows, D, cols, p.softmax_scale, t.dprobs.data(), cols, k.data, k.ld, 1.f, dq_acc, D);
+    }
+  };
+  // dK, dV of key tile n_block of kv head kh, summed over the query heads of
+  // its group; with dq_ws ([kv_group][seqlen_q][D], fp32) the dQ terms too.
+  auto key_tile_grads = [&](Scratch& t, std::vector<float>& dk_acc, std::vector<float>& dv_acc,
+                            const SeqBounds& s, int b, int kh, int n_block, float* dq_ws) {
+    const int n0 = n_block * kBlockN;
+    const int cols = std::min(kBlockN, s.seqlen_k - n0);
+    const int64_t k_row = s.row0_k + n0;
+    const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, k_row), p.k_strides.row, cols, D,
+                             t.k_buf);
+    const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols, D,
+                             t.v_buf);
+    std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
+    std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
+    for (int h = kh * kv_group; h < (kh + 1) * kv_group; ++h) {
+      const Mask mask = make_mask(p, s, b, h);
+      const Dropout dropout = make_dropout(p, b, h);
+      const RowRange queries = rows_for_keys(mask, n0, cols);
+      for (int m0 = queries.lo; m0 < queries.hi; m0 += kBlockM) {
+        float* dq = dq_ws == nullptr ? nullptr
+                                     : dq_ws + (static_cast<size_t>(h - kh * kv_group) *
+                                                    s.seqlen_q + m0) * D;
+        tile_grads(t, s, b, h, mask, dropout, k, v, m0, std::min(kBlockM, queries.hi - m0), n0,
+                   cols, dk_acc.data(), dv_acc.data(), dq);
+      }
+    }
+    store_rows(at_row<T>(p.dk, p.dk_strides, b, kh, k_row), p.dk_strides.row, dk_acc.data(), cols,
+               D, 1.f);
+    store_rows(at_row<T>(p.dv, p.dv_strides, b, kh, k_row), p.dv_strides.row, dv_acc.data(), cols,
+               D, 1.f);
+  };
+
+  // One pass when there are enough (batch, kv head) tasks for the threads and
+  // their dQ fits a modest buffer: a task walks its key tiles and adds the dQ
+  // terms to its own fp32 buffer (5 GEMMs per tile pair). Otherwise two
+  // passes, each output tile with one writer: dK / dV per key tile (pass 1),
+  // dQ per query tile (pass 2), which recomputes P and dP (7 GEMMs). Both are
+  // deterministic; one pass measured 0.7x the two passes' time (2 cores, D=64).
+  const int64_t bh_tasks = static_cast<int64_t>(p.batch) * p.heads_k;
+  const int64_t threads = at::get_num_threads();
+  const int64_t dq_ws_floats = static_cast<int64_t>(kv_group) * p.seqlen_q * D;
+  const bool one_pass = dq_ws_floats <= (int64_t{1} << 22) &&
+                        (bh_tasks >= 4 * threads || (bh_tasks >= threads && bh_tasks % threads == 0));
+  if (one_pass) {
+    at::parallel_for(0, bh_tasks, 1, [&](int64_t begin, int64_t end) {
+      Scratch t(p);
+      std::vector<float> dk_acc(static_cast<size_t>(kBlockN) * D), dv_acc(dk_acc.size());
+      std::vector<float> dq_ws;
+      for (int64_t task = begin; task < end; ++task) {
+        const int kh = static_cast<int>(task % p.heads_k);
+        const int b = static_cast<int>(task / p.heads_k);
+        const SeqBounds s = seq_bounds(p, b);
+        dq_ws.assign(static_cast<size_t>(kv_group) * s.seqlen_q * D, 0.f);
+        for (int n_block = 0; n_block * kBlockN < s.seqlen_k; ++n_block) {
+          key_tile_grads(t, dk_acc, dv_acc, s, b, kh, n_block, dq_ws.data());
+        }
+        for (int g = 0; g < kv_group; ++g) {
+          const int h = kh * kv_group + g;
+          store_rows(at_row<T>(p.dq, p.dq_strides, b, h, s.row0_q), p.dq_strides.row,
+                     dq_ws.data() + static_cast<size_t>(g) * s.seqlen_q * D, s.seqlen_q, D, 1.f);
+        }
+      }
+    });
+    return;
+  }
+
+  // Pass 1: dK, dV per key tile, summed over the query heads of the kv head's group.
+  const int64_t kv_tasks = bh_tasks * n_blocks;
+  at::parallel_for(0, kv_tasks, 1, [&](int64_t begin, int64_t end) {
+    Scratch t(p);
     std::vector<float> dk_acc(static_cast<size_t>(kBlockN) * D), dv_acc(dk_acc.size());
     for (int64_t task = begin; task < end; ++task) {
       const int n_block = static_cast<int>(task % n_blocks);
       const int kh = static_cast<int>((task / n_blocks) % p.heads_k);
       const int b = static_cast<int>(task / (static_cast<int64_t>(n_blocks) * p.heads_k));
       const SeqBounds s = seq_bounds(p, b);
-      const int n0 = n_block * kBlockN;
-      if (n0 >= s.seqlen_k) continue;  // past this sequence's (used) keys: dK = dV = 0
-      const int cols = std::min(kBlockN, s.seqlen_k - n0);
-      const int64_t k_row = s.row0_k + n0;
-      const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, k_row), p.k_strides.row, cols, D, k_buf);
-      const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols, D, v_buf);
-      std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
-      std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
-      for (int h = kh * kv_group; h < (kh + 1) * kv_group; ++h) {
-        const Mask mask = make_mask(p, s, b, h);
-        const Dropout dropout = make_dropout(p, b, h);
-        const RowRange queries = rows_for_keys(mask, n0, cols);
-        for (int m0 = queries.lo; m0 < queries.hi; m0 += kBlockM) {
-          const int rows = std::min(kBlockM, queries.hi - m0);
-          const int64_t q_row = s.row0_q + m0;
-          const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, q_row), p.q_strides.row, rows, D, q_buf);
-          const Tile dout = load_tile(at_row<T>(p.dout, p.dout_strides, b, h, q_row), p.dout_strides.row,
-                                      rows, D, do_buf);
-          recompute_probs(p, mask, q, k, m0, rows, n0, cols, lse_row(s, b, h) + m0, probs.data(),
-                          dfds.data());
-          const float* pv = probs.data();  // dV = (P * dropout factor)^T dO
-          if (dropout.active()) {
-            std::copy(probs.begin(), probs.end(), dropped.begin());
-            apply_dropout(dropout, dropped.data(), m0, rows, n0, cols);
-            pv = dropped.data();
-          }
-          gemm_tn(cols, D, rows, 1.f, pv, cols, dout.data, dout.ld, 1.f, dv_acc.data(), D);
-          gemm_nt(rows, cols, D, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, dprobs.data(), cols);
-          apply_dropout(dropout, dprobs.data(), m0, rows, n0, cols);
-          softmax_grad(dprobs.data(), probs.data(), dsum_row(s, b, h) + m0, rows, cols,
-                       mask.has_softcap() ? dfds.data() : nullptr);
-          gemm_tn(cols, D, rows, p.softmax_scale, dprobs.data(), cols, q.data, q.ld, 1.f, dk_acc.data(), D);
-        }
-      }
-      store_rows(at_row<T>(p.dk, p.dk_strides, b, kh, k_row), p.dk_strides.row, dk_acc.data(), cols, D, 1.f);
-      store_rows(at_row<T>(p.dv, p.dv_strides, b, kh, k_row), p.dv_strides.row, dv_acc.data(), cols, D, 1.f);
+      // Past this sequence's (used) keys: dK = dV = 0.
+      if (n_block * kBlockN < s.seqlen_k) key_tile_grads(t, dk_acc, dv_acc, s, b, kh, n_block, nullptr);
     }
   });
 
   // Pass 2: dQ per query tile.
   const int64_t q_tasks = static_cast<int64_t>(p.batch) * p.heads * m_blocks;
   at::parallel_for(0, q_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_buf, k_buf, v_buf, do_buf;
-    std::vector<float> probs(static_cast<size_t>(kBlockM) * kBlockN), dprobs(probs.size());
-    std::vector<float> dfds(p.softcap > 0.f ? probs.size() : 0);
+    Scratch t(p);
     std::vector<float> dq_acc(static_cast<size_t>(kBlockM) * D);
     for (int64_t task = begin; task < end; ++task) {
       const int m_block = static_cast<int>(task % m_blocks);
@@ -519,10 +593,6 @@ void bwd_impl(const AttentionBwdParams& p) {
       const int m0 = m_block * kBlockM;
       if (m0 >= s.seqlen_q) continue;
       const int rows = std::min(kBlockM, s.seqlen_q - m0);
-      const int64_t q_row = s.row0_q + m0;
-      const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, q_row), p.q_strides.row, rows, D, q_buf);
-      const Tile dout = load_tile(at_row<T>(p.dout, p.dout_strides, b, h, q_row), p.dout_strides.row, rows,
-                                  D, do_buf);
       std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
       const Mask mask = make_mask(p, s, b, h);
       const Dropout dropout = make_dropout(p, b, h);
@@ -530,17 +600,15 @@ void bwd_impl(const AttentionBwdParams& p) {
       for (int n0 = keys.lo; n0 < keys.hi; n0 += kBlockN) {
         const int cols = std::min(kBlockN, keys.hi - n0);
         const int64_t k_row = s.row0_k + n0;
-        const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, k_row), p.k_strides.row, cols, D, k_buf);
-        const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols, D, v_buf);
-        recompute_probs(p, mask, q, k, m0, rows, n0, cols, lse_row(s, b, h) + m0, probs.data(),
-                        dfds.data());
-        gemm_nt(rows, cols, D, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, dprobs.data(), cols);
-        apply_dropout(dropout, dprobs.data(), m0, rows, n0, cols);
-        softmax_grad(dprobs.data(), probs.data(), dsum_row(s, b, h) + m0, rows, cols,
-                     mask.has_softcap() ? dfds.data() : nullptr);
-        gemm_nn(rows, D, cols, p.softmax_scale, dprobs.data(), cols, k.data, k.ld, 1.f, dq_acc.data(), D);
+        const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, k_row), p.k_strides.row, cols,
+                                 D, t.k_buf);
+        const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols,
+                                 D, t.v_buf);
+        tile_grads(t, s, b, h, mask, dropout, k, v, m0, rows, n0, cols, nullptr, nullptr,
+                   dq_acc.data());
       }
-      store_rows(at_row<T>(p.dq, p.dq_strides, b, h, q_row), p.dq_strides.row, dq_acc.data(), rows, D, 1.f);
+      store_rows(at_row<T>(p.dq, p.dq_strides, b, h, s.row0_q + m0), p.dq_strides.row,
+                 dq_acc.data(), rows, D, 1.f);
     }
   });
 }
