@@ -465,18 +465,19 @@ void bwd_impl(const AttentionBwdParams& p) {
         : probs(static_cast<size_t>(kBlockM) * kBlockN), dprobs(probs.size()),
           dfds(p.softcap > 0.f ? probs.size() : 0), dropped(has_dropout(p) ? probs.size() : 0) {}
   };
-  // The gradients of query rows [m0, m0 + rows) of head h against keys
-  // [n0, n0 + cols): dV += (P o Z)^T dO and dK += scale dS^T Q into the
-  // [cols, D] accumulators (when given), dQ += scale dS K into the [rows, D]
-  // one at dq_acc (when given).
+  // Query rows [m0, m0 + rows) of head h: the Q or dO tile (load_tile).
+  auto query_rows = [&](const void* base, const TensorStrides& st, const SeqBounds& s, int b,
+                        int h, int m0, int rows, std::vector<float>& buffer) {
+    return load_tile(at_row<T>(base, st, b, h, s.row0_q + m0), st.row, rows, D, buffer);
+  };
+  // The gradients of query rows [m0, m0 + rows) of head h (tiles q, dout)
+  // against keys [n0, n0 + cols): dV += (P o Z)^T dO and dK += scale dS^T Q
+  // into the [cols, D] accumulators (when given), dQ += scale dS K into the
+  // [rows, D] one at dq_acc (when given).
   auto tile_grads = [&](Scratch& t, const SeqBounds& s, int b, int h, const Mask& mask,
-                        const Dropout& dropout, const Tile& k, const Tile& v, int m0, int rows,
-                        int n0, int cols, float* dk_acc, float* dv_acc, float* dq_acc) {
-    const int64_t q_row = s.row0_q + m0;
-    const Tile q = load_tile(at_row<T>(p.q, p.q_strides, b, h, q_row), p.q_strides.row, rows, D,
-                             t.q_buf);
-    const Tile dout = load_tile(at_row<T>(p.dout, p.dout_strides, b, h, q_row),
-                                p.dout_strides.row, rows, D, t.do_buf);
+                        const Dropout& dropout, const Tile& q, const Tile& dout, const Tile& k,
+                        const Tile& v, int m0, int rows, int n0, int cols, float* dk_acc,
+                        float* dv_acc, float* dq_acc) {
     recompute_probs(p, mask, q, k, m0, rows, n0, cols, lse_row(s, b, h) + m0, t.probs.data(),
                     t.dfds.data());
     if (dv_acc != nullptr) {
@@ -517,11 +518,14 @@ void bwd_impl(const AttentionBwdParams& p) {
       const Dropout dropout = make_dropout(p, b, h);
       const RowRange queries = rows_for_keys(mask, n0, cols);
       for (int m0 = queries.lo; m0 < queries.hi; m0 += kBlockM) {
+        const int rows = std::min(kBlockM, queries.hi - m0);
+        const Tile q = query_rows(p.q, p.q_strides, s, b, h, m0, rows, t.q_buf);
+        const Tile dout = query_rows(p.dout, p.dout_strides, s, b, h, m0, rows, t.do_buf);
         float* dq = dq_ws == nullptr ? nullptr
                                      : dq_ws + (static_cast<size_t>(h - kh * kv_group) *
                                                     s.seqlen_q + m0) * D;
-        tile_grads(t, s, b, h, mask, dropout, k, v, m0, std::min(kBlockM, queries.hi - m0), n0,
-                   cols, dk_acc.data(), dv_acc.data(), dq);
+        tile_grads(t, s, b, h, mask, dropout, q, dout, k, v, m0, rows, n0, cols, dk_acc.data(),
+                   dv_acc.data(), dq);
       }
     }
     store_rows(at_row<T>(p.dk, p.dk_strides, b, kh, k_row), p.dk_strides.row, dk_acc.data(), cols,
@@ -593,6 +597,8 @@ void bwd_impl(const AttentionBwdParams& p) {
       const int m0 = m_block * kBlockM;
       if (m0 >= s.seqlen_q) continue;
       const int rows = std::min(kBlockM, s.seqlen_q - m0);
+      const Tile q = query_rows(p.q, p.q_strides, s, b, h, m0, rows, t.q_buf);
+      const Tile dout = query_rows(p.dout, p.dout_strides, s, b, h, m0, rows, t.do_buf);
       std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
       const Mask mask = make_mask(p, s, b, h);
       const Dropout dropout = make_dropout(p, b, h);
@@ -604,7 +610,7 @@ void bwd_impl(const AttentionBwdParams& p) {
                                  D, t.k_buf);
         const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols,
                                  D, t.v_buf);
-        tile_grads(t, s, b, h, mask, dropout, k, v, m0, rows, n0, cols, nullptr, nullptr,
+        tile_grads(t, s, b, h, mask, dropout, q, dout, k, v, m0, rows, n0, cols, nullptr, nullptr,
                    dq_acc.data());
       }
       store_rows(at_row<T>(p.dq, p.dq_strides, b, h, s.row0_q + m0), p.dq_strides.row,
