@@ -133,15 +133,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return bar0 + 8 * (1 + 2 * kStages + 2 * Traits::kConsumerWarpgroups * kDqBuffers) + 4 * stage;
   };
 
-  const int h = blockIdx.y, b = blockIdx.z;
+  // Grid (key tile, head, batch), or (batch, key tile, head) for an attn_mask
+  // that broadcasts over the batch (mask_blocks.cuh).
+  const bool batch_first = kHasAttnMask && attn_mask_grid_batch_first(params);
+  const int h = batch_first ? blockIdx.z : blockIdx.y;
+  const int b = batch_first ? blockIdx.x : blockIdx.z;
+  const int grid_block = batch_first ? blockIdx.y : blockIdx.x;
   const int h_k = h / (params.heads / params.heads_k);
   const SeqBounds seq = seq_bounds<kVarSeq>(params, b);
   const int n_tiles = (seq.seqlen_k + kBlockN - 1) / kBlockN;
   // Deterministic and causal (or with variants): the last key tile first (see
   // the dQ writer).
   const int n_block = (kIsCausal || kHasVariants) && params.deterministic
-                          ? n_tiles - 1 - static_cast<int>(blockIdx.x)
-                          : static_cast<int>(blockIdx.x);
+                          ? n_tiles - 1 - grid_block
+                          : grid_block;
   if (n_block < 0 || n_block >= n_tiles) return;  // a shorter sequence of a varlen batch
   const int n0 = n_block * kBlockN;
   // Query tiles that see a key of this tile: causal, query m sees key n iff
@@ -284,8 +289,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // key_begin(its first row) / kBlockN to bwd_sm90_key_tiles_end(m) - 1
       // (exactly those that visit it, bwd_sm90_variants.cuh) and rank =
       // end - 1 - key tile, last first as with causal. A CTA only ever waits
-      // for tiles of smaller blockIdx.x (the grid launches causal and variant
-      // tiles last-first), which started before it, so the order cannot
+      // for tiles of smaller grid_block (the grid launches causal and variant
+      // tiles last-first; a batch-first grid keeps the key tiles of one
+      // (b, h) in that order), which started before it, so the order cannot
       // deadlock.
       const int w = threadIdx.x / 32 - 1;
       prefetch_tensor_map(&tmap_dq_accum);

@@ -65,7 +65,11 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // deterministic and causal (or with variants), the kernel maps blockIdx.x
   // to the last tiles first (its dQ order needs that).
   const int n_tiles = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const dim3 grid(n_tiles, params.heads, params.batch);
+  // (batch, key tile, head) where an attn_mask plane broadcasts over the batch
+  // (attn_mask_grid_batch_first), else (key tile, head, batch).
+  const bool batch_first = kHasVariants && attn_mask_grid_batch_first(params);
+  const dim3 grid = batch_first ? dim3(params.batch, n_tiles, params.heads)
+                                : dim3(n_tiles, params.heads, params.batch);
   AttentionBwdParams kernel_params = params;  // + the attn_mask summary's strides
   auto launch = [&](auto kernel) {
     bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
