@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import flash_attn_ext as fa
-from helpers import assert_fa_rule, kernel_names, make_qkv, reference_and_baseline
+from helpers import (assert_fa_rule, check_lse, check_out_and_grads, kernel_names, make_qkv,
+                     make_varlen, ref_and_base, reference_and_baseline, varlen_attention)
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -178,3 +179,50 @@ def test_training_through_sm90(sm90):
     assert_fa_rule(out, ref, base, 2)
     for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
         assert_fa_rule(g, r, b, 3, what=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen(sm90, impl, dtype, head_dim, causal):
+    """Packed sequences (varlen) in the Hopper forward: sequences shorter than, equal to and
+    longer than a tile, empty ones, GQA, and NaN in the rows past cu_seqlens[-1]: a tile
+    reads past its sequence (the next sequence's rows, or the buffer's tail), which the key
+    mask hides and whose V rows the kernel zeroes, so nothing leaks between sequences. The
+    LSE agrees with the mma.sync kernels'."""
+    lens_q, lens_k = [0, 1, 63, 200, 128, 77, 5, 300], [5, 0, 63, 129, 300, 77, 1, 257]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, 4, 2, head_dim, dtype,
+                                                    DEVICE, pad_q=9, pad_k=70,
+                                                    requires_grad=False)
+    for t in (q, k, v):
+        t[-5:] = float("nan")
+    call = lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                             return_lse=True)
+    assert ran_sm90(call)
+    out, lse = call()
+    rows, keys = sum(lens_q), sum(lens_k)
+    clean = [t.clone() for t in (q, k, v)]
+    for t, n in zip(clean, (rows, keys, keys)):
+        t[n:] = 0
+    ref, base = ref_and_base(lambda q, k, v: varlen_attention(q, k, v, cu_q, cu_k, causal), clean)
+    check_out_and_grads(out, None, ref, base, dtype, rows=rows)
+    check_lse(lse[:, :rows], ref[1][:, :rows], dtype)
+    impl("mma")
+    assert not ran_sm90(call)
+    _, lse_mma = call()
+    finite = torch.isfinite(lse_mma[:, :rows])
+    assert torch.equal(finite, torch.isfinite(lse[:, :rows]))
+    torch.testing.assert_close(lse[:, :rows][finite], lse_mma[:, :rows][finite], atol=2e-3, rtol=0)
+
+
+def test_varlen_dispatch(sm90):
+    """Varlen calls with seqused_k (a cache's unused rows may hold anything) or a variant stay
+    on the mma.sync kernels."""
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([100, 300], [200, 300], 4, 2, 128,
+                                                    torch.bfloat16, DEVICE, requires_grad=False)
+    used = torch.tensor([150, 3], dtype=torch.int32, device=DEVICE)
+    assert ran_sm90(lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k))
+    assert not ran_sm90(lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                          seqused_k=used))
+    assert not ran_sm90(lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                          softcap=30.0))

@@ -2,6 +2,7 @@
 // dtype / head-dim / causal dispatch onto the compiled instantiations.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -159,7 +160,8 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
 // The Hopper (wgmma + TMA) forward takes a call when it was compiled
 // (an sm_90a target), the device is sm_90, FLASH_ATTN_EXT_FWD_IMPL allows it,
 // and the call is one it implements: 16-bit, kernel head dim 64/128/256,
-// padded batch without seqused_k, no split-KV, not the small-M decode tile,
+// a padded batch or packed varlen sequences without seqused_k or variants
+// (fwd_sm90_takes_seqs), no split-KV, not the small-M decode tile,
 // softmax_scale > 0 (the kernel folds the scale into exp2 after the max),
 // no broadcast (stride-0) dimension. Window / softcap / ALiBi / attn_mask /
 // dropout calls take its variant instantiation (run_fwd_sm90_variants_impl).
@@ -171,13 +173,19 @@ bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 #ifdef FAE_HAS_SM90A
   if (kernel_impl_requested("FLASH_ATTN_EXT_FWD_IMPL") == KernelImpl::kMma) return false;
   if (fwd_runs_kvcache_kernels(params)) return false;
+  // Packed (varlen) tensors are one batch entry of all their rows.
+  const bool packed = params.cu_seqlens_q != nullptr;
+  const int64_t rows_q = packed ? params.total_q : params.seqlen_q;
+  const int64_t rows_k = packed ? params.total_k : params.seqlen_k;
+  const int map_batch = packed ? 1 : params.batch;
   return params.dtype != DType::kFloat32 && fwd_sm90_head_dim(kernel_dim) &&
-         !has_var_seqs(params) && params.num_splits <= 1 &&
+         fwd_sm90_takes_seqs(params) && params.num_splits <= 1 &&
          params.fwd_tile == kFwdTileAuto && !fwd_uses_decode_tile(params) &&
          params.scale_log2 > 0.f && params.heads <= 65535 && params.batch <= 65535 &&
-         tma_strides_ok(params.q_strides, params.seqlen_q, params.heads, params.batch) &&
-         tma_strides_ok(params.k_strides, params.seqlen_k, params.heads_k, params.batch) &&
-         tma_strides_ok(params.v_strides, params.seqlen_k, params.heads_k, params.batch) &&
+         rows_q <= INT32_MAX && rows_k <= INT32_MAX &&
+         tma_strides_ok(params.q_strides, rows_q, params.heads, map_batch) &&
+         tma_strides_ok(params.k_strides, rows_k, params.heads_k, map_batch) &&
+         tma_strides_ok(params.v_strides, rows_k, params.heads_k, map_batch) &&
          device_is_sm90();
 #else
   (void)params;

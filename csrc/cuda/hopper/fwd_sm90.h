@@ -15,6 +15,16 @@ inline bool fwd_sm90_head_dim(int kernel_dim) {
   return kernel_dim == 64 || kernel_dim == 128 || kernel_dim == 256;
 }
 
+// The sequence layouts the Hopper forward reads: a padded batch, or packed
+// sequences (varlen, cu_seqlens) in the plain 16-bit kernels. Not seqused_k
+// (a cache's unused rows may hold anything, and a tile reads V rows past its
+// sequence: 0 * NaN in P V), nor the KV cache addressing (TMA addresses K/V
+// by strides), nor varlen with variants (the mma.sync kernels take those).
+inline bool fwd_sm90_takes_seqs(const AttentionFwdParams& p) {
+  return !has_var_seqs(p) || (p.cu_seqlens_q != nullptr && p.seqused_k == nullptr &&
+                              !has_kv_cache_addressing(p) && !has_variants(p));
+}
+
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream);
 

@@ -219,8 +219,15 @@ struct FwdSm90Traits {
 // dropout (checked at run time); the calls without it take a kernel without
 // the dropout code, whose mere presence in the softmax made softcap / ALiBi
 // 4-6% slower at D = 64 (H200, same run; not at D = 128).
+// kVarSeq: packed sequences (varlen, cu_seqlens; no seqused_k, no variants:
+// fwd_sm90_takes_seqs). The tensor maps span all packed rows as one batch
+// entry, and a tile's loads start at its sequence's first row: the rows a
+// tile reads past its sequence are the next sequence's (or, past the last
+// row, TMA's zeros), finite values whose keys the key-bound mask hides (their
+// P is exactly 0) and whose query rows are not stored. The producer skips
+// the tiles past a sequence's end (the grid counts max_seqlen_q rows).
 template <typename Traits, bool kIsCausal, bool kHasVariants = false, bool kAttnMask = false,
-          bool kDropout = kAttnMask>
+          bool kDropout = kAttnMask, bool kVarSeq = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmap_q,
                           const __grid_constant__ CUtensorMap tmap_k,
@@ -232,6 +239,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using TOut = typename Traits::TOut;
   constexpr bool kFp8 = Traits::kFp8;
   static_assert(!(kFp8 && kHasVariants), "the FP8 forward has no variants");
+  static_assert(!(kVarSeq && (kFp8 || kHasVariants)), "varlen: the 16-bit plain kernels only");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -288,6 +296,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   struct Tile {
     int m_block, h, b, h_k;
     KeyTileRange keys;
+    bool has_rows;  // kVarSeq: the tile starts inside its sequence
   };
   // trim (attn_mask kernels, producer only: the consumers get the range
   // through the tile slot; the trimming loop would cost them registers).
@@ -305,7 +314,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       tile.b = bh / params.heads;
     }
     tile.h_k = tile.h / (params.heads / params.heads_k);
-    const SeqBounds seq = seq_bounds<false>(params, tile.b);
+    const SeqBounds seq = seq_bounds<kVarSeq>(params, tile.b);
+    tile.has_rows = !kVarSeq || tile.m_block * kBlockM < seq.seqlen_q;
     if constexpr (kHasVariants) {
       tile.keys = key_tile_range_variants<kBlockM, kBlockN>(seq, make_window(params, seq),
                                                             tile.m_block, 0, 1);
@@ -330,6 +340,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       tile.keys = key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, 0, 1);
     }
     return tile;
+  };
+  // TMA coordinates: packed sequences (kVarSeq) are one batch entry of all
+  // rows, each starting at its first row (re-read from cu_seqlens where a
+  // load needs it: the producer has no registers to hold it).
+  auto map_batch = [&](const Tile& tile) { return kVarSeq ? 0 : tile.b; };
+  auto row0_q = [&](const Tile& tile) {
+    return kVarSeq ? static_cast<int>(seq_bounds<kVarSeq>(params, tile.b).row0_q) : 0;
+  };
+  auto row0_k = [&](const Tile& tile) {
+    return kVarSeq ? static_cast<int>(seq_bounds<kVarSeq>(params, tile.b).row0_k) : 0;
   };
   // Warp-uniform (shuffled from lane 0), so the role branches below are
   // uniform and the value is not kept (spilled) across setmaxnreg.
@@ -359,6 +379,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tmap_v);
       int kv_count = 0;  // K/V tiles loaded so far: ring stage and phase
       int t = blockIdx.x;
+      // The next tile to claim: round-robin, or from the tile counter.
+      auto next_tile = [&](int current) {
+        return tile_counter != nullptr ? atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x)
+                                       : current + static_cast<int>(gridDim.x);
+      };
       for (int tile_count = 0;; ++tile_count) {
         // A Q slice (and its tile slot) is free once the warpgroup reading it
         // ran the previous tile's last Q K^T. tile == nullptr: no more tiles.
@@ -378,10 +403,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             }
             constexpr int kRows = Traits::kQSliceRows;
             mbar_arrive_expect_tx(q_full(slot), Traits::kQSliceBytes);
-            tma_load_tile<kChunks, Traits::kChunkCols>(&tmap_q, q_smem(slot), kRows, q_full(slot),
-                                   tile->m_block * kBlockM + wg * kRows, tile->h, tile->b);
+            tma_load_tile<kChunks, Traits::kChunkCols>(
+                &tmap_q, q_smem(slot), kRows, q_full(slot),
+                row0_q(*tile) + tile->m_block * kBlockM + wg * kRows, tile->h, map_batch(*tile));
           }
         };
+        if constexpr (kVarSeq) {  // past its sequence's rows: nothing to do
+          while (t < num_tiles && !tile_at(t, true).has_rows) t = next_tile(t);
+        }
         if (t >= num_tiles) {
           send_q(nullptr);
           break;
@@ -395,7 +424,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           if constexpr (kAttnMask) {
             uint32_t reads = 3u;  // without a summary both warpgroups read
             if (params.attn_mask_blocks != nullptr) {
-              const SeqBounds seq = seq_bounds<false>(params, tile.b);
+              const SeqBounds seq = seq_bounds<kVarSeq>(params, tile.b);
               // Row block 2 m_block + w is warpgroup w's (past the sequence:
               // the last one's, whose rows are discarded).
               const int row0 = attn_mask_block_row(params, tile.b, tile.h, tile.m_block * 2);
@@ -409,7 +438,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
           mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
           tma_load_tile<kChunks, Traits::kChunkCols>(&tmap_k, k_smem(stage), kBlockN, k_full(stage),
-                                 n_block * kBlockN, tile.h_k, tile.b);
+                                 row0_k(tile) + n_block * kBlockN, tile.h_k, map_batch(tile));
         };
         auto load_v = [&](int n_block, int count) {
           const int stage = count % kStages;
@@ -424,7 +453,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             }
           } else {
             tma_load_tile<kChunks>(&tmap_v, v_smem(stage), kBlockN, v_full(stage),
-                                   n_block * kBlockN, tile.h_k, tile.b);
+                                   row0_k(tile) + n_block * kBlockN, tile.h_k, map_batch(tile));
           }
         };
         // The tile's first K goes out before its Q: its stage was freed by
@@ -439,11 +468,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         // Claim the next tile only now (holding it through the loop spilled
         // at 24 registers); the consumers are still kStages key tiles behind.
-        if (tile_counter != nullptr) {
-          t = atomicAdd(tile_counter, 1) + gridDim.x;
-        } else {
-          t += gridDim.x;
-        }
+        t = next_tile(t);
       }
     }
     return;
@@ -503,7 +528,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // tile's first Q K^T while warpgroup 1 is still in its epilogue. Warpgroup
   // 1 hands out the very first turn; warpgroup 0 takes the one left over
   // after the last tile, so every barrier sees as many arrives as syncs.
-  constexpr int kPingPongBarrier = 3;
+  constexpr int kPingPongBarrier = 3;  // and 4
+  constexpr int kZeroedBarrier = 5;    // kVarSeq: a V tile's rows past the sequence zeroed
   auto gemm_turn_begin = [&]() { named_barrier_sync(kPingPongBarrier + wg, 256); };
   auto gemm_turn_end = [&]() { named_barrier_arrive(kPingPongBarrier + 1 - wg, 256); };
   if (wg == 1) named_barrier_arrive(kPingPongBarrier, 256);
@@ -526,7 +552,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       tile.keys.end = __shfl_sync(
           0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot(q_slot) + 8)) : 0, 0);
     }
-    const SeqBounds seq = seq_bounds<false>(params, tile.b);
+    const SeqBounds seq = seq_bounds<kVarSeq>(params, tile.b);
     const int n_tiles = tile.keys.end - tile.keys.begin;
     // FP8: the scores carry q's and k's factors (folded into the exponent's
     // scale), O v's (the epilogue).
@@ -688,6 +714,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       softmax_tile(softmax, s, tile.keys.end - 1, rescale, mask_reads);  // O is 0: no rescale
       to_p_fragments(s, p);  // P: A operand of P V
+      if constexpr (kVarSeq) {
+        // The first key tile (the sequence's last) may run past the sequence
+        // into rows that hold anything (NaN in a padded buffer's tail): its
+        // masked P is exactly 0, but 0 * NaN is not, so those V rows become
+        // zeros before either warpgroup's P V reads them. Both warpgroups get
+        // here on the same tile (same key range), each past its first turn.
+        const int valid_keys = seq.seqlen_k - (tile.keys.end - 1) * kBlockN;
+        if (valid_keys < kBlockN) {
+          mbar_wait(v_full(stage_of(0)), parity_of(0));
+          const uint32_t v_tile = v_smem(stage_of(0));
+          const int units_per_chunk = (kBlockN - valid_keys) * 8;  // 16-byte units
+          for (int u = wg * 128 + tid; u < kChunks * units_per_chunk; u += 256) {
+            const int chunk = u / units_per_chunk, row = valid_keys + (u % units_per_chunk) / 8;
+            st_shared_v4_f32(v_tile + chunk * kBlockN * 128 + row * 128 + (u % 8) * 16, 0.f, 0.f,
+                             0.f, 0.f);
+          }
+          fence_proxy_async_smem();  // the wgmma reads through the async proxy
+          named_barrier_sync(kZeroedBarrier, 256);
+        }
+      }
 
       for (int i = 1; i < n_tiles; ++i) {
         mbar_wait(k_full(stage_of(i)), parity_of(i));
@@ -750,7 +796,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int hh = 0; hh < 2; ++hh) {
       const int row = row_base + 8 * hh;
       const bool row_ok = row < seq.seqlen_q;
-      TOut* out_row = out + row_offset(params.out_strides, tile.b, tile.h, row_ok ? row : 0);
+      TOut* out_row =
+          out + row_offset(params.out_strides, tile.b, tile.h, seq.row0_q + (row_ok ? row : 0));
       store_accumulator_row<TOut, kHeadDim>(out_row, o[0], hh, out_scale, 0, params.head_dim,
                                             row_ok, lane);
     }

@@ -20,6 +20,9 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   using T = typename Traits::T;
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   // Q goes in one 64-row slice per consumer warpgroup (see FwdSm90Traits).
+  // Varlen: the plain 16-bit kernels only (fwd_sm90_takes_seqs).
+  constexpr bool kMayBePacked = !Traits::kFp8 && !kHasVariants;
+  const bool packed = kMayBePacked && params.cu_seqlens_q != nullptr;
   CUtensorMap tmap_q, tmap_k, tmap_v;
   if constexpr (Traits::kFp8) {
     tmap_q = make_attention_tensor_map_e4m3(params.q, params.head_dim, params.seqlen_q,
@@ -31,6 +34,16 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
     tmap_v = make_transposed_v_tensor_map_e4m3(params.v_transposed, params.head_dim,
                                                params.v_transposed_seqlen, params.heads_k,
                                                params.batch, Traits::kHeadDim);
+  } else if (packed) {
+    // Packed (varlen) tensors: one batch entry of all their rows (the kernel
+    // starts each sequence's tiles at its first row).
+    const int total_q = static_cast<int>(params.total_q), total_k = static_cast<int>(params.total_k);
+    tmap_q = make_attention_tensor_map(params.q, kBf16, params.head_dim, total_q, params.heads, 1,
+                                       params.q_strides, Traits::kQSliceRows);
+    tmap_k = make_attention_tensor_map(params.k, kBf16, params.head_dim, total_k, params.heads_k,
+                                       1, params.k_strides, Traits::kBlockN);
+    tmap_v = make_attention_tensor_map(params.v, kBf16, params.head_dim, total_k, params.heads_k,
+                                       1, params.v_strides, Traits::kBlockN);
   } else {
     tmap_q = query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kQSliceRows);
     tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
@@ -41,6 +54,9 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   // each variant kernel comes with and without the dropout code (the attn_mask
   // one without it: 1.3% faster on a [1, H, S, S] bias, H100, D = 128).
   auto kernel = flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false>;
+  if constexpr (kMayBePacked) {
+    if (packed) kernel = flash_fwd_sm90_kernel<Traits, kIsCausal, false, false, false, true>;
+  }
   if constexpr (kHasVariants) {
     if (params.attn_bias != nullptr) {
       kernel = has_dropout(params) ? flash_fwd_sm90_kernel<Traits, kIsCausal, true, true, true>
@@ -73,8 +89,9 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   // scheduler), which balances like the hardware and, being persistent, still
   // loads the next tile under this one. Without the counter's workspace (not
   // expected: fwd_workspace_floats asks for it) causal tiles go round-robin.
-  // Variant tiles (causal, windows) differ alike.
-  int* tile_counter = kIsCausal || kHasVariants ? params.tile_counter : nullptr;
+  // Variant tiles (causal, windows) and packed sequences of different lengths
+  // differ alike.
+  int* tile_counter = kIsCausal || kHasVariants || packed ? params.tile_counter : nullptr;
   if (tile_counter != nullptr) {
     err = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream);
     if (err != cudaSuccess) {
@@ -104,7 +121,7 @@ void launch_fwd_sm90_block_n(const AttentionFwdParams& params, cudaStream_t stre
 
 template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, typename Config>
 void run_fwd_sm90_config(const AttentionFwdParams& params, cudaStream_t stream) {
-  if (params.head_dim > kHeadDim || params.num_splits > 1 || has_var_seqs(params) ||
+  if (params.head_dim > kHeadDim || params.num_splits > 1 || !fwd_sm90_takes_seqs(params) ||
       has_variants(params) != kHasVariants) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "Hopper forward");
