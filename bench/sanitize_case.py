@@ -5,7 +5,8 @@ variable-sequence instantiations: GQA, varlen (with an empty sequence),
 seqused_k and the KV-cache decode path; last the split-KV merge both ways (on sm_90 up to 6
 16-bit decode-tile splits merge inside a thread-block cluster, more take the combine kernel),
 also on the 4-key-warp decode tile. On sm_90 the unsplit 16-bit forward cases run
-the Hopper kernel (two more cases give its persistent loop several tiles per CTA), and the
+the Hopper kernel (two more cases give its persistent loop several tiles per CTA; the
+16-bit varlen cases its packed-sequence instance), and the
 16-bit backward cases with head dim 40, 64, 128 or 256 the Hopper backward (deterministic,
 varlen and seqused_k included).
 
@@ -95,7 +96,7 @@ fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
                            cache_seqlens=torch.tensor([10, 250], dtype=torch.int32, device="cuda"),
                            num_splits=3)
 # Paged caches (pages of 16 keys, a shuffled block table; 16-bit and FP8) and cache_batch_idx:
-# the decode tiles read each K/V tile's table entries one tile ahead of its copies.
+# the decode tiles look each K/V tile's rows up in the table right before its copies.
 pages = torch.randperm(64, device="cuda", dtype=torch.int32).reshape(2, 32)
 lens = torch.tensor([37, 500], dtype=torch.int32, device="cuda")
 for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
