@@ -1,13 +1,14 @@
 """FP8 (e4m3) forward against our bf16 forward and torch's bf16 SDPA backends, same run.
 
     python bench/bench_fp8.py [--head-dims 128,256] [--seqlens 1024,4096,8192,16384]
-                              [--rounds 3] [--csv out.csv]
+                              [--rounds 3] [--backends ...] [--csv out.csv]
 
 Per (head dim, seqlen, causal): B = 16384 / S sequences, H = 2048 / D heads (16k tokens,
 2048 model dims), q/k/v quantised per tensor. Times are medians (triton do_bench, L2
 flushed) with the backends' order rotated every round; TFLOP/s count the bf16 FLOPs
 4 B H S^2 D (half when causal). The FP8 time includes the V transpose pass it runs
-(fp8_fwd.cu). Table printed last; --csv writes it.
+(fp8_fwd.cu). fp8_varlen / bf16_varlen (not in the default set): the same sequences packed
+through flash_attn_varlen_func. Table printed last; --csv writes it.
 """
 import argparse
 import csv
@@ -22,7 +23,8 @@ import flash_attn_ext as fa
 from flash_attn_ext.bench.timing import time_ms
 from flash_attn_ext.fp8 import quantize_fp8
 
-BACKENDS = ("fp8", "bf16", "cudnn", "fa2")
+BACKENDS = ("fp8", "bf16", "cudnn", "fa2", "fp8_varlen", "bf16_varlen")
+DEFAULT_BACKENDS = BACKENDS[:4]
 
 
 def parse_args(argv=None):
@@ -30,7 +32,7 @@ def parse_args(argv=None):
     ap.add_argument("--head-dims", default="128,256")
     ap.add_argument("--seqlens", default="1024,4096,8192,16384")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--backends", default=",".join(BACKENDS),
+    ap.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
                     help="a subset of " + ",".join(BACKENDS))
     ap.add_argument("--csv", default=None)
     return ap.parse_args(argv)
@@ -43,6 +45,16 @@ def make_fn(backend, q, k, v, q8, k8, v8, descales, causal):
                                           v_descale=vd)
     if backend == "bf16":
         return lambda: fa.flash_attn_func(q, k, v, causal=causal)
+    if backend.endswith("_varlen"):
+        B, S = q.shape[:2]
+        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
+        if backend == "fp8_varlen":
+            qd, kd, vd = descales
+            p8 = [x.flatten(0, 1) for x in (q8, k8, v8)]
+            return lambda: fa.flash_attn_varlen_func(*p8, cu, cu, S, S, causal=causal,
+                                                     q_descale=qd, k_descale=kd, v_descale=vd)
+        p16 = [x.flatten(0, 1) for x in (q, k, v)]
+        return lambda: fa.flash_attn_varlen_func(*p16, cu, cu, S, S, causal=causal)
     sdpa = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}[backend]
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 
@@ -77,7 +89,7 @@ def main(argv=None):
                                 print(f"  {b}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
                 row = dict(D=D, S=S, B=B, H=H, causal=causal)
-                for b in BACKENDS:
+                for b in backends:
                     ms = statistics.median(times[b]) if times.get(b) else None
                     row[b + "_ms"] = ms
                     row[b + "_tflops"] = flops / ms / 1e9 if ms else None
@@ -94,15 +106,16 @@ def main(argv=None):
         return f"{a / b:.2f}" if a and b else "-"
     print(f"\nFP8 forward, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"rounds {args.rounds}; TFLOP/s (bf16 FLOP count)")
-    head = (f"{'D':>4}{'S':>7}{'causal':>8}" + "".join(f"{b:>9}" for b in BACKENDS) +
+    head = (f"{'D':>4}{'S':>7}{'causal':>8}" + "".join(f"{b:>12}" for b in backends) +
             f"{'fp8/bf16':>10}{'fp8/cudnn':>11}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        cells = "".join(f"{r[b + '_tflops']:9.0f}" if r[b + "_tflops"] else f"{'-':>9}"
-                        for b in BACKENDS)
+        cells = "".join(f"{r[b + '_tflops']:12.0f}" if r[b + "_tflops"] else f"{'-':>12}"
+                        for b in backends)
         print(f"{r['D']:>4}{r['S']:>7}{str(r['causal']):>8}{cells}"
-              f"{ratio(r['bf16_ms'], r['fp8_ms']):>10}{ratio(r['cudnn_ms'], r['fp8_ms']):>11}")
+              f"{ratio(r.get('bf16_ms'), r.get('fp8_ms')):>10}"
+              f"{ratio(r.get('cudnn_ms'), r.get('fp8_ms')):>11}")
     print("fp8/bf16, fp8/cudnn: speed-up of the FP8 forward (> 1: FP8 faster)")
 
 

@@ -6,7 +6,8 @@ seqused_k and the KV-cache decode path; last the split-KV merge both ways (on sm
 16-bit decode-tile splits merge inside a thread-block cluster, more take the combine kernel),
 also on the 4-key-warp decode tile. On sm_90 the unsplit 16-bit forward cases run
 the Hopper kernel (two more cases give its persistent loop several tiles per CTA; the
-16-bit varlen cases its packed-sequence instance), and the
+16-bit varlen cases its packed-sequence instance; last the FP8 forward, padded and
+varlen), and the
 16-bit backward cases with head dim 40, 64, 128 or 256 the Hopper backward (deterministic,
 varlen and seqused_k included).
 
@@ -165,5 +166,21 @@ q, k, v = (torch.randn(sum(lens), 2, 128, device="cuda", dtype=torch.float16, re
            for _ in range(3))
 out = fa.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), dropout_p=0.1)
 out.backward(torch.randn_like(out))
+# The FP8 forward (Hopper only), padded and packed (varlen: per-sequence V^T, zero-length and
+# longer-than-a-tile sequences), causal and not.
+if torch.cuda.get_device_capability() == (9, 0):
+    one = torch.ones((), device="cuda")
+    lens_q, lens_k = [5, 0, 200, 33], [9, 4, 150, 300]
+    cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32,
+                               device="cuda") for n in (lens_q, lens_k))
+    for d in (128, 256):
+        q8 = torch.randn(sum(lens_q), 4, d, device="cuda").to(torch.float8_e4m3fn)
+        k8, v8 = (torch.randn(sum(lens_k), 2, d, device="cuda").to(torch.float8_e4m3fn)
+                  for _ in range(2))
+        for causal in (False, True):
+            fa.flash_attn_func(q8[None, :200], k8[None, :150], v8[None, :150], causal=causal,
+                               q_descale=one, k_descale=one, v_descale=one)
+            fa.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k),
+                                      causal=causal, q_descale=one, k_descale=one, v_descale=one)
 torch.cuda.synchronize()
 print("sanitize cases done")

@@ -24,6 +24,10 @@
 //                           causal_bottom_right, out_dtype) -> (out, lse): e4m3 inputs
 //       (csrc/ops_fp8.h), Hopper only (cuda/ops_fp8_cuda.cpp); the CPU raises
 //       NotImplementedError.
+//   flash_attn_ext::varlen_fwd_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+//                                  max_seqlen_k, q_descale, k_descale, v_descale,
+//                                  softmax_scale, causal, out_dtype) -> (out, lse): the same
+//       for packed sequences (varlen_fwd's layout; descales per sequence and kv head).
 //
 // Padded: q/k/v/out/dout are [batch, seqlen, heads, head_dim] with any batch,
 // seqlen and head strides and a contiguous last dim; lse is [batch, heads,
@@ -48,12 +52,13 @@ namespace flash_attn_ext {
 
 namespace {
 
-// Allocates out / lse like q (packed 3-D q for varlen: zero-filled, so rows
-// outside every sequence are defined) and runs the CPU kernel.
+// Allocates out / lse like q (packed 3-D q for varlen: the rows outside every
+// sequence zeroed, lse -inf there) and runs the CPU kernel.
 std::tuple<at::Tensor, at::Tensor> run_fwd_cpu(AttentionFwdParams p, const at::Tensor& q) {
   TORCH_CHECK(q.device().is_cpu(), "flash_attn_ext: fwd (CPU) got q on ", q.device());
   const bool varlen = p.cu_seqlens_q != nullptr;
-  at::Tensor out = varlen ? at::zeros_like(q) : at::empty_like(q);
+  at::Tensor out = at::empty_like(q);
+  zero_rows_past_sequences(out, p);
   at::Tensor lse = empty_lse(q);
   if (varlen) lse.fill_(-std::numeric_limits<float>::infinity());
   p.out = out.data_ptr();
@@ -192,6 +197,20 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8_cpu(const at::Tensor& q, const at::Te
                               "descale) and call flash_attn_func");
 }
 
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_fp8_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const at::Tensor& q_descale, const at::Tensor& k_descale,
+    const at::Tensor& v_descale, double softmax_scale, bool causal, at::ScalarType out_dtype) {
+  const VarlenArgs va{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+  make_fwd_fp8_params(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
+                      /*causal_bottom_right=*/true, out_dtype, &va);  // bad arguments first
+  TORCH_CHECK_NOT_IMPLEMENTED(false,
+                              "flash_attn_ext: the FP8 forward runs on Hopper (sm_90) GPUs only "
+                              "(FP8 wgmma); on the CPU dequantise the inputs (x.float() * "
+                              "descale) and call flash_attn_varlen_func");
+}
+
 // The attention variants (flash-attn's window_size, softcap, alibi_slopes,
 // dropout_p with its rng_state = {seed, offset}, and torch SDPA's attn_mask),
 // the last arguments of every operator; their defaults turn them off.
@@ -235,6 +254,11 @@ TORCH_LIBRARY(flash_attn_ext, m) {
       "fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor q_descale, Tensor k_descale, "
       "Tensor v_descale, float softmax_scale, bool causal, bool causal_bottom_right, "
       "ScalarType out_dtype) -> (Tensor out, Tensor lse)");
+  m.def(
+      "varlen_fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, Tensor q_descale, Tensor k_descale, "
+      "Tensor v_descale, float softmax_scale, bool causal, ScalarType out_dtype) "
+      "-> (Tensor out, Tensor lse)");
 }
 #undef FAE_VARIANT_ARGS
 
@@ -245,6 +269,7 @@ TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
   m.impl("varlen_bwd", &varlen_bwd_cpu);
   m.impl("dropout_mask", &dropout_mask_cpu);
   m.impl("fwd_fp8", &fwd_fp8_cpu);
+  m.impl("varlen_fwd_fp8", &varlen_fwd_fp8_cpu);
   m.impl("sdpa_fwd", &sdpa_fwd_cpu);
 }
 

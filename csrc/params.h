@@ -192,6 +192,10 @@ struct AttentionFwdParams {
   // maps span them); 0 for a padded batch.
   int64_t total_q = 0;
   int64_t total_k = 0;
+  // Varlen, host side only (kernels never read it): cu_seqlens_q[batch], the
+  // packed q rows that belong to a sequence (the op layer zeroes the out rows
+  // past them; the kernels write every row of every sequence).
+  int64_t rows_in_sequences_q = 0;
   // Key padding: sequence b uses keys [0, seqused_k[b]) only (clamped to
   // [0, its key count]). Used by the KV cache (cache_seqlens).
   const int* seqused_k = nullptr;

@@ -3,7 +3,9 @@ v_descale=) (FlashAttention-3's arguments), and quantisation helpers.
 
 e4m3 q, k, v with float32 dequantisation factors (the real tensor is descale * the stored
 values), one per tensor ([] or [1]) or one per (batch, kv head) ([batch, heads_k]); out is
-bfloat16 (or float16 with out_dtype), lse float32. Hopper GPUs only; forward only.
+bfloat16 (or float16 with out_dtype), lse float32. Also packed varlen sequences
+(flash_attn_varlen_func; the descales' batch is then the sequences'). Hopper GPUs only;
+forward only.
 """
 from typing import Optional, Tuple
 
@@ -31,9 +33,11 @@ class _NoBackward(torch.autograd.Function):
 
 
 def flash_attn_fp8(q, k, v, softmax_scale: float, causal: bool, q_descale, k_descale,
-                   v_descale, out_dtype: Optional[torch.dtype]):
-    """(out, lse) of e4m3 q, k, v [batch, seqlen, heads(_k), head_dim]; the checks that need
-    no kernel run here, the rest in the operator (csrc/ops_fp8.h)."""
+                   v_descale, out_dtype: Optional[torch.dtype], varlen=None):
+    """(out, lse) of e4m3 q, k, v [batch, seqlen, heads(_k), head_dim], or with varlen =
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) packed [total, heads(_k),
+    head_dim] (lse [heads, total_q]); the checks that need no kernel run here, the rest in
+    the operators (csrc/ops_fp8.h)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not is_fp8(t):
             raise RuntimeError(
@@ -51,8 +55,13 @@ def flash_attn_fp8(q, k, v, softmax_scale: float, causal: bool, q_descale, k_des
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"flash_attn_ext: out_dtype must be torch.bfloat16 or torch.float16 for "
                          f"FP8 inputs, got {out_dtype}")
-    out, lse = torch.ops.flash_attn_ext.fwd_fp8(q, k, v, q_descale, k_descale, v_descale,
-                                                softmax_scale, causal, True, out_dtype)
+    if varlen is None:
+        out, lse = torch.ops.flash_attn_ext.fwd_fp8(q, k, v, q_descale, k_descale, v_descale,
+                                                    softmax_scale, causal, True, out_dtype)
+    else:
+        out, lse = torch.ops.flash_attn_ext.varlen_fwd_fp8(q, k, v, *varlen, q_descale,
+                                                           k_descale, v_descale, softmax_scale,
+                                                           causal, out_dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out = _NoBackward.apply(out, q, k, v)
     return out, lse

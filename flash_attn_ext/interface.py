@@ -269,7 +269,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes=None, deterministic: bool = False,
                            return_attn_probs: bool = False, return_lse: bool = False,
-                           seqused_k: Optional[torch.Tensor] = None, block_table=None):
+                           seqused_k: Optional[torch.Tensor] = None, block_table=None,
+                           q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Exact attention over a batch of packed variable-length sequences (flash-attn's API).
 
     q: [total_q, heads, head_dim]; k, v: [total_k, heads_k, head_dim] (heads % heads_k == 0).
@@ -293,10 +294,29 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     with return_attn_probs (out, lse, keep), keep the dropout keep-mask [batch, heads,
     max_seqlen_q, max_seqlen_k] (sequence b's in keep[b, :, :len_q, :len_k]; None without
     dropout).
+
+    FP8 as in flash_attn_func (q, k, v in torch.float8_e4m3fn with q_descale, k_descale,
+    v_descale: [] / [1], or [batch, heads_k] with one row per sequence; out_dtype; Hopper,
+    forward only), causal and GQA; the other options raise NotImplementedError.
     """
-    if _fp8.is_fp8(q):
-        _not_implemented("FP8 inputs in flash_attn_varlen_func (the FP8 forward takes padded "
-                         "batches: flash_attn_func with q_descale / k_descale / v_descale)")
+    if q.dtype is _fp8.FP8_DTYPE or q_descale is not None:
+        if (_variant_args(window_size, softcap, alibi_slopes) != _NO_VARIANTS or dropout_p != 0.0
+                or seqused_k is not None or block_table is not None or return_attn_probs):
+            _not_implemented("window_size / softcap / alibi_slopes / dropout_p / seqused_k / "
+                             "block_table / return_attn_probs with FP8 inputs")
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            if t.dim() != 3:
+                raise RuntimeError(f"flash_attn_ext: varlen {name} must be a 3-D tensor "
+                                   f"[total_tokens, heads, head_dim], got shape {tuple(t.shape)}")
+        scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        out, lse = _fp8.flash_attn_fp8(q, k, v, scale, bool(causal), q_descale, k_descale,
+                                       v_descale, out_dtype,
+                                       varlen=(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                               int(max_seqlen_k)))
+        return (out, lse) if return_lse else out
+    if k_descale is not None or v_descale is not None or out_dtype is not None:
+        raise ValueError("flash_attn_ext: q_descale / k_descale / v_descale / out_dtype apply to "
+                         "FP8 (torch.float8_e4m3fn) inputs only")
     variants = _variant_args(window_size, softcap, alibi_slopes)
     paged = block_table is not None
     for t, name in ((q, "q"), (k, "k"), (v, "v")):

@@ -169,6 +169,14 @@ def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causa
     return out, lse
 
 
+@torch.library.register_fake("flash_attn_ext::varlen_fwd_fp8")
+def _varlen_fwd_fp8_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         q_descale, k_descale, v_descale, softmax_scale, causal, out_dtype):
+    out = q.new_empty(q.shape, dtype=out_dtype)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, lse
+
+
 @torch.library.register_fake("flash_attn_ext::dropout_mask")
 def _dropout_mask_fake(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p):
     return rng_state.new_empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.bool)

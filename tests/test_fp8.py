@@ -116,9 +116,28 @@ def test_bad_arguments():
     for kwargs in ({"window_size": (4, 0)}, {"softcap": 30.0}, {"dropout_p": 0.1}):
         with pytest.raises(NotImplementedError, match="FP8"):
             fa.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **kwargs)
-    cu = torch.tensor([0, 8], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="FP8"):
-        fa.flash_attn_varlen_func(q8[0], k8[0], v8[0], cu, cu, 8, 8)
+    # Varlen: the same checks (descales per sequence), then the options it does not take.
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="missing q_descale"):
+        fa.flash_attn_varlen_func(q8[0], k8[0], v8[0], cu, cu, 5, 5)
+    with pytest.raises(RuntimeError, match=r"\[batch, heads_k\] = \[2, 2\]"):
+        fa.flash_attn_varlen_func(q8[0], k8[0], v8[0], cu, cu, 5, 5, q_descale=qd,
+                                  k_descale=torch.ones(1, 2), v_descale=vd)
+    with pytest.raises(RuntimeError, match="3-D"):
+        fa.flash_attn_varlen_func(q8, k8, v8, cu, cu, 5, 5, q_descale=qd, k_descale=kd,
+                                  v_descale=vd)
+    with pytest.raises(RuntimeError, match="max_seqlen_q"):
+        fa.flash_attn_varlen_func(q8[0], k8[0], v8[0], cu, cu, 4, 5, q_descale=qd, k_descale=kd,
+                                  v_descale=vd)
+    with pytest.raises(ValueError, match="FP8"):
+        fa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5, k_descale=kd)
+    for kwargs in ({"softcap": 30.0}, {"seqused_k": torch.tensor([1, 2], dtype=torch.int32)}):
+        with pytest.raises(NotImplementedError, match="FP8"):
+            fa.flash_attn_varlen_func(q8[0], k8[0], v8[0], cu, cu, 5, 5, q_descale=qd,
+                                      k_descale=kd, v_descale=vd, **kwargs)
+    with pytest.raises(NotImplementedError, match="Hopper"):  # the CPU
+        fa.flash_attn_varlen_func(q8[0], k8[0], v8[0], cu, cu, 5, 5, q_descale=qd, k_descale=kd,
+                                  v_descale=vd)
 
 
 def test_fake_tensor_shapes():
@@ -131,6 +150,15 @@ def test_fake_tensor_shapes():
                                                     torch.float16)
     assert out.shape == (2, 33, 8, 128) and out.dtype == torch.float16
     assert lse.shape == (2, 8, 33) and lse.dtype == torch.float32
+    with FakeTensorMode():
+        q8 = torch.empty(70, 8, 128, dtype=FP8)
+        k8 = torch.empty(90, 2, 128, dtype=FP8)
+        cu = torch.empty(4, dtype=torch.int32)
+        d = torch.ones(())
+        out, lse = torch.ops.flash_attn_ext.varlen_fwd_fp8(q8, k8, k8, cu, cu, 40, 50, d, d, d,
+                                                           0.1, True, torch.bfloat16)
+    assert out.shape == (70, 8, 128) and out.dtype == torch.bfloat16
+    assert lse.shape == (8, 70) and lse.dtype == torch.float32
 
 
 def test_quantize_and_hadamard():
@@ -255,3 +283,51 @@ def test_no_backward_and_compile(hopper):
     compiled = torch.compile(fa.flash_attn_func, fullgraph=True)(
         q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
     torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_varlen(hopper, head_dim, causal, per_head):
+    """Packed sequences (shorter and longer than a tile, empty ones, GQA), NaN in the rows
+    past cu_seqlens[-1], descales per tensor or per (sequence, kv head): every sequence's
+    out and lse equal, bit for bit, those of a padded call on that sequence alone (the same
+    tiles from the sequence's first row; the padded path is checked against references
+    above), and the rows past the sequences are zeros / -inf."""
+    lens_q, lens_k = [0, 1, 63, 200, 128, 77, 5, 300], [5, 0, 63, 129, 300, 77, 1, 257]
+    heads, heads_k, pad = 4, 2, 9
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    packed = [torch.randn(sum(n) + pad, h, head_dim, generator=gen).to(FP8).cuda()
+              for n, h in ((lens_q, heads), (lens_k, heads_k), (lens_k, heads_k))]
+    for t in packed:
+        t[-pad:] = float("nan")
+    q8, k8, v8 = packed
+    cu_q, cu_k = (torch.tensor([0] + n, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+                  for n in (lens_q, lens_k))
+    batch = len(lens_q)
+    if per_head:
+        qd, kd, vd = (torch.rand(batch, heads_k, generator=gen).cuda() + 0.5 for _ in range(3))
+    else:
+        qd, kd, vd = (torch.full((1,), 0.7 + 0.1 * i).cuda() for i in range(3))
+    out, lse = fa.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k),
+                                         causal=causal, q_descale=qd, k_descale=kd,
+                                         v_descale=vd, return_lse=True)
+    rows = sum(lens_q)
+    assert out.shape == q8.shape and out.dtype == torch.bfloat16 and lse.shape == (heads, q8.shape[0])
+    assert (out[rows:] == 0).all() and (lse[:, rows:] == float("-inf")).all()
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(batch):
+        sq = slice(starts_q[b], starts_q[b + 1])
+        sk = slice(starts_k[b], starts_k[b + 1])
+        if lens_q[b] == 0:
+            continue
+        d = [x[b:b + 1] if per_head else x for x in (qd, kd, vd)]
+        if lens_k[b] == 0:
+            assert (out[sq] == 0).all() and (lse[:, sq] == float("-inf")).all()
+            continue
+        o, l = fa.flash_attn_func(q8[sq][None], k8[sk][None], v8[sk][None], causal=causal,
+                                  q_descale=d[0], k_descale=d[1], v_descale=d[2],
+                                  return_lse=True)
+        assert torch.equal(out[sq], o[0]), b
+        assert torch.equal(lse[:, sq], l[0]), b

@@ -36,8 +36,11 @@ constexpr int kTransposeDims = 64;  // head-dim rows per block
 // Block (key block, head-dim block, batch * heads_k): 64 keys x 64 dims of V
 // through shared memory. Reads: a quad of lanes covers one key's 64 bytes.
 // Writes: a quad covers one V^T row's 64 keys, 16 bytes per lane. Keys at or
-// past seqlen_k (up to the padded length) are written as zeros: P is 0 there,
-// and 0 * (uninitialised NaN) would not be.
+// past the sequence's seqlen_k (up to the padded length) are written as zeros:
+// P is 0 there, and 0 * (uninitialised NaN) would not be. Varlen: V^T is
+// padded per sequence ([sequences, heads_k, head_dim, max_seqlen_k padded]),
+// read from the sequence's packed rows, so the kernel's V tiles start at key 0
+// of their sequence and find zeros past its end.
 __global__ void __launch_bounds__(256) transpose_v_e4m3_kernel(const AttentionFwdParams params) {
   __shared__ uint8_t tile[kTransposeKeys][kTransposeDims + 16];
   const int key0 = blockIdx.x * kTransposeKeys;
@@ -45,14 +48,15 @@ __global__ void __launch_bounds__(256) transpose_v_e4m3_kernel(const AttentionFw
   const int b = blockIdx.z / params.heads_k;
   const int h = blockIdx.z % params.heads_k;
   const int t = threadIdx.x;
+  const SeqBounds seq = seq_bounds<true>(params, b);
 
   {
     const int key = key0 + t / 4;
     const int col = (t % 4) * 16;
     uint4 v = make_uint4(0, 0, 0, 0);
-    if (key < params.seqlen_k && dim0 + col < params.head_dim) {
+    if (key < seq.seqlen_k && dim0 + col < params.head_dim) {
       const uint8_t* src = static_cast<const uint8_t*>(params.v) +
-                           row_offset(params.v_strides, b, h, key) + dim0 + col;
+                           row_offset(params.v_strides, b, h, seq.row0_k + key) + dim0 + col;
       v = *reinterpret_cast<const uint4*>(src);
     }
     *reinterpret_cast<uint4*>(&tile[t / 4][col]) = v;

@@ -137,11 +137,11 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
 
   // `out` has the layout the fake kernel promises (empty_like(q)); the kernel
   // writes into it directly unless it needs a padded / aligned scratch copy.
-  // Varlen: rows outside every sequence stay zero, lse -inf.
-  at::Tensor out = varlen ? at::zeros_like(q_in) : at::empty_like(q_in);
+  // Varlen: rows outside every sequence are zeros, lse -inf.
+  at::Tensor out = at::empty_like(q_in);
   const bool write_direct = head_dim_padded == head_dim && is_aligned_16(out);
-  at::Tensor out_kernel =
-      write_direct ? out : (varlen ? at::zeros(q.sizes(), q.options()) : at::empty(q.sizes(), q.options()));
+  at::Tensor out_kernel = write_direct ? out : at::empty(q.sizes(), q.options());
+  zero_rows_past_sequences(out_kernel, p);
   at::Tensor lse = empty_lse(q);
   if (varlen) lse.fill_(-std::numeric_limits<float>::infinity());
   p.out = out_kernel.data_ptr();

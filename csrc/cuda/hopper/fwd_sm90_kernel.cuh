@@ -221,11 +221,11 @@ struct FwdSm90Traits {
 // 4-6% slower at D = 64 (H200, same run; not at D = 128).
 // kVarSeq: packed sequences (varlen, cu_seqlens; no seqused_k, no variants:
 // fwd_sm90_takes_seqs). The tensor maps span all packed rows as one batch
-// entry, and a tile's loads start at its sequence's first row: the rows a
-// tile reads past its sequence are the next sequence's (or, past the last
-// row, TMA's zeros), finite values whose keys the key-bound mask hides (their
-// P is exactly 0) and whose query rows are not stored. The producer skips
-// the tiles past a sequence's end (the grid counts max_seqlen_q rows).
+// entry, and a tile's loads start at its sequence's first row: the keys a
+// tile reads past its sequence are masked (P exactly 0), the query rows not
+// stored, and the V rows zeroed in shared memory (FP8: V^T, padded per
+// sequence, holds zeros there already). The producer skips the tiles past a
+// sequence's end (the grid counts max_seqlen_q rows).
 template <typename Traits, bool kIsCausal, bool kHasVariants = false, bool kAttnMask = false,
           bool kDropout = kAttnMask, bool kVarSeq = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using TOut = typename Traits::TOut;
   constexpr bool kFp8 = Traits::kFp8;
   static_assert(!(kFp8 && kHasVariants), "the FP8 forward has no variants");
-  static_assert(!(kVarSeq && (kFp8 || kHasVariants)), "varlen: the 16-bit plain kernels only");
+  static_assert(!(kVarSeq && kHasVariants), "varlen: the kernels without variants only");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -714,7 +714,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       softmax_tile(softmax, s, tile.keys.end - 1, rescale, mask_reads);  // O is 0: no rescale
       to_p_fragments(s, p);  // P: A operand of P V
-      if constexpr (kVarSeq) {
+      if constexpr (kVarSeq && !kFp8) {
         // The first key tile (the sequence's last) may run past the sequence
         // into rows that hold anything (NaN in a padded buffer's tail): its
         // masked P is exactly 0, but 0 * NaN is not, so those V rows become

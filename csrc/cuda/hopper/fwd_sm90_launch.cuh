@@ -20,34 +20,30 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   using T = typename Traits::T;
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   // Q goes in one 64-row slice per consumer warpgroup (see FwdSm90Traits).
-  // Varlen: the plain 16-bit kernels only (fwd_sm90_takes_seqs).
-  constexpr bool kMayBePacked = !Traits::kFp8 && !kHasVariants;
+  // Varlen: the kernels without variants (fwd_sm90_takes_seqs). Packed
+  // tensors are one batch entry of all their rows (the kernel starts each
+  // sequence's tiles at its first row); FP8's V^T is padded per sequence.
+  constexpr bool kMayBePacked = !kHasVariants;
   const bool packed = kMayBePacked && params.cu_seqlens_q != nullptr;
+  const int rows_q = packed ? static_cast<int>(params.total_q) : params.seqlen_q;
+  const int rows_k = packed ? static_cast<int>(params.total_k) : params.seqlen_k;
+  const int map_batch = packed ? 1 : params.batch;
   CUtensorMap tmap_q, tmap_k, tmap_v;
   if constexpr (Traits::kFp8) {
-    tmap_q = make_attention_tensor_map_e4m3(params.q, params.head_dim, params.seqlen_q,
-                                            params.heads, params.batch, params.q_strides,
-                                            Traits::kQSliceRows);
-    tmap_k = make_attention_tensor_map_e4m3(params.k, params.head_dim, params.seqlen_k,
-                                            params.heads_k, params.batch, params.k_strides,
-                                            Traits::kBlockN);
+    tmap_q = make_attention_tensor_map_e4m3(params.q, params.head_dim, rows_q, params.heads,
+                                            map_batch, params.q_strides, Traits::kQSliceRows);
+    tmap_k = make_attention_tensor_map_e4m3(params.k, params.head_dim, rows_k, params.heads_k,
+                                            map_batch, params.k_strides, Traits::kBlockN);
     tmap_v = make_transposed_v_tensor_map_e4m3(params.v_transposed, params.head_dim,
                                                params.v_transposed_seqlen, params.heads_k,
                                                params.batch, Traits::kHeadDim);
-  } else if (packed) {
-    // Packed (varlen) tensors: one batch entry of all their rows (the kernel
-    // starts each sequence's tiles at its first row).
-    const int total_q = static_cast<int>(params.total_q), total_k = static_cast<int>(params.total_k);
-    tmap_q = make_attention_tensor_map(params.q, kBf16, params.head_dim, total_q, params.heads, 1,
-                                       params.q_strides, Traits::kQSliceRows);
-    tmap_k = make_attention_tensor_map(params.k, kBf16, params.head_dim, total_k, params.heads_k,
-                                       1, params.k_strides, Traits::kBlockN);
-    tmap_v = make_attention_tensor_map(params.v, kBf16, params.head_dim, total_k, params.heads_k,
-                                       1, params.v_strides, Traits::kBlockN);
   } else {
-    tmap_q = query_tensor_map(params, params.q, params.q_strides, kBf16, Traits::kQSliceRows);
-    tmap_k = key_tensor_map(params, params.k, params.k_strides, kBf16, Traits::kBlockN);
-    tmap_v = key_tensor_map(params, params.v, params.v_strides, kBf16, Traits::kBlockN);
+    tmap_q = make_attention_tensor_map(params.q, kBf16, params.head_dim, rows_q, params.heads,
+                                       map_batch, params.q_strides, Traits::kQSliceRows);
+    tmap_k = make_attention_tensor_map(params.k, kBf16, params.head_dim, rows_k, params.heads_k,
+                                       map_batch, params.k_strides, Traits::kBlockN);
+    tmap_v = make_attention_tensor_map(params.v, kBf16, params.head_dim, rows_k, params.heads_k,
+                                       map_batch, params.v_strides, Traits::kBlockN);
   }
 
   // Calls with an attn_mask run a variant kernel of their own (fwd_softmax.cuh);
@@ -148,7 +144,7 @@ void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
 template <typename TOut, int kHeadDim, bool kIsCausal>
 void run_fwd_fp8_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
   using Config = FwdSm90Fp8TileConfig<kHeadDim>;
-  if (params.head_dim > kHeadDim || params.num_splits > 1 || has_var_seqs(params) ||
+  if (params.head_dim > kHeadDim || params.num_splits > 1 || !fwd_sm90_takes_seqs(params) ||
       has_variants(params) || params.v_transposed == nullptr) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "FP8 Hopper forward");

@@ -60,18 +60,5 @@ inline bool tma_strides_ok(const TensorStrides& st, int64_t seqlen, int heads, i
   return (seqlen <= 1 || st.row > 0) && (heads <= 1 || st.head > 0) && (batch <= 1 || st.batch > 0);
 }
 
-// The same for the query-side tensors (q, out, dout: seqlen_q, heads) and the
-// key-side ones (k, v: seqlen_k, heads_k) of one call.
-inline CUtensorMap query_tensor_map(const AttentionFwdParams& p, const void* base,
-                                    const TensorStrides& strides, bool bf16, int box_rows) {
-  return make_attention_tensor_map(base, bf16, p.head_dim, p.seqlen_q, p.heads, p.batch, strides,
-                                   box_rows);
-}
-inline CUtensorMap key_tensor_map(const AttentionFwdParams& p, const void* base,
-                                  const TensorStrides& strides, bool bf16, int box_rows) {
-  return make_attention_tensor_map(base, bf16, p.head_dim, p.seqlen_k, p.heads_k, p.batch, strides,
-                                   box_rows);
-}
-
 }  // namespace cuda
 }  // namespace flash_attn_ext
