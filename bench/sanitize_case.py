@@ -166,6 +166,12 @@ q, k, v = (torch.randn(sum(lens), 2, 128, device="cuda", dtype=torch.float16, re
            for _ in range(3))
 out = fa.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), dropout_p=0.1)
 out.backward(torch.randn_like(out))
+# Varlen with a window, softcap and per-sequence ALiBi (on sm_90 the Hopper variant kernels).
+q, k, v = (torch.randn(sum(lens), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+out = fa.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), window_size=(20, 3),
+                                softcap=30.0, alibi_slopes=torch.rand(len(lens), 2, device="cuda"))
+out.backward(torch.randn_like(out))
 # The FP8 forward (Hopper only), padded and packed (varlen: per-sequence V^T, zero-length and
 # longer-than-a-tile sequences), causal and not.
 if torch.cuda.get_device_capability() == (9, 0):

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import flash_attn_ext as fa
-from helpers import (assert_fa_rule, check_lse, check_out_and_grads, kernel_names, make_qkv,
-                     make_varlen, ref_and_base, reference_and_baseline, varlen_attention)
+from helpers import (alibi_slopes, assert_fa_rule, check_lse, check_out_and_grads, kernel_names,
+                     make_qkv, make_varlen, ref_and_base, reference_and_baseline,
+                     varlen_attention)
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -216,13 +217,52 @@ def test_varlen(sm90, impl, dtype, head_dim, causal):
 
 
 def test_varlen_dispatch(sm90):
-    """Varlen calls with seqused_k (a cache's unused rows may hold anything) or a variant stay
-    on the mma.sync kernels."""
+    """Varlen calls with seqused_k (a cache's unused rows may hold anything) stay on the
+    mma.sync kernels; with a variant they take the Hopper variant kernel."""
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([100, 300], [200, 300], 4, 2, 128,
                                                     torch.bfloat16, DEVICE, requires_grad=False)
     used = torch.tensor([150, 3], dtype=torch.int32, device=DEVICE)
     assert ran_sm90(lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k))
     assert not ran_sm90(lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
                                                           seqused_k=used))
-    assert not ran_sm90(lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
-                                                          softcap=30.0))
+    assert ran_sm90(lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                      softcap=30.0))
+
+
+VARLEN_VARIANTS = {  # causal, window_size, softcap, ALiBi slopes
+    "window": (False, (50, 10), 0.0, None),
+    "causal_window": (True, (33, -1), 0.0, None),
+    "softcap": (True, (-1, -1), 30.0, None),
+    "alibi": (False, (-1, -1), 0.0, "batch"),
+    "all_three": (False, (40, 8), 30.0, "batch"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", list(VARLEN_VARIANTS))
+def test_varlen_variants(sm90, dtype, head_dim, case):
+    """Packed sequences with a window / softcap / ALiBi in the Hopper variant kernel (per
+    sequence: bottom-right windows, [batch, heads] slopes), NaN past the packed rows."""
+    causal, window, softcap, alibi = VARLEN_VARIANTS[case]
+    lens_q, lens_k = [0, 1, 63, 200, 128, 77, 300], [5, 0, 63, 129, 300, 77, 257]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, 4, 2, head_dim, dtype,
+                                                    DEVICE, pad_q=9, pad_k=70,
+                                                    requires_grad=False)
+    for t in (q, k, v):
+        t[-5:] = float("nan")
+    variant = dict(window_size=window, softcap=softcap,
+                   alibi_slopes=alibi_slopes(alibi, len(lens_q), 4, DEVICE))
+    call = lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                             return_lse=True, **variant)
+    assert ran_sm90(call)
+    out, lse = call()
+    rows, keys = sum(lens_q), sum(lens_k)
+    clean = [t.clone() for t in (q, k, v)]
+    for t, n in zip(clean, (rows, keys, keys)):
+        t[n:] = 0
+    ref, base = ref_and_base(
+        lambda q, k, v: varlen_attention(q, k, v, cu_q, cu_k, causal, **variant), clean)
+    check_out_and_grads(out, None, ref, base, dtype, rows=rows)
+    check_lse(lse[:, :rows], ref[1][:, :rows], dtype)
+    assert (out[rows:] == 0).all()

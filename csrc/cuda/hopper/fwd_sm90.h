@@ -16,13 +16,13 @@ inline bool fwd_sm90_head_dim(int kernel_dim) {
 }
 
 // The sequence layouts the Hopper forward reads: a padded batch, or packed
-// sequences (varlen, cu_seqlens) in the plain 16-bit kernels. Not seqused_k
-// (a cache's unused rows may hold anything, and a tile reads V rows past its
-// sequence: 0 * NaN in P V), nor the KV cache addressing (TMA addresses K/V
-// by strides), nor varlen with variants (the mma.sync kernels take those).
+// sequences (varlen, cu_seqlens; with variants too, never with an attn_mask).
+// Not seqused_k (a cache's unused rows may hold anything, and a tile reads V
+// rows past its sequence: 0 * NaN in P V), nor the KV cache addressing (TMA
+// addresses K/V by strides).
 inline bool fwd_sm90_takes_seqs(const AttentionFwdParams& p) {
   return !has_var_seqs(p) || (p.cu_seqlens_q != nullptr && p.seqused_k == nullptr &&
-                              !has_kv_cache_addressing(p) && !has_variants(p));
+                              !has_kv_cache_addressing(p) && p.attn_bias == nullptr);
 }
 
 template <typename T, int kHeadDim, bool kIsCausal>

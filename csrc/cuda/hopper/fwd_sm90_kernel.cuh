@@ -219,7 +219,7 @@ struct FwdSm90Traits {
 // dropout (checked at run time); the calls without it take a kernel without
 // the dropout code, whose mere presence in the softmax made softcap / ALiBi
 // 4-6% slower at D = 64 (H200, same run; not at D = 128).
-// kVarSeq: packed sequences (varlen, cu_seqlens; no seqused_k, no variants:
+// kVarSeq: packed sequences (varlen, cu_seqlens; no seqused_k, no attn_mask:
 // fwd_sm90_takes_seqs). The tensor maps span all packed rows as one batch
 // entry, and a tile's loads start at its sequence's first row: the keys a
 // tile reads past its sequence are masked (P exactly 0), the query rows not
@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using TOut = typename Traits::TOut;
   constexpr bool kFp8 = Traits::kFp8;
   static_assert(!(kFp8 && kHasVariants), "the FP8 forward has no variants");
-  static_assert(!(kVarSeq && kHasVariants), "varlen: the kernels without variants only");
+  static_assert(!(kVarSeq && kAttnMask), "varlen calls have no attn_mask");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;

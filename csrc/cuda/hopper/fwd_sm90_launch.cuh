@@ -20,11 +20,10 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   using T = typename Traits::T;
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   // Q goes in one 64-row slice per consumer warpgroup (see FwdSm90Traits).
-  // Varlen: the kernels without variants (fwd_sm90_takes_seqs). Packed
-  // tensors are one batch entry of all their rows (the kernel starts each
-  // sequence's tiles at its first row); FP8's V^T is padded per sequence.
-  constexpr bool kMayBePacked = !kHasVariants;
-  const bool packed = kMayBePacked && params.cu_seqlens_q != nullptr;
+  // Varlen (fwd_sm90_takes_seqs): packed tensors are one batch entry of all
+  // their rows (the kernel starts each sequence's tiles at its first row);
+  // FP8's V^T is padded per sequence.
+  const bool packed = params.cu_seqlens_q != nullptr;
   const int rows_q = packed ? static_cast<int>(params.total_q) : params.seqlen_q;
   const int rows_k = packed ? static_cast<int>(params.total_k) : params.seqlen_k;
   const int map_batch = packed ? 1 : params.batch;
@@ -49,16 +48,15 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   // Calls with an attn_mask run a variant kernel of their own (fwd_softmax.cuh);
   // each variant kernel comes with and without the dropout code (the attn_mask
   // one without it: 1.3% faster on a [1, H, S, S] bias, H100, D = 128).
-  auto kernel = flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false>;
-  if constexpr (kMayBePacked) {
-    if (packed) kernel = flash_fwd_sm90_kernel<Traits, kIsCausal, false, false, false, true>;
-  }
+  auto kernel = packed ? flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false, false, true>
+                       : flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false>;
   if constexpr (kHasVariants) {
-    if (params.attn_bias != nullptr) {
+    if (params.attn_bias != nullptr) {  // (never packed)
       kernel = has_dropout(params) ? flash_fwd_sm90_kernel<Traits, kIsCausal, true, true, true>
                                    : flash_fwd_sm90_kernel<Traits, kIsCausal, true, true, false>;
     } else if (has_dropout(params)) {
-      kernel = flash_fwd_sm90_kernel<Traits, kIsCausal, true, false, true>;
+      kernel = packed ? flash_fwd_sm90_kernel<Traits, kIsCausal, true, false, true, true>
+                      : flash_fwd_sm90_kernel<Traits, kIsCausal, true, false, true>;
     }
   }
   const int smem_bytes =
