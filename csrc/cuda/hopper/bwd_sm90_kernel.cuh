@@ -588,12 +588,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // syncs them (kZeroedBarrier) before any wgmma reads the tile.
   constexpr int kZeroedBarrier = 5;
   auto zero_tile_rows = [&](uint32_t tile, int tile_rows, int row_begin) {
-    const int units_per_chunk = (tile_rows - row_begin) * 8;  // 16-byte units
-    for (int u = wg * 128 + tid; u < kChunks * units_per_chunk; u += 256) {
-      const int chunk = u / units_per_chunk, row = row_begin + (u % units_per_chunk) / 8;
-      st_shared_v4_f32(tile + chunk * tile_rows * 128 + row * 128 + (u % 8) * 16, 0.f, 0.f, 0.f,
-                       0.f);
-    }
+    zero_swizzled_tile_rows<kChunks>(tile, tile_rows, row_begin, wg * 128 + tid, 256);
   };
   auto zero_rows_past_sequence = [&](int m_block, int stage) {
     if (packed && (m_block + 1) * kBlockM > seq.seqlen_q) {

@@ -445,7 +445,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           mbar_wait(v_empty(stage), ((count / kStages) & 1) ^ 1);
           mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
           if constexpr (kFp8) {
-            // V^T [head_dim x keys]: boxes of 128 keys, every head-dim row.
+            // V^T [head_dim x keys]: boxes of 128 keys, every head-dim row
+            // (varlen: V^T is padded per sequence, so the batch coordinate is
+            // the sequence's and the keys start at 0).
 #pragma unroll
             for (int c = 0; c < Traits::kVtChunks; ++c) {
               tma_load_4d(v_smem(stage) + c * kHeadDim * 128, &tmap_v, v_full(stage),
@@ -723,13 +725,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int valid_keys = seq.seqlen_k - (tile.keys.end - 1) * kBlockN;
         if (valid_keys < kBlockN) {
           mbar_wait(v_full(stage_of(0)), parity_of(0));
-          const uint32_t v_tile = v_smem(stage_of(0));
-          const int units_per_chunk = (kBlockN - valid_keys) * 8;  // 16-byte units
-          for (int u = wg * 128 + tid; u < kChunks * units_per_chunk; u += 256) {
-            const int chunk = u / units_per_chunk, row = valid_keys + (u % units_per_chunk) / 8;
-            st_shared_v4_f32(v_tile + chunk * kBlockN * 128 + row * 128 + (u % 8) * 16, 0.f, 0.f,
-                             0.f, 0.f);
-          }
+          zero_swizzled_tile_rows<kChunks>(v_smem(stage_of(0)), kBlockN, valid_keys,
+                                           wg * 128 + tid, 256);
           fence_proxy_async_smem();  // the wgmma reads through the async proxy
           named_barrier_sync(kZeroedBarrier, 256);
         }

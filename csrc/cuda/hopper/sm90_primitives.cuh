@@ -187,6 +187,21 @@ FAE_DEVICE void st_shared_v4_f32(uint32_t addr, float x, float y, float z, float
                "f"(w)
                : "memory");
 }
+// Zeroes rows [row_begin, tile_rows) of a tile stored as kChunks chunks of
+// [tile_rows x 128 bytes] with the 128-byte swizzle (whole rows: the swizzle
+// only permutes a row's 16-byte units), 16 bytes per store, the stores spread
+// over `threads` threads of which this is `thread`. The caller fences
+// (fence_proxy_async_smem) and syncs before a wgmma / TMA reads the tile.
+template <int kChunks>
+FAE_DEVICE void zero_swizzled_tile_rows(uint32_t tile, int tile_rows, int row_begin, int thread,
+                                        int threads) {
+  const int units_per_chunk = (tile_rows - row_begin) * 8;  // 16-byte units
+  for (int u = thread; u < kChunks * units_per_chunk; u += threads) {
+    const int chunk = u / units_per_chunk, row = row_begin + (u % units_per_chunk) / 8;
+    st_shared_v4_f32(tile + chunk * tile_rows * 128 + row * 128 + (u % 8) * 16, 0.f, 0.f, 0.f,
+                     0.f);
+  }
+}
 FAE_DEVICE void ld_shared_v4_f32(uint32_t addr, float& x, float& y, float& z, float& w) {
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
                : "=f"(x), "=f"(y), "=f"(z), "=f"(w)
