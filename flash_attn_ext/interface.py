@@ -206,9 +206,17 @@ def _flash_attn_func_fp8(q, k, v, dropout_p, softmax_scale, causal, window_size,
         _not_implemented("window_size / softcap / alibi_slopes / dropout_p with FP8 inputs")
     if seqused_k is not None or return_attn_probs:
         _not_implemented("seqused_k / return_attn_probs with FP8 inputs")
+    return _fp8_call(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, out_dtype,
+                     return_lse)
+
+
+def _fp8_call(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, out_dtype,
+              return_lse, varlen=None):
+    """The FP8 forward (flash_attn_ext/fp8.py) once the entry point has refused what it does
+    not take; varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) or None."""
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, lse = _fp8.flash_attn_fp8(q, k, v, scale, bool(causal), q_descale, k_descale,
-                                   v_descale, out_dtype)
+                                   v_descale, out_dtype, varlen=varlen)
     return (out, lse) if return_lse else out
 
 
@@ -304,16 +312,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                 or seqused_k is not None or block_table is not None or return_attn_probs):
             _not_implemented("window_size / softcap / alibi_slopes / dropout_p / seqused_k / "
                              "block_table / return_attn_probs with FP8 inputs")
-        for t, name in ((q, "q"), (k, "k"), (v, "v")):
-            if t.dim() != 3:
-                raise RuntimeError(f"flash_attn_ext: varlen {name} must be a 3-D tensor "
-                                   f"[total_tokens, heads, head_dim], got shape {tuple(t.shape)}")
-        scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-        out, lse = _fp8.flash_attn_fp8(q, k, v, scale, bool(causal), q_descale, k_descale,
-                                       v_descale, out_dtype,
-                                       varlen=(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                               int(max_seqlen_k)))
-        return (out, lse) if return_lse else out
+        varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+        return _fp8_call(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale,
+                         out_dtype, return_lse, varlen)
     if k_descale is not None or v_descale is not None or out_dtype is not None:
         raise ValueError("flash_attn_ext: q_descale / k_descale / v_descale / out_dtype apply to "
                          "FP8 (torch.float8_e4m3fn) inputs only")

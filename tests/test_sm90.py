@@ -182,6 +182,30 @@ def test_training_through_sm90(sm90):
         assert_fa_rule(g, r, b, 3, what=name)
 
 
+def check_varlen_sm90(dtype, head_dim, causal, lens_q, lens_k, **variant):
+    """Runs packed sequences with NaN in the rows past cu_seqlens[-1] through the Hopper
+    forward and checks out and lse against the reference on the sequences' rows (the NaN
+    rows zeroed there). Returns (call, out, lse, rows)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, 4, 2, head_dim, dtype,
+                                                    DEVICE, pad_q=9, pad_k=70,
+                                                    requires_grad=False)
+    for t in (q, k, v):
+        t[-5:] = float("nan")
+    call = lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                             return_lse=True, **variant)
+    assert ran_sm90(call)
+    out, lse = call()
+    rows, keys = sum(lens_q), sum(lens_k)
+    clean = [t.clone() for t in (q, k, v)]
+    for t, n in zip(clean, (rows, keys, keys)):
+        t[n:] = 0
+    ref, base = ref_and_base(
+        lambda q, k, v: varlen_attention(q, k, v, cu_q, cu_k, causal, **variant), clean)
+    check_out_and_grads(out, None, ref, base, dtype, rows=rows)
+    check_lse(lse[:, :rows], ref[1][:, :rows], dtype)
+    return call, out, lse, rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
@@ -191,23 +215,9 @@ def test_varlen(sm90, impl, dtype, head_dim, causal):
     reads past its sequence (the next sequence's rows, or the buffer's tail), which the key
     mask hides and whose V rows the kernel zeroes, so nothing leaks between sequences. The
     LSE agrees with the mma.sync kernels'."""
-    lens_q, lens_k = [0, 1, 63, 200, 128, 77, 5, 300], [5, 0, 63, 129, 300, 77, 1, 257]
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, 4, 2, head_dim, dtype,
-                                                    DEVICE, pad_q=9, pad_k=70,
-                                                    requires_grad=False)
-    for t in (q, k, v):
-        t[-5:] = float("nan")
-    call = lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
-                                             return_lse=True)
-    assert ran_sm90(call)
-    out, lse = call()
-    rows, keys = sum(lens_q), sum(lens_k)
-    clean = [t.clone() for t in (q, k, v)]
-    for t, n in zip(clean, (rows, keys, keys)):
-        t[n:] = 0
-    ref, base = ref_and_base(lambda q, k, v: varlen_attention(q, k, v, cu_q, cu_k, causal), clean)
-    check_out_and_grads(out, None, ref, base, dtype, rows=rows)
-    check_lse(lse[:, :rows], ref[1][:, :rows], dtype)
+    call, _, lse, rows = check_varlen_sm90(dtype, head_dim, causal,
+                                           [0, 1, 63, 200, 128, 77, 5, 300],
+                                           [5, 0, 63, 129, 300, 77, 1, 257])
     impl("mma")
     assert not ran_sm90(call)
     _, lse_mma = call()
@@ -246,23 +256,7 @@ def test_varlen_variants(sm90, dtype, head_dim, case):
     sequence: bottom-right windows, [batch, heads] slopes), NaN past the packed rows."""
     causal, window, softcap, alibi = VARLEN_VARIANTS[case]
     lens_q, lens_k = [0, 1, 63, 200, 128, 77, 300], [5, 0, 63, 129, 300, 77, 257]
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, 4, 2, head_dim, dtype,
-                                                    DEVICE, pad_q=9, pad_k=70,
-                                                    requires_grad=False)
-    for t in (q, k, v):
-        t[-5:] = float("nan")
-    variant = dict(window_size=window, softcap=softcap,
-                   alibi_slopes=alibi_slopes(alibi, len(lens_q), 4, DEVICE))
-    call = lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
-                                             return_lse=True, **variant)
-    assert ran_sm90(call)
-    out, lse = call()
-    rows, keys = sum(lens_q), sum(lens_k)
-    clean = [t.clone() for t in (q, k, v)]
-    for t, n in zip(clean, (rows, keys, keys)):
-        t[n:] = 0
-    ref, base = ref_and_base(
-        lambda q, k, v: varlen_attention(q, k, v, cu_q, cu_k, causal, **variant), clean)
-    check_out_and_grads(out, None, ref, base, dtype, rows=rows)
-    check_lse(lse[:, :rows], ref[1][:, :rows], dtype)
+    _, out, _, rows = check_varlen_sm90(
+        dtype, head_dim, causal, lens_q, lens_k, window_size=window, softcap=softcap,
+        alibi_slopes=alibi_slopes(alibi, len(lens_q), 4, DEVICE))
     assert (out[rows:] == 0).all()
