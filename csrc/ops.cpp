@@ -52,6 +52,15 @@ namespace flash_attn_ext {
 
 namespace {
 
+// Varlen: the kernels write every row of every sequence, so only the out rows
+// past the last one, which belong to none, need zeros. cu_seqlens_q are host
+// values here, checked (ops_common.h: check_cu_seqlens).
+void zero_rows_past_sequences(const at::Tensor& out, const AttentionFwdParams& p) {
+  if (p.cu_seqlens_q == nullptr) return;
+  const int64_t rows = p.cu_seqlens_q[p.batch];
+  if (rows < out.size(0)) out.narrow(0, rows, out.size(0) - rows).zero_();
+}
+
 // Allocates out / lse like q (packed 3-D q for varlen: the rows outside every
 // sequence zeroed, lse -inf there) and runs the CPU kernel.
 std::tuple<at::Tensor, at::Tensor> run_fwd_cpu(AttentionFwdParams p, const at::Tensor& q) {

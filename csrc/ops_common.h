@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -428,10 +430,14 @@ inline AttentionFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor&
 }
 
 // Variable-length batches: q [total_q, heads, dim], k/v [total_k, heads_k,
-// dim], cu_seqlens int32 [batch + 1]. The values are checked on the host (one
-// small device-to-host copy): cu[0] == 0, non-decreasing, cu[batch] <= total,
-// no sequence longer than max_seqlen. Kernels see [1, total, heads, dim]
-// tensors with batch stride 0 (see params.h).
+// dim], cu_seqlens int32 [batch + 1]. Their values (cu[0] == 0,
+// non-decreasing, cu[batch] <= total, no sequence longer than max_seqlen) are
+// checked where that is free, on CPU tensors, and on a GPU only with
+// FLASH_ATTN_EXT_DEBUG_CHECKS=1: the check needs a device-to-host copy, which
+// stalls the host behind the queued kernels and cannot be captured in a CUDA
+// graph. Unchecked, the kernels clamp every sequence into the packed rows and
+// to max_seqlen (params.h, packed_sequence). Kernels see [1, total, heads,
+// dim] tensors with batch stride 0 (see params.h).
 struct VarlenArgs {
   const at::Tensor& cu_seqlens_q;
   const at::Tensor& cu_seqlens_k;
@@ -439,9 +445,16 @@ struct VarlenArgs {
   int64_t max_seqlen_k;
 };
 
-// Returns cu[batch] (the rows in sequences).
-inline int64_t check_cu_seqlens(const at::Tensor& cu, const char* name, int64_t total,
-                                int64_t max_seqlen, const char* max_name) {
+// FLASH_ATTN_EXT_DEBUG_CHECKS set to anything but "" or "0" (the Python
+// package's kvcache.debug_checks_enabled reads the same variable).
+inline bool debug_checks_enabled() {
+  const char* value = std::getenv("FLASH_ATTN_EXT_DEBUG_CHECKS");
+  return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
+}
+
+inline void check_cu_seqlens(const at::Tensor& cu, const char* name, int64_t total,
+                             int64_t max_seqlen, const char* max_name) {
+  if (!cu.is_cpu() && !debug_checks_enabled()) return;
   const at::Tensor host = cu.to(at::kCPU);
   const int* c = host.data_ptr<int>();
   const int64_t n = host.size(0);
@@ -456,7 +469,6 @@ inline int64_t check_cu_seqlens(const at::Tensor& cu, const char* name, int64_t 
               " exceeds the number of packed rows (", total, ")");
   TORCH_CHECK(longest <= max_seqlen, "flash_attn_ext: ", max_name, " = ", max_seqlen,
               " is smaller than the longest sequence in ", name, " (", longest, ")");
-  return c[n - 1];
 }
 
 inline void check_varlen_3d(const at::Tensor& t, const char* name) {
@@ -482,13 +494,12 @@ inline int64_t varlen_batch(const at::Tensor& q, const VarlenArgs& va) {
 }
 
 // The varlen fields of params filled for [1, total, heads, dim] tensors: the
-// cu_seqlens values (checked on the host), the sequences' count and longest
+// cu_seqlens values (checked where that is cheap, above), the sequences' count and longest
 // lengths, the packed totals, and lse [heads, total_q]. paged: k is a page
 // pool, whose sequences' keys are the first rows of their pages (no total).
 inline void apply_varlen(AttentionFwdParams& p, const at::Tensor& q, const at::Tensor& k,
                          const VarlenArgs& va, int64_t batch, bool paged) {
-  p.rows_in_sequences_q =
-      check_cu_seqlens(va.cu_seqlens_q, "cu_seqlens_q", q.size(0), va.max_seqlen_q, "max_seqlen_q");
+  check_cu_seqlens(va.cu_seqlens_q, "cu_seqlens_q", q.size(0), va.max_seqlen_q, "max_seqlen_q");
   check_cu_seqlens(va.cu_seqlens_k, "cu_seqlens_k",
                    paged ? std::numeric_limits<int64_t>::max() : k.size(0), va.max_seqlen_k,
                    "max_seqlen_k");
@@ -502,15 +513,6 @@ inline void apply_varlen(AttentionFwdParams& p, const at::Tensor& q, const at::T
   p.lse_batch_stride = 0;
   p.lse_head_stride = q.size(0);
   p.q_rows_total = static_cast<int64_t>(p.heads) * q.size(0);
-}
-
-// Varlen: the kernels write every row of every sequence, so only the out
-// rows past the last sequence, which belong to none, need zeros (a memset of
-// the whole output cost ~10% of a 1k-token varlen forward on an H100).
-inline void zero_rows_past_sequences(const at::Tensor& out, const AttentionFwdParams& p) {
-  if (p.cu_seqlens_q != nullptr && p.rows_in_sequences_q < out.size(0)) {
-    out.narrow(0, p.rows_in_sequences_q, out.size(0) - p.rows_in_sequences_q).zero_();
-  }
 }
 
 // block_table (forward only): k / v are page pools [num_pages, page_size,

@@ -188,14 +188,11 @@ struct AttentionFwdParams {
   // both the padded and the packed case.
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
-  // Varlen: rows of the packed q and k tensors (the Hopper backward's tensor
-  // maps span them); 0 for a padded batch.
+  // Varlen: rows of the packed q and k tensors (the Hopper kernels' tensor
+  // maps span them, seq_bounds clamps the sequences into them); 0 for a
+  // padded batch and for a paged k.
   int64_t total_q = 0;
   int64_t total_k = 0;
-  // Varlen, host side only (kernels never read it): cu_seqlens_q[batch], the
-  // packed q rows that belong to a sequence (the op layer zeroes the out rows
-  // past them; the kernels write every row of every sequence).
-  int64_t rows_in_sequences_q = 0;
   // Key padding: sequence b uses keys [0, seqused_k[b]) only (clamped to
   // [0, its key count]). Used by the KV cache (cache_seqlens).
   const int* seqused_k = nullptr;
@@ -270,6 +267,21 @@ struct SeqBounds {
   }
 };
 
+// Sequence b of packed rows: [cu[b], cu[b + 1]) clamped into [0, total) and to
+// max_len (max_seqlen, which sized the grids and the scratch). cu_seqlens on a
+// GPU are checked on the host only on request (FLASH_ATTN_EXT_DEBUG_CHECKS=1:
+// the check needs a device-to-host copy, which would stall the CPU and break
+// CUDA graph capture), so bad values must give wrong rows, never accesses
+// outside the tensors.
+FAE_HOST_DEVICE void packed_sequence(const int* cu, int b, int64_t total, int max_len,
+                                     int64_t& row0, int& len) {
+  int64_t begin = cu[b], end = cu[b + 1];
+  begin = begin < 0 ? 0 : (begin < total ? begin : total);
+  end = end < begin ? begin : (end < total ? end : total);
+  row0 = begin;
+  len = static_cast<int>(end - begin < max_len ? end - begin : max_len);
+}
+
 // kVarSeq = false: the caller knows the batch is padded and has no seqused_k
 // (every sequence alike), so all fields come straight from params. The CUDA
 // 16-bit kernels are instantiated both ways: read from params, the values stay
@@ -290,10 +302,10 @@ FAE_HOST_DEVICE SeqBounds seq_bounds(const AttentionFwdParams& p, int b) {
     return s;
   }
   if (p.cu_seqlens_q != nullptr) {
-    s.row0_q = p.cu_seqlens_q[b];
-    s.row0_k = p.cu_seqlens_k[b];
-    s.seqlen_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
-    s.seqlen_k = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+    packed_sequence(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, s.row0_q, s.seqlen_q);
+    // A paged k's cu_seqlens_k only count keys (no packed rows to stay in).
+    const int64_t rows_k = p.block_table != nullptr ? INT64_MAX : p.total_k;
+    packed_sequence(p.cu_seqlens_k, b, rows_k, p.seqlen_k, s.row0_k, s.seqlen_k);
   } else {
     s.row0_q = s.row0_k = 0;
     s.seqlen_q = p.seqlen_q;

@@ -286,7 +286,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     non-decreasing: sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] (zero-length sequences
     are allowed). max_seqlen_q / max_seqlen_k: at least the longest sequence. causal is
     aligned bottom-right within each sequence. seqused_k (int32 [batch]) further limits the
-    keys of each sequence. The cu_seqlens values are checked on the host (a small copy).
+    keys of each sequence. On a GPU the cu_seqlens values are not read on the host (no sync:
+    the call can be captured in a CUDA graph): bad values give wrong rows, never accesses
+    outside the tensors; FLASH_ATTN_EXT_DEBUG_CHECKS=1 checks them (one device-to-host copy)
+    and raises. CPU tensors are always checked.
     window_size, softcap and alibi_slopes as in flash_attn_func, per sequence (alibi_slopes
     [batch, heads] has one row per sequence).
 

@@ -2,6 +2,8 @@
 the KV-cache entry point (flash_attn_with_kvcache): values and gradients against float64
 references with FlashAttention's accuracy rule (tests/helpers.py), on CPU and (marked gpu)
 CUDA, plus the bad-input errors of the new entry points and opcheck of the new operators."""
+import math
+
 import pytest
 import torch
 
@@ -390,6 +392,95 @@ def test_varlen_valid_inputs_pass():
     """The baseline of the bad-input cases above is itself accepted."""
     out = fa.flash_attn_varlen_func(**_varlen_inputs())
     assert out.shape == (20, 4, 16)
+
+
+# cu_seqlens' values: on a GPU they are checked only with FLASH_ATTN_EXT_DEBUG_CHECKS=1 (the
+# check copies them to the host, a sync per call that also breaks CUDA graph capture); without
+# it the kernels clamp every sequence into the packed rows and to max_seqlen.
+BAD_CU_VALUES = ["cu_q_decreasing", "cu_k_decreasing", "cu_q_first_not_zero",
+                 "cu_k_first_not_zero", "cu_q_past_total", "cu_k_past_total",
+                 "max_seqlen_q_small", "max_seqlen_k_small"]
+
+
+def _cuda_varlen_inputs(case, dtype, head_dim):
+    base = _varlen_inputs()
+    args = {name: base[name] for name in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                          "max_seqlen_k")}
+    args.update(BAD_VARLEN[case][0])
+    for name, rows, heads in (("q", 20, 4), ("k", 24, 2), ("v", 24, 2)):
+        args[name] = torch.randn(rows, heads, head_dim, device="cuda").to(dtype).requires_grad_()
+    args["cu_seqlens_q"] = args["cu_seqlens_q"].cuda()
+    args["cu_seqlens_k"] = args["cu_seqlens_k"].cuda()
+    return args
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", BAD_CU_VALUES)
+def test_cuda_varlen_bad_cu_values_debug_checks(case, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_EXT_DEBUG_CHECKS", "1")
+    args = _cuda_varlen_inputs(case, torch.bfloat16, 64)
+    with pytest.raises(RuntimeError, match=BAD_VARLEN[case][1]):
+        fa.flash_attn_varlen_func(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128),
+                                            (torch.float32, 32)], ids=str)
+@pytest.mark.parametrize("case", BAD_CU_VALUES)
+def test_cuda_varlen_bad_cu_values_unchecked(case, dtype, head_dim, monkeypatch):
+    """Unchecked bad values give wrong rows, never an access outside the tensors (which would
+    poison the CUDA context: the synchronize below would raise), forward and backward."""
+    monkeypatch.delenv("FLASH_ATTN_EXT_DEBUG_CHECKS", raising=False)
+    args = _cuda_varlen_inputs(case, dtype, head_dim)
+    for causal in (False, True):
+        out = fa.flash_attn_varlen_func(**args, causal=causal)
+        grads = torch.autograd.grad(out, (args["q"], args["k"], args["v"]), torch.ones_like(out))
+        torch.cuda.synchronize()
+        assert out.shape == args["q"].shape and len(grads) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 128), (torch.float16, 64)], ids=str)
+def test_cuda_varlen_graph_capture(dtype, head_dim, monkeypatch):
+    """A varlen forward + backward captured in a CUDA graph (no host copy of cu_seqlens) and
+    replayed on new values and new sequence boundaries equals eager calls, bit for bit
+    (deterministic dQ); rows past the last sequence are zeros / -inf."""
+    monkeypatch.delenv("FLASH_ATTN_EXT_DEBUG_CHECKS", raising=False)
+    total, max_len = 300, 160
+    boundaries = [[0, 7, 150, 150, 290], [0, 160, 161, 260, 300]]
+    q_s = torch.zeros(total, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    k_s = torch.zeros(total, 2, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    v_s = torch.zeros(total, 2, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    dout_s = torch.zeros(total, 4, head_dim, device="cuda", dtype=dtype)
+    cu_s = torch.zeros(5, dtype=torch.int32, device="cuda")
+
+    def step():
+        out, lse = fa.flash_attn_varlen_func(q_s, k_s, v_s, cu_s, cu_s, max_len, max_len,
+                                             causal=True, deterministic=True,
+                                             return_lse=True)
+        return (out, lse) + torch.autograd.grad(out, (q_s, k_s, v_s), dout_s)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = step()
+    for t, cu in enumerate(boundaries):
+        with torch.no_grad():
+            for x, seed in ((q_s, 1), (k_s, 2), (v_s, 3), (dout_s, 4)):
+                x.copy_(randn(x.shape, dtype, "cuda", 10 * t + seed))
+            cu_s.copy_(_i32(cu, "cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), replayed, eager):
+            assert torch.equal(a, b), f"replay {t}: {name}"
+        last = cu[-1]
+        assert torch.all(replayed[0][last:] == 0) and torch.all(replayed[1][:, last:] == -math.inf)
 
 
 @pytest.mark.gpu

@@ -63,6 +63,13 @@ void run_fwd_fp8(const AttentionFwdParams& params, cudaStream_t stream);
 int64_t attn_mask_blocks_bytes(const AttentionFwdParams& params);
 void set_attn_mask_blocks(AttentionFwdParams& params, uint8_t* blocks);
 
+// ---- varlen: the rows past the last sequence (varlen_rows.cu) --------------
+// Packed rows [cu_seqlens_q[batch], total_q) belong to no sequence: zeros in
+// params.out (its first `cols` columns) and -inf in params.lse, on the stream
+// after the caller allocated them. cu_seqlens_q[batch] is read on the device,
+// so that a varlen call needs no host copy (and can be captured).
+void finish_rows_past_sequences(const AttentionFwdParams& params, int cols, cudaStream_t stream);
+
 // ---- backward ------------------------------------------------------------
 // fp32 scratch (in floats) for D = rowsum(dO*O), the dQ accumulator(s), etc.
 int64_t bwd_workspace_floats(const AttentionBwdParams& params, int num_sms);

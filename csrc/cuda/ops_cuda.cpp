@@ -141,12 +141,16 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
   at::Tensor out = at::empty_like(q_in);
   const bool write_direct = head_dim_padded == head_dim && is_aligned_16(out);
   at::Tensor out_kernel = write_direct ? out : at::empty(q.sizes(), q.options());
-  zero_rows_past_sequences(out_kernel, p);
   at::Tensor lse = empty_lse(q);
-  if (varlen) lse.fill_(-std::numeric_limits<float>::infinity());
   p.out = out_kernel.data_ptr();
   p.out_strides = strides_of(out_kernel);
   p.lse = lse.data_ptr<float>();
+  if (varlen) {
+    call_kernels([&] {
+      cuda::finish_rows_past_sequences(p, static_cast<int>(out_kernel.size(-1)),
+                                        at::cuda::getCurrentCUDAStream().stream());
+    });
+  }
   p.num_splits = static_cast<int>(num_splits);
   p.fwd_tile = static_cast<int>(tile);
   if (can_regroup_decode(p)) regroup_decode(p, q, out_kernel);

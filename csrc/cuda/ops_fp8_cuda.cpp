@@ -43,18 +43,21 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_fp8_op(AttentionFwdParams& p, const a
 
   // Varlen: rows outside every sequence are zeros, lse -inf (as the 16-bit varlen forward).
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(out_dtype));
-  zero_rows_past_sequences(out, p);
   at::Tensor lse = empty_lse(q);
-  if (packed) lse.fill_(-std::numeric_limits<float>::infinity());
+  p.out = out.data_ptr();
+  p.out_strides = strides_of(out);
+  p.lse = lse.data_ptr<float>();
+  if (packed) {
+    cuda::finish_rows_past_sequences(p, static_cast<int>(out.size(-1)),
+                                     at::cuda::getCurrentCUDAStream().stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   if (p.seqlen_q == 0 || p.batch == 0 || p.heads == 0) return {out, lse};
   if (p.seqlen_k == 0) {  // no key: zeros and -inf, as the 16-bit kernels give
     out.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {out, lse};
   }
-  p.out = out.data_ptr();
-  p.out_strides = strides_of(out);
-  p.lse = lse.data_ptr<float>();
 
   // V^T: [batch (sequences), heads_k, head_dim, seqlen_k (varlen: the longest) padded].
   p.v_transposed_seqlen = cuda::fwd_fp8_v_transposed_seqlen(p.seqlen_k);
