@@ -31,10 +31,47 @@
 namespace flash_attn_ext {
 namespace cuda {
 
+// The 32-bit word of a lane's keep bits (uint32_t or uint64_t) that holds bit
+// b (a compile-time constant once the caller's loops unroll), and that bit's
+// mask in it. The halves of 64-bit bits come out of an opaque mov.b64: the
+// compiler folds a plain truncation back into 64-bit shifts and compares.
+template <typename Bits>
+FAE_DEVICE uint32_t dropout_keep_word(Bits bits, int b) {
+  if constexpr (sizeof(Bits) == 4) {
+    return bits;
+  } else {
+    uint32_t lo, hi;
+    asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "l"(bits));
+    return b < 32 ? lo : hi;
+  }
+}
+
+// x if bit b of bits is set, else 0: one LOP3 into a predicate and one FSEL.
+// Written in C++, `(bits >> b) & 1u ? x : 0.f` compiled (nvcc 13, sm_90a) to
+// a shift, an AND and a compare per element, two more compares (and a funnel
+// shift) on 64-bit bits: the Hopper backward at D = 64, whose 128-query steps
+// hold 64 bits per lane, selects twice per score. The same test repeated for
+// another value is one LOP3 again after ptxas's common subexpressions.
+template <typename Bits>
+FAE_DEVICE float dropout_keep_or_zero(float x, Bits bits, int b) {
+  float out;
+  asm("{\n\t.reg .pred kept;\n\t.reg .b32 t;\n\t"
+      "and.b32 t, %1, %2;\n\tsetp.ne.u32 kept, t, 0;\n\tselp.f32 %0, %3, 0f00000000, kept;\n\t}"
+      : "=f"(out)
+      : "r"(dropout_keep_word(bits, b)), "r"(1u << (b & 31)), "f"(x));
+  return out;
+}
+
+// Whether bit b of bits is set (where a select does not follow).
+template <typename Bits>
+FAE_DEVICE bool dropout_keep_bit(Bits bits, int b) {
+  return (dropout_keep_word(bits, b) >> (b & 31)) & 1u;
+}
+
 // x * scale if bit b of bits is set, else 0.
 template <typename Bits>
 FAE_DEVICE float dropout_select(float x, Bits bits, int b, float scale) {
-  return ((bits >> b) & 1u) ? x * scale : 0.f;
+  return dropout_keep_or_zero(x * scale, bits, b);
 }
 
 // ---------------------------------------------------------------------------

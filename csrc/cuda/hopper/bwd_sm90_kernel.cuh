@@ -694,9 +694,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           row_stat_pair(dsum_smem(stage), dsum, j, d);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const bool kept = (keep >> bwd_sm90_dropout_bit(j, e)) & 1u;
-            dp[j][e] = s[j][e] * ((kept ? dp[j][e] : 0.f) - d[e % 2]);
-            s[j][e] = kept ? s[j][e] : 0.f;
+            const int bit = bwd_sm90_dropout_bit(j, e);
+            dp[j][e] = s[j][e] * (dropout_keep_or_zero(dp[j][e], keep, bit) - d[e % 2]);
+            s[j][e] = dropout_keep_or_zero(s[j][e], keep, bit);
           }
         }
       } else {
@@ -800,7 +800,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               acc[q][e] = t;  // scores_to_probs applies softcap * log2(e)
               dfds[e] = 1.f - t * t;
               if (dropout_on) {
-                dfds[e] = bwd_sm90_mark_dropped(dfds[e], keep >> bwd_sm90_dropout_bit(q, e));
+                const bool kept = dropout_keep_bit(keep, bwd_sm90_dropout_bit(q, e));
+                dfds[e] = bwd_sm90_mark_dropped(dfds[e], kept);
               }
             }
             st_shared_v4_f32(p_slot + q * 128 * 16, dfds[0], dfds[1], dfds[2], dfds[3]);
@@ -830,7 +831,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               for (int q = 0; q < kBlockM / 8; ++q) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                  acc[q][e] = bwd_sm90_mark_dropped(acc[q][e], keep >> bwd_sm90_dropout_bit(q, e));
+                  const bool kept = dropout_keep_bit(keep, bwd_sm90_dropout_bit(q, e));
+                  acc[q][e] = bwd_sm90_mark_dropped(acc[q][e], kept);
                 }
               }
             }

@@ -282,7 +282,7 @@ FAE_DEVICE void bwd_sm90_drop(float (&acc)[kCols / 8][4], BwdSm90DropoutBits<kCo
   for (int j = 0; j < kCols / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (!((bits >> bwd_sm90_dropout_bit(j, e)) & 1u)) acc[j][e] = 0.f;
+      if (!dropout_keep_bit(bits, bwd_sm90_dropout_bit(j, e))) acc[j][e] = 0.f;
     }
   }
 }
@@ -291,8 +291,8 @@ FAE_DEVICE void bwd_sm90_drop(float (&acc)[kCols / 8][4], BwdSm90DropoutBits<kCo
 // also >= 0) in fp32 with the dropped elements' sign bit set, so that one
 // word carries both the undropped value (for dS^T) and Z (for dP^T and the
 // dV operand). x >= 0 (+0 included) for every element.
-FAE_DEVICE float bwd_sm90_mark_dropped(float x, uint32_t keep) {
-  return __uint_as_float(__float_as_uint(x) | ((keep & 1u) ^ 1u) << 31);
+FAE_DEVICE float bwd_sm90_mark_dropped(float x, bool kept) {
+  return __uint_as_float(__float_as_uint(x) | (kept ? 0u : 0x80000000u));
 }
 FAE_DEVICE bool bwd_sm90_is_dropped(float x) { return (__float_as_uint(x) >> 31) != 0u; }
 
