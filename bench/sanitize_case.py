@@ -66,6 +66,25 @@ for dtype in (torch.bfloat16, torch.float32):
     used = torch.tensor([0, 17, 50], dtype=torch.int32, device="cuda")
     out = fa.flash_attn_func(q, k, v, causal=True, seqused_k=used)
     out.backward(torch.randn_like(out))
+# seqused_k on the Hopper forward (sm_90; else mma.sync): padded, with NaN in the keys and
+# values past it (a cache's unused rows: the last key tile's V rows are zeroed in shared
+# memory), and packed, D 64/128/256.
+for head_dim in (64, 128, 256):
+    used = torch.tensor([333, 0, 129, 1], dtype=torch.int32, device="cuda")
+    q = torch.randn(4, 150, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(4, 333, 2, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    for b, n in enumerate(used.tolist()):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    for causal in (False, True):
+        out = fa.flash_attn_func(q, k, v, causal=causal, seqused_k=used, num_splits=1)
+    cu = torch.tensor([0, 100, 400], dtype=torch.int32, device="cuda")
+    qv = torch.randn(400, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(400, 2, head_dim, device="cuda", dtype=torch.bfloat16)
+    out = fa.flash_attn_varlen_func(qv, kv, kv, cu, cu, 300, 300, causal=True,
+                                    seqused_k=torch.tensor([50, 257], dtype=torch.int32,
+                                                           device="cuda"))
 # Hopper backward, deterministic (dQ adds handed from CTA to CTA through counters) over
 # 140 heads (several waves of CTAs), then varlen / seqused_k at D = 64, 128 and 256 (rows past
 # a sequence zeroed in shared memory).

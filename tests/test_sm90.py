@@ -9,8 +9,8 @@ import torch
 
 import flash_attn_ext as fa
 from helpers import (alibi_slopes, assert_fa_rule, check_lse, check_out_and_grads, kernel_names,
-                     make_qkv, make_varlen, ref_and_base, reference_and_baseline,
-                     varlen_attention)
+                     make_qkv, make_varlen, padded_attention, randn, ref_and_base,
+                     reference_and_baseline, varlen_attention)
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -227,16 +227,42 @@ def test_varlen(sm90, impl, dtype, head_dim, causal):
 
 
 def test_varlen_dispatch(sm90):
-    """Varlen calls with seqused_k (a cache's unused rows may hold anything) stay on the
-    mma.sync kernels; with a variant they take the Hopper variant kernel."""
+    """Varlen calls take the Hopper forward, with seqused_k and with a variant too."""
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([100, 300], [200, 300], 4, 2, 128,
                                                     torch.bfloat16, DEVICE, requires_grad=False)
     used = torch.tensor([150, 3], dtype=torch.int32, device=DEVICE)
     assert ran_sm90(lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k))
-    assert not ran_sm90(lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
-                                                          seqused_k=used))
+    assert ran_sm90(lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                      seqused_k=used))
     assert ran_sm90(lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
                                                       softcap=30.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqused_k(sm90, dtype, head_dim, causal):
+    """seqused_k (a plain KV cache's cache_seqlens) in the Hopper forward. Padded: NaN in every
+    key and value past it (a cache's unused rows), a batch entry with no key and one with a
+    single key, more queries than keys used; packed: varlen with seqused_k."""
+    used = torch.tensor([333, 0, 129, 1], dtype=torch.int32, device=DEVICE)
+    q = randn((4, 150, 4, head_dim), dtype, DEVICE, 1)
+    k = randn((4, 333, 2, head_dim), dtype, DEVICE, 2)
+    v = randn((4, 333, 2, head_dim), dtype, DEVICE, 3)
+    k_cache, v_cache = k.clone(), v.clone()
+    for b, n in enumerate(used.tolist()):
+        k_cache[b, n:] = float("nan")
+        v_cache[b, n:] = float("nan")
+    call = lambda: fa.flash_attn_func(q, k_cache, v_cache, causal=causal, seqused_k=used,
+                                      num_splits=1, return_lse=True)  # (32 tiles: split-KV)
+    assert ran_sm90(call)
+    out, lse = call()
+    ref, base = ref_and_base(lambda q, k, v: padded_attention(q, k, v, causal, used), (q, k, v))
+    check_out_and_grads(out, None, ref, base, dtype)
+    check_lse(lse, ref[1], dtype)
+    check_varlen_sm90(dtype, head_dim, causal, [0, 1, 63, 200, 128], [5, 0, 63, 300, 257],
+                      seqused_k=torch.tensor([5, 0, 1, 130, 257], dtype=torch.int32,
+                                             device=DEVICE))
 
 
 VARLEN_VARIANTS = {  # causal, window_size, softcap, ALiBi slopes

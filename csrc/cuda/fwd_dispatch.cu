@@ -160,8 +160,8 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
 // The Hopper (wgmma + TMA) forward takes a call when it was compiled
 // (an sm_90a target), the device is sm_90, FLASH_ATTN_EXT_FWD_IMPL allows it,
 // and the call is one it implements: 16-bit, kernel head dim 64/128/256,
-// a padded batch or packed varlen sequences without seqused_k or variants
-// (fwd_sm90_takes_seqs), no split-KV, not the small-M decode tile,
+// a padded batch or packed varlen sequences, seqused_k too, no attn_mask
+// with them (fwd_sm90_takes_seqs), no split-KV, not the small-M decode tile,
 // softmax_scale > 0 (the kernel folds the scale into exp2 after the max),
 // no broadcast (stride-0) dimension. Window / softcap / ALiBi / attn_mask /
 // dropout calls take its variant instantiation (run_fwd_sm90_variants_impl).

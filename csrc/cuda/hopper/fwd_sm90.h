@@ -15,14 +15,14 @@ inline bool fwd_sm90_head_dim(int kernel_dim) {
   return kernel_dim == 64 || kernel_dim == 128 || kernel_dim == 256;
 }
 
-// The sequence layouts the Hopper forward reads: a padded batch, or packed
-// sequences (varlen, cu_seqlens; with variants too, never with an attn_mask).
-// Not seqused_k (a cache's unused rows may hold anything, and a tile reads V
-// rows past its sequence: 0 * NaN in P V), nor the KV cache addressing (TMA
-// addresses K/V by strides).
+// The sequence layouts the Hopper forward reads: a padded batch, packed
+// sequences (varlen, cu_seqlens) and key counts cut by seqused_k (a plain KV
+// cache's cache_seqlens), with variants too, never with an attn_mask (its
+// kernel has no kVarSeq instance). Rows past a sequence or past seqused_k may
+// hold anything: the kVarSeq kernel zeroes the V rows a tile reads there (0 *
+// NaN in P V). Not the KV cache addressing (TMA addresses K/V by strides).
 inline bool fwd_sm90_takes_seqs(const AttentionFwdParams& p) {
-  return !has_var_seqs(p) || (p.cu_seqlens_q != nullptr && p.seqused_k == nullptr &&
-                              !has_kv_cache_addressing(p) && p.attn_bias == nullptr);
+  return !has_var_seqs(p) || (!has_kv_cache_addressing(p) && p.attn_bias == nullptr);
 }
 
 template <typename T, int kHeadDim, bool kIsCausal>

@@ -219,13 +219,15 @@ struct FwdSm90Traits {
 // dropout (checked at run time); the calls without it take a kernel without
 // the dropout code, whose mere presence in the softmax made softcap / ALiBi
 // 4-6% slower at D = 64 (H200, same run; not at D = 128).
-// kVarSeq: packed sequences (varlen, cu_seqlens; no seqused_k, no attn_mask:
-// fwd_sm90_takes_seqs). The tensor maps span all packed rows as one batch
-// entry, and a tile's loads start at its sequence's first row: the keys a
-// tile reads past its sequence are masked (P exactly 0), the query rows not
-// stored, and the V rows zeroed in shared memory (FP8: V^T, padded per
-// sequence, holds zeros there already). The producer skips the tiles past a
-// sequence's end (the grid counts max_seqlen_q rows).
+// kVarSeq: sequences of their own lengths: packed (varlen, cu_seqlens) and/or
+// key counts cut by seqused_k (a KV cache's used rows), never with an
+// attn_mask (fwd_sm90_takes_seqs). Packed tensor maps span all packed rows as
+// one batch entry, and a tile's loads start at its sequence's first row: the
+// keys a tile reads past its sequence (or past seqused_k) are masked (P
+// exactly 0), the query rows not stored, and the V rows zeroed in shared
+// memory (FP8: V^T, padded per sequence, holds zeros there already). The
+// producer skips the tiles past a sequence's end (the grid counts max_seqlen_q
+// rows).
 template <typename Traits, bool kIsCausal, bool kHasVariants = false, bool kAttnMask = false,
           bool kDropout = kAttnMask, bool kVarSeq = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
@@ -341,10 +343,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     return tile;
   };
-  // TMA coordinates: packed sequences (kVarSeq) are one batch entry of all
-  // rows, each starting at its first row (re-read from cu_seqlens where a
-  // load needs it: the producer has no registers to hold it).
-  auto map_batch = [&](const Tile& tile) { return kVarSeq ? 0 : tile.b; };
+  // TMA coordinates: packed sequences are one batch entry of all rows, each
+  // starting at its first row (re-read from cu_seqlens where a load needs it:
+  // the producer has no registers to hold it); a padded batch with seqused_k
+  // keeps its batch entries (row0 = 0).
+  auto map_batch = [&](const Tile& tile) {
+    return kVarSeq && params.cu_seqlens_q != nullptr ? 0 : tile.b;
+  };
   auto row0_q = [&](const Tile& tile) {
     return kVarSeq ? static_cast<int>(seq_bounds<kVarSeq>(params, tile.b).row0_q) : 0;
   };
@@ -718,7 +723,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       to_p_fragments(s, p);  // P: A operand of P V
       if constexpr (kVarSeq && !kFp8) {
         // The first key tile (the sequence's last) may run past the sequence
-        // into rows that hold anything (NaN in a padded buffer's tail): its
+        // into rows that hold anything (NaN in a padded buffer's tail or in a
+        // cache's rows past seqused_k): its
         // masked P is exactly 0, but 0 * NaN is not, so those V rows become
         // zeros before either warpgroup's P V reads them. Both warpgroups get
         // here on the same tile (same key range), each past its first turn.

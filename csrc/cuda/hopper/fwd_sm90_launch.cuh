@@ -22,8 +22,10 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   // Q goes in one 64-row slice per consumer warpgroup (see FwdSm90Traits).
   // Varlen (fwd_sm90_takes_seqs): packed tensors are one batch entry of all
   // their rows (the kernel starts each sequence's tiles at its first row);
-  // FP8's V^T is padded per sequence.
+  // FP8's V^T is padded per sequence. Packed sequences and seqused_k take the
+  // kVarSeq kernel (var_seqs).
   const bool packed = params.cu_seqlens_q != nullptr;
+  const bool var_seqs = has_var_seqs(params);
   const int rows_q = packed ? static_cast<int>(params.total_q) : params.seqlen_q;
   const int rows_k = packed ? static_cast<int>(params.total_k) : params.seqlen_k;
   const int map_batch = packed ? 1 : params.batch;
@@ -48,15 +50,16 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   // Calls with an attn_mask run a variant kernel of their own (fwd_softmax.cuh);
   // each variant kernel comes with and without the dropout code (the attn_mask
   // one without it: 1.3% faster on a [1, H, S, S] bias, H100, D = 128).
-  auto kernel = packed ? flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false, false, true>
-                       : flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false>;
+  auto kernel = var_seqs
+                    ? flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false, false, true>
+                    : flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false>;
   if constexpr (kHasVariants) {
     if (params.attn_bias != nullptr) {  // (never packed)
       kernel = has_dropout(params) ? flash_fwd_sm90_kernel<Traits, kIsCausal, true, true, true>
                                    : flash_fwd_sm90_kernel<Traits, kIsCausal, true, true, false>;
     } else if (has_dropout(params)) {
-      kernel = packed ? flash_fwd_sm90_kernel<Traits, kIsCausal, true, false, true, true>
-                      : flash_fwd_sm90_kernel<Traits, kIsCausal, true, false, true>;
+      kernel = var_seqs ? flash_fwd_sm90_kernel<Traits, kIsCausal, true, false, true, true>
+                        : flash_fwd_sm90_kernel<Traits, kIsCausal, true, false, true>;
     }
   }
   const int smem_bytes =
@@ -83,9 +86,9 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   // scheduler), which balances like the hardware and, being persistent, still
   // loads the next tile under this one. Without the counter's workspace (not
   // expected: fwd_workspace_floats asks for it) causal tiles go round-robin.
-  // Variant tiles (causal, windows) and packed sequences of different lengths
-  // differ alike.
-  int* tile_counter = kIsCausal || kHasVariants || packed ? params.tile_counter : nullptr;
+  // Variant tiles (causal, windows) and sequences of different lengths
+  // (packed, seqused_k) differ alike.
+  int* tile_counter = kIsCausal || kHasVariants || var_seqs ? params.tile_counter : nullptr;
   if (tile_counter != nullptr) {
     err = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream);
     if (err != cudaSuccess) {
