@@ -213,3 +213,19 @@ def assert_compiled_matches_eager(f, inputs):
     torch.testing.assert_close(loss, eager)
     for g, e in zip(grads, eager_grads):
         torch.testing.assert_close(g, e)
+
+
+def capture_cuda_graph(step):
+    """Warms step() up twice on a side stream (allocations and lazy setup outside the graph),
+    then captures one call in a CUDA graph. Returns (graph, the captured call's outputs, which
+    each replay rewrites)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flash_attn_ext as fa
-from helpers import (check_lse, check_out_and_grads, gqa_attention, make_varlen,
-                     padded_attention, randn, ref_and_base, varlen_attention)
+from helpers import (capture_cuda_graph, check_lse, check_out_and_grads, gqa_attention,
+                     make_varlen, padded_attention, randn, ref_and_base, varlen_attention)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -460,15 +460,7 @@ def test_cuda_varlen_graph_capture(dtype, head_dim, monkeypatch):
                                              return_lse=True)
         return (out, lse) + torch.autograd.grad(out, (q_s, k_s, v_s), dout_s)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = step()
+    graph, replayed = capture_cuda_graph(step)
     for t, cu in enumerate(boundaries):
         with torch.no_grad():
             for x, seed in ((q_s, 1), (k_s, 2), (v_s, 3), (dout_s, 4)):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import flash_attn_ext as fa
-from helpers import (OPCHECK_UTILS, alibi_slopes, assert_fa_rule, batch_entry, check_lse,
-                     gqa_attention, randn)
+from helpers import (OPCHECK_UTILS, alibi_slopes, assert_fa_rule, batch_entry,
+                     capture_cuda_graph, check_lse, gqa_attention, randn)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 HEADS = 4
@@ -656,15 +656,7 @@ def _check_graph_decode_loop(case, steps, cache_equal=torch.equal):
     def step():
         return fa.flash_attn_with_kvcache(q_s, kc, vc, k=k_s, v=v_s, cache_seqlens=lengths_s, **kw)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_s = step()
+    graph, out_s = capture_cuda_graph(step)
     kc.copy_(case.k_cache)  # undo the warm-up appends
     vc.copy_(case.v_cache)
     for t in range(steps):
