@@ -19,6 +19,9 @@ Configs (H=16, D=128, flash-attn's bottom-right diagonal; Sq = Sk, so top-left i
   dropout  B=4, S=4k, causal and not: dropout_p = 0.1
 Backends: ours (flash_attn_ext with the variant), plain (ours without it: the same call minus
 the variant), flex (torch.compile(flex_attention), fresh compile per config; no dropout),
+flex_plain (flex_attention on the plain call: its causal block_mask only, no score_mod; not in
+the default set: flex_plain/plain is how much slower flex's kernel is than ours on the same
+work, so the most that flex/ours can reach for a variant that costs either side nothing),
 cudnn (torch SDPA pinned to cuDNN: with the same attn_mask / dropout_p where it takes them,
 else the plain causal / full call, a reference point only).
 Passes: fwd, and bwd alone (torch.autograd.grad with retain_graph=True on a forward built
@@ -93,6 +96,9 @@ def alibi_slopes(H, device):
 
 def make_fn(backend, cfg, H, device, dtype):
     """fn(q, k, v) on [B, H, S, D] tensors -> out [B, H, S, D]."""
+    if backend == "flex_plain":  # the plain call: the config without its variant
+        return make_fn("flex", {k: cfg[k] for k in ("name", "B", "S", "causal")}, H, device,
+                       dtype)
     causal = cfg["causal"]
     window = cfg.get("window", (-1, -1))
     softcap = cfg.get("softcap", 0.0)
@@ -196,7 +202,7 @@ def main(argv=None):
         dtype = torch.float32
     backends = [b for b in args.backends.split(",") if b]
     if device == "cpu":
-        backends = [b for b in backends if b not in ("flex", "cudnn")]
+        backends = [b for b in backends if b not in ("flex", "flex_plain", "cudnn")]
     H, D = (4, 64) if args.quick else (16, args.head_dim)
     rows = []
     wanted = set(args.only.split(",")) if args.only else None
@@ -235,7 +241,7 @@ def main(argv=None):
     print(f"\nVariants, {str(dtype).replace('torch.', '')}, D={D}, H={H}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
           f"torch {torch.__version__}, rounds {args.rounds}")
     head = f"{'config':<22}{'pass':<5}" + "".join(f"{b:>9}" for b in backends) + \
-        f"{'var/plain':>11}{'flex/ours':>11}"
+        f"{'var/plain':>11}{'flex/ours':>11}" + (f"{'flexP/plain':>12}" if "flex_plain" in backends else "")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -243,12 +249,14 @@ def main(argv=None):
         vp = ratio(r.get("ours"), r.get("plain"))
         if r["config"].startswith("window") and r.get("ours") and r.get("plain"):
             vp = f"x{r['plain'] / r['ours']:.2f}"  # the window's speed-up over full causal
-        print(f"{r['config']:<22}{r['pass_']:<5}{cells}{vp:>11}{ratio(r.get('flex'), r.get('ours')):>11}")
+        flex_plain = f"{ratio(r.get('flex_plain'), r.get('plain')):>12}" if "flex_plain" in backends else ""
+        print(f"{r['config']:<22}{r['pass_']:<5}{cells}{vp:>11}{ratio(r.get('flex'), r.get('ours')):>11}"
+              f"{flex_plain}")
         for b in backends:
             if r[b + "_note"]:
                 print(f"    {b}: {r[b + '_note']}")
     print("var/plain: time(ours) / time(plain), x: plain / ours (window speed-up); "
-          "flex/ours > 1: ours faster")
+          "flex/ours > 1: ours faster; flexP/plain: flex_plain / plain")
 
 
 if __name__ == "__main__":

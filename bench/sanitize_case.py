@@ -2,7 +2,8 @@
 forward (full, causal, split-KV + combine), fp32 forward/backward, backward
 (atomic and deterministic dQ), odd lengths and a padded head dim; then the
 variable-sequence instantiations: GQA, varlen (with an empty sequence),
-seqused_k and the KV-cache decode path; last the split-KV merge both ways (on sm_90 up to 6
+seqused_k, the KV-cache decode path and a KV-cache prefill chunk (paged, cache_batch_idx);
+last the split-KV merge both ways (on sm_90 up to 6
 16-bit decode-tile splits merge inside a thread-block cluster, more take the combine kernel),
 also on the 4-key-warp decode tile. On sm_90 the unsplit 16-bit forward cases run
 the Hopper kernel (two more cases give its persistent loop several tiles per CTA; the
@@ -85,6 +86,22 @@ for head_dim in (64, 128, 256):
     out = fa.flash_attn_varlen_func(qv, kv, kv, cu, cu, 300, 300, causal=True,
                                     seqused_k=torch.tensor([50, 257], dtype=torch.int32,
                                                            device="cuda"))
+# A KV-cache prefill chunk (150 queries) on the Hopper forward (sm_90; else mma.sync): a paged
+# cache in 16- and 256-row pages (TMA boxes per page piece / whole tiles), table entries past a
+# sequence -1, and cache_batch_idx, D 64/128/256.
+for head_dim in (64, 128, 256):
+    used = torch.tensor([333, 0, 129, 1], dtype=torch.int32, device="cuda")
+    q = torch.randn(4, 150, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+    for page in (16, 256):
+        pages = -(-333 // page)
+        k_pool = torch.randn(4 * pages + 1, page, 2, head_dim, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(4 * pages, device="cuda").view(4, pages).to(torch.int32)
+        table[1:, -1] = -1
+        out = fa.flash_attn_with_kvcache(q, k_pool, k_pool, cache_seqlens=used, block_table=table,
+                                         causal=True)
+    k_cache = torch.randn(5, 333, 2, head_dim, device="cuda", dtype=torch.bfloat16)
+    idx = torch.tensor([4, 0, 2, 1], dtype=torch.int32, device="cuda")
+    out = fa.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=used, cache_batch_idx=idx)
 # Hopper backward, deterministic (dQ adds handed from CTA to CTA through counters) over
 # 140 heads (several waves of CTAs), then varlen / seqused_k at D = 64, 128 and 256 (rows past
 # a sequence zeroed in shared memory).

@@ -265,6 +265,7 @@ inline void apply_kv_cache(AttentionFwdParams& p, const KVCacheArgs& c, const at
                 page_size, ")");
     p.block_table = t.data_ptr<int>();
     p.block_table_batch_stride = t.size(0) > 1 ? t.stride(0) : 0;
+    p.block_table_pages = static_cast<int>(t.size(1));
     p.page_size = static_cast<int>(page_size);
     p.num_pages = static_cast<int>(k.size(0));
     p.seqlen_k = static_cast<int>(capacity);

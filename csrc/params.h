@@ -209,6 +209,7 @@ struct AttentionFwdParams {
   // than out of bounds (flash_attn_ext's debug checks report it).
   const int* block_table = nullptr;
   int64_t block_table_batch_stride = 0;
+  int block_table_pages = 0;  // entries per row (max_pages)
   int page_size = 0;
   int num_pages = 0;
   // cache_batch_idx (not with a block table): batch entry b reads K / V batch

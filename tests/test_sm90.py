@@ -286,3 +286,94 @@ def test_varlen_variants(sm90, dtype, head_dim, case):
         dtype, head_dim, causal, lens_q, lens_k, window_size=window, softcap=softcap,
         alibi_slopes=alibi_slopes(alibi, len(lens_q), 4, DEVICE))
     assert (out[rows:] == 0).all()
+
+
+def paged_copy(k, used, page_size, seed):
+    """k [B, S, Hk, D] as a shuffled page pool (NaN in every pool row that no sequence uses)
+    and an int32 block table [B, max_pages] (entries past a sequence's pages: -1 or ids of
+    NaN pages, which the kernel must never let through)."""
+    batch, seqlen = k.shape[:2]
+    max_pages = -(-seqlen // page_size)
+    num_pages = batch * max_pages + 3
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randperm(num_pages, generator=gen)[:batch * max_pages].view(batch, max_pages)
+    pool = torch.full((num_pages, page_size) + tuple(k.shape[2:]), float("nan"), dtype=k.dtype,
+                      device=k.device)
+    for b, n in enumerate(used):
+        for i in range(-(-n // page_size)):
+            rows = min(page_size, n - i * page_size)
+            pool[table[b, i], :rows] = k[b, i * page_size:i * page_size + rows]
+        table[b, -(-n // page_size):] = -1 if b % 2 else table[b, -1].item()
+    return pool, table.to(torch.int32).to(k.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_paged_kv_cache(sm90, dtype, head_dim, causal, page_size):
+    """A prefill chunk (150 queries) against a paged KV cache in the Hopper forward: shuffled
+    pages, NaN in every unused pool row, table entries past a sequence -1 or naming NaN
+    pages, cache_seqlens with an empty and a one-key sequence, GQA; page sizes below, equal
+    to and above the key tile (16-row TMA boxes per page piece, or whole tiles)."""
+    used = [333, 0, 129, 1]
+    q = randn((4, 150, 4, head_dim), dtype, DEVICE, 1)
+    k = randn((4, 333, 2, head_dim), dtype, DEVICE, 2)
+    v = randn((4, 333, 2, head_dim), dtype, DEVICE, 3)
+    k_pool, table = paged_copy(k, used, page_size, 4)
+    v_pool, _ = paged_copy(v, used, page_size, 4)
+    cache_seqlens = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    call = lambda: fa.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=cache_seqlens,
+                                              block_table=table, causal=causal,
+                                              return_softmax_lse=True)
+    assert ran_sm90(call)
+    out, lse = call()
+    ref, base = ref_and_base(
+        lambda q, k, v: padded_attention(q, k, v, causal, cache_seqlens), (q, k, v))
+    check_out_and_grads(out, None, ref, base, dtype)
+    check_lse(lse, ref[1], dtype)
+
+
+@pytest.mark.parametrize("mode", ["paged", "batch_idx", "varlen_paged"])
+def test_kv_cache_prefill_matches_mma(sm90, impl, mode):
+    """Hopper vs mma.sync on the same KV-cache prefill calls: appending new keys across pages
+    (paged), cache_batch_idx picking permuted cache rows, packed queries against a paged
+    cache (varlen + block_table) with a window and softcap; page sizes that are not a power
+    of two stay on mma.sync."""
+    dtype, D, page = torch.bfloat16, 128, 32
+    q = randn((3, 70, 4, D), dtype, DEVICE, 5)
+    new_k, new_v = randn((3, 70, 2, D), dtype, DEVICE, 6), randn((3, 70, 2, D), dtype, DEVICE, 7)
+    lengths = torch.tensor([100, 0, 37], dtype=torch.int32, device=DEVICE)
+    if mode == "batch_idx":
+        k_cache = randn((5, 300, 2, D), dtype, DEVICE, 8)
+        v_cache = randn((5, 300, 2, D), dtype, DEVICE, 9)
+        idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+        kw = dict(cache_batch_idx=idx, k=new_k, v=new_v, cache_seqlens=lengths, causal=True)
+    else:
+        k_cache = randn((40, page, 2, D), dtype, DEVICE, 8)
+        v_cache = randn((40, page, 2, D), dtype, DEVICE, 9)
+        table = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:30]
+        table = table.view(3, 10).to(torch.int32).to(DEVICE)
+        kw = dict(block_table=table, k=new_k, v=new_v, cache_seqlens=lengths, causal=True)
+
+    def call():
+        if mode != "varlen_paged":
+            kc, vc = k_cache.clone(), v_cache.clone()  # the append writes into the cache
+            return fa.flash_attn_with_kvcache(q, kc, vc, **kw)
+        cu_q = torch.tensor([0, 70, 70, 140], dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor([0, 300, 301, 401], dtype=torch.int32, device=DEVICE)
+        return fa.flash_attn_varlen_func(q[:2].reshape(140, 4, D), k_cache, v_cache, cu_q, cu_k,
+                                         70, 300, causal=True, block_table=table,
+                                         window_size=(90, 0), softcap=30.0)
+    assert ran_sm90(call)
+    out = call()
+    impl("mma")
+    ref = call()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
+    if mode == "paged":
+        impl("auto")
+        k_odd = k_cache[:36].reshape(24, 48, 2, D)  # 48-row pages: mma.sync
+        v_odd = v_cache[:36].reshape(24, 48, 2, D)
+        table_odd = table[:, :6].remainder(24).contiguous()
+        assert not ran_sm90(lambda: fa.flash_attn_with_kvcache(
+            q, k_odd.clone(), v_odd.clone(), cache_seqlens=lengths, block_table=table_odd))

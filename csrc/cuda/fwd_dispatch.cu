@@ -160,32 +160,31 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
 // The Hopper (wgmma + TMA) forward takes a call when it was compiled
 // (an sm_90a target), the device is sm_90, FLASH_ATTN_EXT_FWD_IMPL allows it,
 // and the call is one it implements: 16-bit, kernel head dim 64/128/256,
-// a padded batch or packed varlen sequences, seqused_k too, no attn_mask
-// with them (fwd_sm90_takes_seqs), no split-KV, not the small-M decode tile,
-// softmax_scale > 0 (the kernel folds the scale into exp2 after the max),
-// no broadcast (stride-0) dimension. Window / softcap / ALiBi / attn_mask /
-// dropout calls take its variant instantiation (run_fwd_sm90_variants_impl).
-// Never KV cache addressing (block table, cache_batch_idx, left padding): its
-// TMA maps address K/V by (batch, row) strides, so those calls run the
-// mma.sync decode kernels (has_var_seqs also excludes them; this says so).
-// Nor an FP8 KV cache (16-bit q, e4m3 K/V): the mma.sync decode kernels too.
+// a padded batch or packed varlen sequences, seqused_k, a paged KV cache or
+// cache_batch_idx (a prefill chunk: more than 16 query rows), no attn_mask or
+// cache_leftpad with them (fwd_sm90_takes_seqs), no split-KV, not the small-M
+// decode tile, softmax_scale > 0 (the kernel folds the scale into exp2 after
+// the max), no broadcast (stride-0) dimension. Window / softcap / ALiBi /
+// attn_mask / dropout calls take its variant instantiation
+// (run_fwd_sm90_variants_impl). Never an FP8 KV cache (16-bit q, e4m3 K/V):
+// the mma.sync decode kernels.
 bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 #ifdef FAE_HAS_SM90A
   if (kernel_impl_requested("FLASH_ATTN_EXT_FWD_IMPL") == KernelImpl::kMma) return false;
-  if (fwd_runs_kvcache_kernels(params)) return false;
+  if (params.kv_dtype == DType::kFloat8E4M3) return false;
   // Packed (varlen) tensors are one batch entry of all their rows.
   const bool packed = params.cu_seqlens_q != nullptr;
   const int64_t rows_q = packed ? params.total_q : params.seqlen_q;
-  const int64_t rows_k = packed ? params.total_k : params.seqlen_k;
   const int map_batch = packed ? 1 : params.batch;
+  const KVMapShape kv = fwd_sm90_kv_map_shape(params);
   return params.dtype != DType::kFloat32 && fwd_sm90_head_dim(kernel_dim) &&
          fwd_sm90_takes_seqs(params) && params.num_splits <= 1 &&
          params.fwd_tile == kFwdTileAuto && !fwd_uses_decode_tile(params) &&
          params.scale_log2 > 0.f && params.heads <= 65535 && params.batch <= 65535 &&
-         rows_q <= INT32_MAX && rows_k <= INT32_MAX &&
+         rows_q <= INT32_MAX && kv.rows <= INT32_MAX && kv.batch <= INT32_MAX &&
          tma_strides_ok(params.q_strides, rows_q, params.heads, map_batch) &&
-         tma_strides_ok(params.k_strides, rows_k, params.heads_k, map_batch) &&
-         tma_strides_ok(params.v_strides, rows_k, params.heads_k, map_batch) &&
+         tma_strides_ok(params.k_strides, kv.rows, params.heads_k, static_cast<int>(kv.batch)) &&
+         tma_strides_ok(params.v_strides, kv.rows, params.heads_k, static_cast<int>(kv.batch)) &&
          device_is_sm90();
 #else
   (void)params;
@@ -202,7 +201,7 @@ void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
     if (params.kv_dtype == DType::kFloat8E4M3) {  // an FP8 KV cache: its decode tiles
       return run_fwd_kvcache_fp8_impl<T, decltype(dim_tag)::value>(params, stream);
     }
-    if (has_kv_cache_addressing(params)) {  // decode tiles with cache addressing
+    if (has_kv_cache_addressing(params) && !sm90) {  // decode tiles with cache addressing
       return run_fwd_kvcache_impl<T, decltype(dim_tag)::value>(params, stream);
     }
     if (has_variants(params)) {  // causal or not: the variant kernels' Mask
@@ -301,12 +300,15 @@ static int heuristic_splits(const AttentionFwdParams& params, int num_sms) {
 // A forced split count > 1 keeps the one-warp tile.
 // KV cache addressing and FP8 KV caches are compiled for the decode tiles only
 // (run_fwd_kvcache_impl, run_fwd_kvcache_fp8_impl): such calls run them at any
-// seqlen_q (a forced large tile included). Correct for any shape; a long query
-// (a paged prefill chunk) then re-reads K/V once per 16 query rows instead of
-// once per 128.
+// seqlen_q (a forced large tile included), unless the Hopper forward takes a
+// longer query (a paged / cache_batch_idx prefill chunk, use_sm90_forward:
+// 1.9-4.6x faster, H100, bench/bench_paged_prefill.py). The decode tiles are
+// correct for any shape, but a long query re-reads K/V once per 16 query rows
+// there instead of once per 128.
 void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {
   if (params.dtype == DType::kFloat32 || params.head_dim <= 0 || params.head_dim > 256) return;
-  if (fwd_runs_kvcache_kernels(params) && !fwd_uses_decode_tile(params)) {
+  if (fwd_runs_kvcache_kernels(params) && !fwd_uses_decode_tile(params) &&
+      !use_sm90_forward(params, fwd_rounded_head_dim(params.head_dim))) {
     params.fwd_tile = kFwdTileSmallM;
   }
   if (params.fwd_tile != kFwdTileAuto || params.num_splits > 1 || !fwd_uses_decode_tile(params)) {
@@ -327,6 +329,11 @@ int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
   // The fp32 SIMT path has no split-KV.
   if (params.dtype == DType::kFloat32) return 1;
   if (params.head_dim <= 0 || params.head_dim > 256) return 1;
+  // A KV cache call left on the auto tile past the decode rows: the Hopper
+  // forward's (fwd_choose_tile), which does not split.
+  if (params.num_splits <= 0 && fwd_runs_kvcache_kernels(params) && !fwd_uses_decode_tile(params)) {
+    return 1;
+  }
   if (params.num_splits > 0) {
     // Forced: at most one key tile per split, and within the grid's y limit.
     const int n_blocks = ceil_div(params.seqlen_k, call_tile_shape(params).block_n);

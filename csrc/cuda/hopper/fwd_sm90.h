@@ -16,13 +16,44 @@ inline bool fwd_sm90_head_dim(int kernel_dim) {
 }
 
 // The sequence layouts the Hopper forward reads: a padded batch, packed
-// sequences (varlen, cu_seqlens) and key counts cut by seqused_k (a plain KV
-// cache's cache_seqlens), with variants too, never with an attn_mask (its
-// kernel has no kVarSeq instance). Rows past a sequence or past seqused_k may
-// hold anything: the kVarSeq kernel zeroes the V rows a tile reads there (0 *
-// NaN in P V). Not the KV cache addressing (TMA addresses K/V by strides).
+// sequences (varlen, cu_seqlens), key counts cut by seqused_k (a KV cache's
+// cache_seqlens), and the KV cache's indirections, a paged cache (block_table)
+// and cache_batch_idx, with variants too; never with an attn_mask (its kernel
+// has no kVarSeq instance) or cache_leftpad (keys starting mid-cache). Rows
+// past a sequence or past seqused_k may hold anything: the kVarSeq kernel
+// zeroes the V rows a tile reads there (0 * NaN in P V).
+// A paged cache's pages must hold 2^k rows (16, 32, ... 256: what serving
+// stacks use; the kernel's producer shifts instead of dividing); other page
+// sizes run the mma.sync kernels.
 inline bool fwd_sm90_takes_seqs(const AttentionFwdParams& p) {
-  return !has_var_seqs(p) || (!has_kv_cache_addressing(p) && p.attn_bias == nullptr);
+  const bool pages_ok = p.block_table == nullptr || (p.page_size & (p.page_size - 1)) == 0;
+  return !has_var_seqs(p) || (p.leftpad_k == nullptr && p.attn_bias == nullptr && pages_ok);
+}
+
+// The K / V tensors as the forward's TMA maps see them: [batch][rows][heads_k]
+// [head_dim]. Padded: the batch; packed: one entry of all rows; a paged cache:
+// its pool, a page per entry ([num_pages][page_size]); cache_batch_idx: the
+// cache's own batch entries.
+struct KVMapShape {
+  int64_t rows;
+  int64_t batch;
+};
+inline KVMapShape fwd_sm90_kv_map_shape(const AttentionFwdParams& p) {
+  if (p.block_table != nullptr) return {p.page_size, p.num_pages};
+  if (p.cu_seqlens_q != nullptr) return {p.total_k, 1};
+  return {p.seqlen_k, p.kv_batch_idx != nullptr ? p.kv_batch : p.batch};
+}
+
+// Rows per TMA box of a paged K / V tile: the largest of 128, 64, 32, 16 that
+// divides both the key tile and the page (page sizes are multiples of
+// kKVPageRowAlign = 16, key tiles of 16), or the whole tile where pages hold
+// whole tiles. A box then never crosses a page, and its rows start at a
+// multiple of 8 rows of the tile, which keeps the 128-byte swizzle pattern.
+FAE_HOST_DEVICE int fwd_sm90_paged_box_rows(int page_size, int block_n) {
+  if (page_size % block_n == 0) return block_n;
+  int rows = 128;
+  while (block_n % rows != 0 || page_size % rows != 0) rows /= 2;
+  return rows;
 }
 
 template <typename T, int kHeadDim, bool kIsCausal>

@@ -36,6 +36,7 @@
 #include "../common/dropout_tile.cuh"
 #include "../common/fwd_softmax.cuh"
 #include "../common/mask_blocks.cuh"
+#include "fwd_sm90.h"
 #include "sm90_primitives.cuh"
 #include "wgmma_ops.cuh"
 
@@ -220,8 +221,9 @@ struct FwdSm90Traits {
 // the dropout code, whose mere presence in the softmax made softcap / ALiBi
 // 4-6% slower at D = 64 (H200, same run; not at D = 128).
 // kVarSeq: sequences of their own lengths: packed (varlen, cu_seqlens) and/or
-// key counts cut by seqused_k (a KV cache's used rows), never with an
-// attn_mask (fwd_sm90_takes_seqs). Packed tensor maps span all packed rows as
+// key counts cut by seqused_k (a KV cache's used rows) and/or the KV cache's
+// indirections (a paged cache's block_table, cache_batch_idx: load_kv_tile),
+// never with an attn_mask (fwd_sm90_takes_seqs). Packed tensor maps span all packed rows as
 // one batch entry, and a tile's loads start at its sequence's first row: the
 // keys a tile reads past its sequence (or past seqused_k) are masked (P
 // exactly 0), the query rows not stored, and the V rows zeroed in shared
@@ -356,6 +358,50 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto row0_k = [&](const Tile& tile) {
     return kVarSeq ? static_cast<int>(seq_bounds<kVarSeq>(params, tile.b).row0_k) : 0;
   };
+  // K / V tile n_block of the tile's sequence into shared memory (the key
+  // rows [n_block * kBlockN, + kBlockN) of the sequence; fwd_sm90_kv_map_shape
+  // has the maps). A paged cache (kVarSeq kernels; pages of 2^k rows, so the
+  // page and the row in it are a shift and a mask: a division left the
+  // 24-register producer spilling): one box per page piece, each from the
+  // page that the sequence's block_table row names. Rows past the sequence
+  // read whatever page the table has there (masked, K, or zeroed, V, like any
+  // row past seqused_k); table indices stay inside the row and page ids are
+  // clamped to the pool, so a bad table reads wrong keys, never outside the
+  // pool, as kv_row() does in the other kernels. cache_batch_idx: the batch
+  // entry's cache row, clamped alike.
+  auto load_kv_tile = [&](const CUtensorMap* map, uint32_t smem, uint32_t full, const Tile& tile,
+                          int n_block) {
+    if constexpr (kVarSeq) {
+      if (params.block_table != nullptr) {
+        // One TMA box per page piece: 16-row pages at D = 128 issue 16 boxes
+        // per K or V tile, which the one producer thread cannot issue under a
+        // tile's GEMMs (2.4x the contiguous cache's time; 64-row pages 1.2x,
+        // whole-tile pages 1.0x, H100). Reading all of a tile's table entries
+        // first (unrolled, spilling) or prefetching them to L1 measured slower:
+        // the box count, not the look-ups, is the cost (docs/PERFORMANCE.md).
+        const int* table = params.block_table + tile.b * params.block_table_batch_stride;
+        const int page_shift = 31 - __clz(params.page_size);
+        const int box_rows = fwd_sm90_paged_box_rows(params.page_size, kBlockN);
+        for (int r = 0; r < kBlockN; r += box_rows) {
+          const int key = n_block * kBlockN + r;
+          const int page = min(max(table[min(key >> page_shift, params.block_table_pages - 1)], 0),
+                               params.num_pages - 1);
+#pragma unroll
+          for (int c = 0; c < kChunks; ++c) {
+            tma_load_4d(smem + (c * kBlockN + r) * 128, map, full, c * Traits::kChunkCols,
+                        key & (params.page_size - 1), tile.h_k, page);
+          }
+        }
+        return;
+      }
+    }
+    int batch = map_batch(tile);
+    if (kVarSeq && params.kv_batch_idx != nullptr) {
+      batch = min(max(params.kv_batch_idx[tile.b], 0), params.kv_batch - 1);
+    }
+    tma_load_tile<kChunks, Traits::kChunkCols>(map, smem, kBlockN, full,
+                                               row0_k(tile) + n_block * kBlockN, tile.h_k, batch);
+  };
   // Warp-uniform (shuffled from lane 0), so the role branches below are
   // uniform and the value is not kept (spilled) across setmaxnreg.
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
@@ -442,8 +488,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             st_shared_b32(mask_reads_slot(stage), reads);
           }
           mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
-          tma_load_tile<kChunks, Traits::kChunkCols>(&tmap_k, k_smem(stage), kBlockN, k_full(stage),
-                                 row0_k(tile) + n_block * kBlockN, tile.h_k, map_batch(tile));
+          load_kv_tile(&tmap_k, k_smem(stage), k_full(stage), tile, n_block);
         };
         auto load_v = [&](int n_block, int count) {
           const int stage = count % kStages;
@@ -459,8 +504,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                           n_block * kBlockN + c * 128, 0, tile.h_k, tile.b);
             }
           } else {
-            tma_load_tile<kChunks>(&tmap_v, v_smem(stage), kBlockN, v_full(stage),
-                                   row0_k(tile) + n_block * kBlockN, tile.h_k, map_batch(tile));
+            load_kv_tile(&tmap_v, v_smem(stage), v_full(stage), tile, n_block);
           }
         };
         // The tile's first K goes out before its Q: its stage was freed by

@@ -24,11 +24,18 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   // their rows (the kernel starts each sequence's tiles at its first row);
   // FP8's V^T is padded per sequence. Packed sequences and seqused_k take the
   // kVarSeq kernel (var_seqs).
+  // A paged cache's maps address its pool (boxes of a page piece) and
+  // cache_batch_idx's the cache's batch entries (fwd_sm90_kv_map_shape).
   const bool packed = params.cu_seqlens_q != nullptr;
   const bool var_seqs = has_var_seqs(params);
   const int rows_q = packed ? static_cast<int>(params.total_q) : params.seqlen_q;
-  const int rows_k = packed ? static_cast<int>(params.total_k) : params.seqlen_k;
   const int map_batch = packed ? 1 : params.batch;
+  const KVMapShape kv_shape = fwd_sm90_kv_map_shape(params);
+  const int rows_k = static_cast<int>(kv_shape.rows);
+  const int kv_batch = static_cast<int>(kv_shape.batch);
+  const int kv_box_rows = params.block_table != nullptr
+                              ? fwd_sm90_paged_box_rows(params.page_size, Traits::kBlockN)
+                              : Traits::kBlockN;
   CUtensorMap tmap_q, tmap_k, tmap_v;
   if constexpr (Traits::kFp8) {
     tmap_q = make_attention_tensor_map_e4m3(params.q, params.head_dim, rows_q, params.heads,
@@ -42,9 +49,9 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
     tmap_q = make_attention_tensor_map(params.q, kBf16, params.head_dim, rows_q, params.heads,
                                        map_batch, params.q_strides, Traits::kQSliceRows);
     tmap_k = make_attention_tensor_map(params.k, kBf16, params.head_dim, rows_k, params.heads_k,
-                                       map_batch, params.k_strides, Traits::kBlockN);
+                                       kv_batch, params.k_strides, kv_box_rows);
     tmap_v = make_attention_tensor_map(params.v, kBf16, params.head_dim, rows_k, params.heads_k,
-                                       map_batch, params.v_strides, Traits::kBlockN);
+                                       kv_batch, params.v_strides, kv_box_rows);
   }
 
   // Calls with an attn_mask run a variant kernel of their own (fwd_softmax.cuh);
