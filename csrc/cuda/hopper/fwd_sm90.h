@@ -44,16 +44,16 @@ inline KVMapShape fwd_sm90_kv_map_shape(const AttentionFwdParams& p) {
   return {p.seqlen_k, p.kv_batch_idx != nullptr ? p.kv_batch : p.batch};
 }
 
-// Rows per TMA box of a paged K / V tile: the largest of 128, 64, 32, 16 that
-// divides both the key tile and the page (page sizes are multiples of
-// kKVPageRowAlign = 16, key tiles of 16), or the whole tile where pages hold
-// whole tiles. A box then never crosses a page, and its rows start at a
-// multiple of 8 rows of the tile, which keeps the 128-byte swizzle pattern.
+// Rows per TMA box of a paged K / V tile: the largest power of two that
+// divides both the key tile and the page (pages of 2^k >= 16 rows,
+// fwd_sm90_takes_seqs; key tiles of 16m rows), i.e. the whole tile where pages
+// hold whole tiles. A box then never crosses a page, and its rows start at a
+// multiple of 8 rows of the tile, which keeps the 128-byte swizzle pattern. No
+// division: the kernel's one producer thread evaluates it per tile (a loop of
+// run-time remainders took a quarter of its time).
 FAE_HOST_DEVICE int fwd_sm90_paged_box_rows(int page_size, int block_n) {
-  if (page_size % block_n == 0) return block_n;
-  int rows = 128;
-  while (block_n % rows != 0 || page_size % rows != 0) rows /= 2;
-  return rows;
+  const int tile_pow2 = block_n & -block_n;
+  return page_size < tile_pow2 ? page_size : tile_pow2;
 }
 
 template <typename T, int kHeadDim, bool kIsCausal>

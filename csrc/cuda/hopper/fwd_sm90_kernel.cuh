@@ -374,11 +374,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if constexpr (kVarSeq) {
       if (params.block_table != nullptr) {
         // One TMA box per page piece: 16-row pages at D = 128 issue 16 boxes
-        // per K or V tile, which the one producer thread cannot issue under a
-        // tile's GEMMs (2.4x the contiguous cache's time; 64-row pages 1.2x,
-        // whole-tile pages 1.0x, H100). Reading all of a tile's table entries
-        // first (unrolled, spilling) or prefetching them to L1 measured slower:
-        // the box count, not the look-ups, is the cost (docs/PERFORMANCE.md).
+        // per K or V tile, ~60 producer instructions each, more than the one
+        // producer thread gets through under a tile's GEMMs (1.7x the
+        // contiguous cache's time; 64-row pages 1.02x, whole-tile pages 1.0x,
+        // H100). Reading all of a tile's table entries first (unrolled,
+        // spilling) or prefetching them to L1 measured slower: the boxes, not
+        // the look-ups, cost (docs/PERFORMANCE.md).
         const int* table = params.block_table + tile.b * params.block_table_batch_stride;
         const int page_shift = 31 - __clz(params.page_size);
         const int box_rows = fwd_sm90_paged_box_rows(params.page_size, kBlockN);
