@@ -358,6 +358,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto row0_k = [&](const Tile& tile) {
     return kVarSeq ? static_cast<int>(seq_bounds<kVarSeq>(params, tile.b).row0_k) : 0;
   };
+  // The producer: one thread, or in the kVarSeq kernels the whole first warp
+  // (lane 0 alone claims tiles, arrives on barriers and issues the Q and
+  // whole-tile copies; every lane issues a paged tile's boxes, load_kv_tile).
+  constexpr int kProducerLanes = kVarSeq ? 32 : 1;
+  constexpr unsigned kProducerMask = kVarSeq ? 0xffffffffu : 1u;
   // K / V tile n_block of the tile's sequence into shared memory (the key
   // rows [n_block * kBlockN, + kBlockN) of the sequence; fwd_sm90_kv_map_shape
   // has the maps). A paged cache (kVarSeq kernels; pages of 2^k rows, so the
@@ -370,20 +375,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // pool, as kv_row() does in the other kernels. cache_batch_idx: the batch
   // entry's cache row, clamped alike.
   auto load_kv_tile = [&](const CUtensorMap* map, uint32_t smem, uint32_t full, const Tile& tile,
-                          int n_block) {
+                          int n_block, int lane) {
     if constexpr (kVarSeq) {
       if (params.block_table != nullptr) {
-        // One TMA box per page piece: 16-row pages at D = 128 issue 16 boxes
-        // per K or V tile, ~60 producer instructions each, more than the one
-        // producer thread gets through under a tile's GEMMs (1.7x the
-        // contiguous cache's time; 64-row pages 1.02x, whole-tile pages 1.0x,
-        // H100). Reading all of a tile's table entries first (unrolled,
-        // spilling) or prefetching them to L1 measured slower: the boxes, not
-        // the look-ups, cost (docs/PERFORMANCE.md).
+        // One TMA box per page piece, lane i of the producer warp taking
+        // pieces i, i + 32, ...: 16-row pages at D = 128 need 16 boxes per K
+        // or V tile, ~60 instructions each (table read, coordinates into
+        // uniform registers, issue), which one thread did not get through
+        // under a tile's GEMMs (H100: 1.7x the contiguous cache's time, 1.1x
+        // with the warp).
         const int* table = params.block_table + tile.b * params.block_table_batch_stride;
         const int page_shift = 31 - __clz(params.page_size);
         const int box_rows = fwd_sm90_paged_box_rows(params.page_size, kBlockN);
-        for (int r = 0; r < kBlockN; r += box_rows) {
+        for (int r = lane * box_rows; r < kBlockN; r += kProducerLanes * box_rows) {
           const int key = n_block * kBlockN + r;
           const int page = min(max(table[min(key >> page_shift, params.block_table_pages - 1)], 0),
                                params.num_pages - 1);
@@ -400,8 +404,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (kVarSeq && params.kv_batch_idx != nullptr) {
       batch = min(max(params.kv_batch_idx[tile.b], 0), params.kv_batch - 1);
     }
-    tma_load_tile<kChunks, Traits::kChunkCols>(map, smem, kBlockN, full,
-                                               row0_k(tile) + n_block * kBlockN, tile.h_k, batch);
+    if (lane == 0) {
+      tma_load_tile<kChunks, Traits::kChunkCols>(map, smem, kBlockN, full,
+                                                 row0_k(tile) + n_block * kBlockN, tile.h_k, batch);
+    }
   };
   // Warp-uniform (shuffled from lane 0), so the role branches below are
   // uniform and the value is not kept (spilled) across setmaxnreg.
@@ -425,16 +431,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (warpgroup == 0) {
     // ---------------- producer ----------------
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x == 0) {
-      prefetch_tensor_map(&tmap_q);
-      prefetch_tensor_map(&tmap_k);
-      prefetch_tensor_map(&tmap_v);
+    if (threadIdx.x < kProducerLanes) {
+      const int lane = threadIdx.x;
+      const bool leader = lane == 0;
+      if (leader) {
+        prefetch_tensor_map(&tmap_q);
+        prefetch_tensor_map(&tmap_k);
+        prefetch_tensor_map(&tmap_v);
+      }
       int kv_count = 0;  // K/V tiles loaded so far: ring stage and phase
       int t = blockIdx.x;
       // The next tile to claim: round-robin, or from the tile counter.
       auto next_tile = [&](int current) {
-        return tile_counter != nullptr ? atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x)
-                                       : current + static_cast<int>(gridDim.x);
+        if (tile_counter == nullptr) return current + static_cast<int>(gridDim.x);
+        const int claimed = leader ? atomicAdd(tile_counter, 1) : 0;
+        return __shfl_sync(kProducerMask, claimed, 0) + static_cast<int>(gridDim.x);
       };
       for (int tile_count = 0;; ++tile_count) {
         // A Q slice (and its tile slot) is free once the warpgroup reading it
@@ -444,6 +455,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             const int u = Traits::kConsumerWarpgroups * tile_count + wg;
             const int slot = q_slot_of(u);
             mbar_wait(q_empty(slot), q_phase_of(u) ^ 1);
+            if (!leader) continue;
             st_shared_b32(tile_slot(slot), static_cast<uint32_t>(t));
             if (kAttnMask && tile != nullptr) {
               st_shared_b32(tile_slot(slot) + 4, static_cast<uint32_t>(tile->keys.begin));
@@ -486,16 +498,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               reads = (attn_mask_block_at(params, row0, n_block) & kMaskBlockMasks ? 1u : 0u) |
                       (attn_mask_block_at(params, row1, n_block) & kMaskBlockMasks ? 2u : 0u);
             }
-            st_shared_b32(mask_reads_slot(stage), reads);
+            if (leader) st_shared_b32(mask_reads_slot(stage), reads);
           }
-          mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
-          load_kv_tile(&tmap_k, k_smem(stage), k_full(stage), tile, n_block);
+          if (leader) mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
+          __syncwarp(kProducerMask);
+          load_kv_tile(&tmap_k, k_smem(stage), k_full(stage), tile, n_block, lane);
         };
         auto load_v = [&](int n_block, int count) {
           const int stage = count % kStages;
           mbar_wait(v_empty(stage), ((count / kStages) & 1) ^ 1);
-          mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
+          if (leader) mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
+          __syncwarp(kProducerMask);
           if constexpr (kFp8) {
+            if (!leader) return;
             // V^T [head_dim x keys]: boxes of 128 keys, every head-dim row
             // (varlen: V^T is padded per sequence, so the batch coordinate is
             // the sequence's and the keys start at 0).
@@ -505,7 +520,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                           n_block * kBlockN + c * 128, 0, tile.h_k, tile.b);
             }
           } else {
-            load_kv_tile(&tmap_v, v_smem(stage), v_full(stage), tile, n_block);
+            load_kv_tile(&tmap_v, v_smem(stage), v_full(stage), tile, n_block, lane);
           }
         };
         // The tile's first K goes out before its Q: its stage was freed by
