@@ -49,8 +49,8 @@ inline KVMapShape fwd_sm90_kv_map_shape(const AttentionFwdParams& p) {
 // fwd_sm90_takes_seqs; key tiles of 16m rows), i.e. the whole tile where pages
 // hold whole tiles. A box then never crosses a page, and its rows start at a
 // multiple of 8 rows of the tile, which keeps the 128-byte swizzle pattern. No
-// division: the kernel's one producer thread evaluates it per tile (a loop of
-// run-time remainders took a quarter of its time).
+// division: the kernel's producer evaluates it per tile (a loop of run-time
+// remainders took a quarter of a one-thread producer's time).
 FAE_HOST_DEVICE int fwd_sm90_paged_box_rows(int page_size, int block_n) {
   const int tile_pow2 = block_n & -block_n;
   return page_size < tile_pow2 ? page_size : tile_pow2;

@@ -10,6 +10,8 @@
 //       count % kStages) once the consumers released that stage, and after
 //       the first K the tile's Q, one 64-row slice per consumer warpgroup,
 //       each once that warpgroup ran the previous tile's last Q K^T.
+//       (kVarSeq kernels: its first warp, lane 0 doing the above and every
+//       lane a share of a paged K/V tile's per-page copies.)
 //   warpgroups 1, 2 (consumers, 240 registers): rows [64w, 64w + 64) of the
 //       query tile each; per key tile j, software-pipelined:
 //       S_j = Q K_j^T            wgmma SS (Q, K both K-major in smem)
@@ -223,8 +225,9 @@ struct FwdSm90Traits {
 // kVarSeq: sequences of their own lengths: packed (varlen, cu_seqlens) and/or
 // key counts cut by seqused_k (a KV cache's used rows) and/or the KV cache's
 // indirections (a paged cache's block_table, cache_batch_idx: load_kv_tile),
-// never with an attn_mask (fwd_sm90_takes_seqs). Packed tensor maps span all packed rows as
-// one batch entry, and a tile's loads start at its sequence's first row: the
+// never with an attn_mask (fwd_sm90_takes_seqs). Packed tensor maps span all
+// packed rows as one batch entry, and a tile's loads start at its sequence's
+// first row: the
 // keys a tile reads past its sequence (or past seqused_k) are masked (P
 // exactly 0), the query rows not stored, and the V rows zeroed in shared
 // memory (FP8: V^T, padded per sequence, holds zeros there already). The
@@ -366,8 +369,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // K / V tile n_block of the tile's sequence into shared memory (the key
   // rows [n_block * kBlockN, + kBlockN) of the sequence; fwd_sm90_kv_map_shape
   // has the maps). A paged cache (kVarSeq kernels; pages of 2^k rows, so the
-  // page and the row in it are a shift and a mask: a division left the
-  // 24-register producer spilling): one box per page piece, each from the
+  // page and the row in it are a shift and a mask: a division made the
+  // 24-register producer spill): one box per page piece, each from the
   // page that the sequence's block_table row names. Rows past the sequence
   // read whatever page the table has there (masked, K, or zeroed, V, like any
   // row past seqused_k); table indices stay inside the row and page ids are
