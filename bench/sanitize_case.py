@@ -2,7 +2,7 @@
 forward (full, causal, split-KV + combine), fp32 forward/backward, backward
 (atomic and deterministic dQ), odd lengths and a padded head dim; then the
 variable-sequence instantiations: GQA, varlen (with an empty sequence),
-seqused_k, the KV-cache decode path and a KV-cache prefill chunk (paged, cache_batch_idx);
+seqused_k, the KV-cache decode path and a KV-cache prefill chunk (paged, cache_batch_idx, cache_leftpad);
 last the split-KV merge both ways (on sm_90 up to 6
 16-bit decode-tile splits merge inside a thread-block cluster, more take the combine kernel),
 also on the 4-key-warp decode tile. On sm_90 the unsplit 16-bit forward cases run
@@ -88,7 +88,7 @@ for head_dim in (64, 128, 256):
                                                            device="cuda"))
 # A KV-cache prefill chunk (150 queries) on the Hopper forward (sm_90; else mma.sync): a paged
 # cache in 16- and 256-row pages (TMA boxes per page piece / whole tiles), table entries past a
-# sequence -1, and cache_batch_idx, D 64/128/256.
+# sequence -1, cache_batch_idx and cache_leftpad, D 64/128/256.
 for head_dim in (64, 128, 256):
     used = torch.tensor([333, 0, 129, 1], dtype=torch.int32, device="cuda")
     q = torch.randn(4, 150, 4, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -102,6 +102,9 @@ for head_dim in (64, 128, 256):
     k_cache = torch.randn(5, 333, 2, head_dim, device="cuda", dtype=torch.bfloat16)
     idx = torch.tensor([4, 0, 2, 1], dtype=torch.int32, device="cuda")
     out = fa.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=used, cache_batch_idx=idx)
+    pad = torch.tensor([7, 0, 100, 1], dtype=torch.int32, device="cuda")
+    out = fa.flash_attn_with_kvcache(q, k_cache[:4], k_cache[:4], cache_seqlens=used,
+                                     cache_leftpad=pad, causal=True)
 # Hopper backward, deterministic (dQ adds handed from CTA to CTA through counters) over
 # 140 heads (several waves of CTAs), then varlen / seqused_k at D = 64, 128 and 256 (rows past
 # a sequence zeroed in shared memory).

@@ -334,12 +334,12 @@ def test_paged_kv_cache(sm90, dtype, head_dim, causal, page_size):
     check_lse(lse, ref[1], dtype)
 
 
-@pytest.mark.parametrize("mode", ["paged", "batch_idx", "varlen_paged"])
+@pytest.mark.parametrize("mode", ["paged", "batch_idx", "leftpad", "varlen_paged"])
 def test_kv_cache_prefill_matches_mma(sm90, impl, mode):
     """Hopper vs mma.sync on the same KV-cache prefill calls: appending new keys across pages
-    (paged), cache_batch_idx picking permuted cache rows, packed queries against a paged
-    cache (varlen + block_table) with a window and softcap; page sizes that are not a power
-    of two stay on mma.sync."""
+    (paged), cache_batch_idx picking permuted cache rows, left-padded caches with softcap
+    (keys from cache_leftpad on), packed queries against a paged cache (varlen + block_table)
+    with a window and softcap; page sizes that are not a power of two stay on mma.sync."""
     dtype, D, page = torch.bfloat16, 128, 32
     q = randn((3, 70, 4, D), dtype, DEVICE, 5)
     new_k, new_v = randn((3, 70, 2, D), dtype, DEVICE, 6), randn((3, 70, 2, D), dtype, DEVICE, 7)
@@ -349,6 +349,12 @@ def test_kv_cache_prefill_matches_mma(sm90, impl, mode):
         v_cache = randn((5, 300, 2, D), dtype, DEVICE, 9)
         idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
         kw = dict(cache_batch_idx=idx, k=new_k, v=new_v, cache_seqlens=lengths, causal=True)
+    elif mode == "leftpad":
+        k_cache = randn((3, 300, 2, D), dtype, DEVICE, 8)
+        v_cache = randn((3, 300, 2, D), dtype, DEVICE, 9)
+        pad = torch.tensor([5, 0, 30], dtype=torch.int32, device=DEVICE)
+        kw = dict(cache_leftpad=pad, k=new_k, v=new_v, cache_seqlens=lengths, causal=True,
+                  softcap=30.0)
     else:
         k_cache = randn((40, page, 2, D), dtype, DEVICE, 8)
         v_cache = randn((40, page, 2, D), dtype, DEVICE, 9)

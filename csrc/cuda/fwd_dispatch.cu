@@ -160,9 +160,9 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
 // The Hopper (wgmma + TMA) forward takes a call when it was compiled
 // (an sm_90a target), the device is sm_90, FLASH_ATTN_EXT_FWD_IMPL allows it,
 // and the call is one it implements: 16-bit, kernel head dim 64/128/256,
-// a padded batch or packed varlen sequences, seqused_k, a paged KV cache or
-// cache_batch_idx (a prefill chunk: more than 16 query rows), no attn_mask or
-// cache_leftpad with them (fwd_sm90_takes_seqs), no split-KV, not the small-M
+// a padded batch or packed varlen sequences, seqused_k, a paged KV cache,
+// cache_batch_idx or cache_leftpad (a prefill chunk: more than 16 query rows),
+// no attn_mask with them (fwd_sm90_takes_seqs), no split-KV, not the small-M
 // decode tile, softmax_scale > 0 (the kernel folds the scale into exp2 after
 // the max), no broadcast (stride-0) dimension. Window / softcap / ALiBi /
 // attn_mask / dropout calls take its variant instantiation
@@ -301,7 +301,7 @@ static int heuristic_splits(const AttentionFwdParams& params, int num_sms) {
 // KV cache addressing and FP8 KV caches are compiled for the decode tiles only
 // (run_fwd_kvcache_impl, run_fwd_kvcache_fp8_impl): such calls run them at any
 // seqlen_q (a forced large tile included), unless the Hopper forward takes a
-// longer query (a paged / cache_batch_idx prefill chunk, use_sm90_forward:
+// longer query (a KV-cache prefill chunk, use_sm90_forward:
 // 4.1-4.7x faster, H100, bench/bench_paged_prefill.py). The decode tiles are
 // correct for any shape, but a long query re-reads K/V once per 16 query rows
 // there instead of once per 128.

@@ -17,17 +17,18 @@ inline bool fwd_sm90_head_dim(int kernel_dim) {
 
 // The sequence layouts the Hopper forward reads: a padded batch, packed
 // sequences (varlen, cu_seqlens), key counts cut by seqused_k (a KV cache's
-// cache_seqlens), and the KV cache's indirections, a paged cache (block_table)
-// and cache_batch_idx, with variants too; never with an attn_mask (its kernel
-// has no kVarSeq instance) or cache_leftpad (keys starting mid-cache). Rows
-// past a sequence or past seqused_k may hold anything: the kVarSeq kernel
-// zeroes the V rows a tile reads there (0 * NaN in P V).
+// cache_seqlens), and the KV cache addressing, a paged cache (block_table),
+// cache_batch_idx and cache_leftpad (a sequence's keys start at its pad: the
+// kVarSeq kernel's seq_bounds<true, true>), with variants too; never with an
+// attn_mask (its kernel has no kVarSeq instance). Rows past a sequence or past
+// seqused_k may hold anything: the kVarSeq kernel zeroes the V rows a tile
+// reads there (0 * NaN in P V).
 // A paged cache's pages must hold 2^k rows (16, 32, ... 256: what serving
 // stacks use; the kernel's producer shifts instead of dividing); other page
 // sizes run the mma.sync kernels.
 inline bool fwd_sm90_takes_seqs(const AttentionFwdParams& p) {
   const bool pages_ok = p.block_table == nullptr || (p.page_size & (p.page_size - 1)) == 0;
-  return !has_var_seqs(p) || (p.leftpad_k == nullptr && p.attn_bias == nullptr && pages_ok);
+  return !has_var_seqs(p) || (p.attn_bias == nullptr && pages_ok);
 }
 
 // The K / V tensors as the forward's TMA maps see them: [batch][rows][heads_k]

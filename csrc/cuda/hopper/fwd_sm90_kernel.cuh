@@ -224,8 +224,8 @@ struct FwdSm90Traits {
 // 4-6% slower at D = 64 (H200, same run; not at D = 128).
 // kVarSeq: sequences of their own lengths: packed (varlen, cu_seqlens) and/or
 // key counts cut by seqused_k (a KV cache's used rows) and/or the KV cache's
-// indirections (a paged cache's block_table, cache_batch_idx: load_kv_tile),
-// never with an attn_mask (fwd_sm90_takes_seqs). Packed tensor maps span all
+// addressing (a paged cache's block_table, cache_batch_idx: load_kv_tile;
+// cache_leftpad: the keys start at row0_k), never with an attn_mask (fwd_sm90_takes_seqs). Packed tensor maps span all
 // packed rows as one batch entry, and a tile's loads start at its sequence's
 // first row: the
 // keys a tile reads past its sequence (or past seqused_k) are masked (P
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       tile.b = bh / params.heads;
     }
     tile.h_k = tile.h / (params.heads / params.heads_k);
-    const SeqBounds seq = seq_bounds<kVarSeq>(params, tile.b);
+    const SeqBounds seq = seq_bounds<kVarSeq, kVarSeq>(params, tile.b);
     tile.has_rows = !kVarSeq || tile.m_block * kBlockM < seq.seqlen_q;
     if constexpr (kHasVariants) {
       tile.keys = key_tile_range_variants<kBlockM, kBlockN>(seq, make_window(params, seq),
@@ -356,10 +356,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return kVarSeq && params.cu_seqlens_q != nullptr ? 0 : tile.b;
   };
   auto row0_q = [&](const Tile& tile) {
-    return kVarSeq ? static_cast<int>(seq_bounds<kVarSeq>(params, tile.b).row0_q) : 0;
+    return kVarSeq ? static_cast<int>(seq_bounds<kVarSeq, kVarSeq>(params, tile.b).row0_q) : 0;
   };
   auto row0_k = [&](const Tile& tile) {
-    return kVarSeq ? static_cast<int>(seq_bounds<kVarSeq>(params, tile.b).row0_k) : 0;
+    return kVarSeq ? static_cast<int>(seq_bounds<kVarSeq, kVarSeq>(params, tile.b).row0_k) : 0;
   };
   // The producer: one thread, or in the kVarSeq kernels the whole first warp
   // (lane 0 alone claims tiles, arrives on barriers and issues the Q and
@@ -491,7 +491,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           if constexpr (kAttnMask) {
             uint32_t reads = 3u;  // without a summary both warpgroups read
             if (params.attn_mask_blocks != nullptr) {
-              const SeqBounds seq = seq_bounds<kVarSeq>(params, tile.b);
+              const SeqBounds seq = seq_bounds<kVarSeq, kVarSeq>(params, tile.b);
               // Row block 2 m_block + w is warpgroup w's (past the sequence:
               // the last one's, whose rows are discarded).
               const int row0 = attn_mask_block_row(params, tile.b, tile.h, tile.m_block * 2);
@@ -622,7 +622,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       tile.keys.end = __shfl_sync(
           0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot(q_slot) + 8)) : 0, 0);
     }
-    const SeqBounds seq = seq_bounds<kVarSeq>(params, tile.b);
+    const SeqBounds seq = seq_bounds<kVarSeq, kVarSeq>(params, tile.b);
     const int n_tiles = tile.keys.end - tile.keys.begin;
     // FP8: the scores carry q's and k's factors (folded into the exponent's
     // scale), O v's (the epilogue).
