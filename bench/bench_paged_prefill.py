@@ -93,7 +93,8 @@ def main(argv=None):
         base = results["contig"]["fwd"]["ms"]
         for name in calls:
             ms = results[name]["fwd"]["ms"]
-            rows.append(dict(cache=S, chunk=chunk, B=B, H=H, H_kv=H_kv, D=D, dtype=args.dtype,
+            rows.append(dict(cache=S, chunk=chunk, B=B, H=H, H_kv=H_kv, D=D,
+                             dtype=str(dtype).replace("torch.", ""),
                              backend=name, ms=ms, tflops=flops / ms / 1e9, vs_contig=ms / base))
         print(f"  cache {S}: done", file=sys.stderr, flush=True)
     if args.csv:
