@@ -26,7 +26,7 @@ import sys
 import torch
 
 import flash_attn_ext as fa
-from flash_attn_ext.bench import env_set, rotated_rounds, time_ms
+from flash_attn_ext.bench import DTYPES, env_set, rotated_rounds, time_ms
 
 
 def parse_args(argv=None):
@@ -56,9 +56,7 @@ def paged(cache, page, order):
 def main(argv=None):
     args = parse_args(argv)
     device = args.device
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    if device == "cpu":
-        dtype = torch.float32
+    dtype = DTYPES["fp32" if device == "cpu" else args.dtype]
     B, H, H_kv, D = (2, 4, 2, 64) if args.quick else (4, 32, 8, 128)
     chunk = 32 if args.quick else args.chunk
     caches = [256] if args.quick else [int(s) for s in args.caches.split(",")]
