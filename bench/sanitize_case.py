@@ -145,6 +145,14 @@ for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         k_descale=torch.ones((), device="cuda"), v_descale=torch.ones((), device="cuda"))
     fa.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=pages,
                                **descale)
+# FP8 caches on the key-warp tile (tile=3, 2 splits) and at D = 256 (Q re-read from shared
+# memory each tile), fp16 and bf16 q.
+for d, tile, qdtype in ((128, 3, torch.bfloat16), (256, 1, torch.float16), (64, 3, torch.float16)):
+    q8 = torch.randn(2, 1, 8, d, device="cuda", dtype=qdtype)
+    k8, v8 = (torch.randn(2, 300, 2, d, device="cuda").to(torch.float8_e4m3fn) for _ in range(2))
+    one = torch.ones((), device="cuda")
+    torch.ops.flash_attn_ext.fwd(q8, k8, v8, d ** -0.5, False, True, 2, tile,
+                                 lens.clamp(max=300), k_descale=one, v_descale=one)
 fa.flash_attn_with_kvcache(q, k_cache.repeat(2, 1, 1, 1), v_cache.repeat(2, 1, 1, 1),
                            cache_seqlens=lens.clamp(max=300),
                            cache_batch_idx=torch.tensor([3, 0], dtype=torch.int32, device="cuda"))

@@ -688,6 +688,27 @@ def test_cuda_graph_decode_loop(mode):
 # reference is attention over the dequantised cache in float64; the FA rule's baseline the
 # same computation in q's dtype (the dequantised cache rounded to it).
 FP8 = torch.float8_e4m3fn
+
+
+def zero_e4m3_subnormals(case):
+    """Clears the e4m3 subnormals of an Fp8Case's caches: dequantised into an fp16 cache
+    (x descale) they are fp16 subnormals, which the 16-bit kernels' MMAs need not take as
+    the FP8 kernels take the (normal) fp16 values of the e4m3 codes themselves."""
+    for cache in (case.k_cache, case.v_cache):
+        codes = cache.view(torch.uint8)
+        codes[(codes & 0x78) == 0] = 0
+
+
+def fp8_kernel_column_order(t):
+    """t with its head-dim columns in the order in which the CUDA FP8 cache kernels feed one
+    16-column k-step of Q K^T to the tensor cores (csrc/cuda/sm80/fwd_kernel.cuh,
+    gemm_qk_fp8): the 16-bit kernels on q and k reordered alike run the same products in the
+    same order, so the two can be compared bit for bit (the sum is the same either way)."""
+    step = torch.tensor([0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15])
+    dim = t.shape[-1]
+    assert dim % 16 == 0
+    order = (torch.arange(0, dim, 16)[:, None] + step).reshape(-1).to(t.device)
+    return t[..., order]
 # Every finite e4m3 code (NaN is 0x7f / 0xff): subnormals, zeros and +-448 included.
 E4M3_CODES = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
 
@@ -826,9 +847,12 @@ def test_fp8_cache_append_e4m3(device, mode):
 @pytest.mark.parametrize("descale", ["pow2", "pow2_heads"])
 def test_fp8_cache_matches_16bit_cache(device, descale):
     """With power-of-two descales the dequantised cache is exact in 16 bits: the same call on
-    that 16-bit cache gives the same output (the kernels scale by powers of two only)."""
-    case = Fp8Case(device, torch.bfloat16, mode="paged", kv_heads=2, descale=descale,
+    that 16-bit cache gives the same output (the kernels scale by powers of two only). fp16:
+    the CUDA FP8 cache kernels run their MMAs in fp16 (a bf16 q is converted, so a bf16 call
+    is not bit for bit the 16-bit cache's)."""
+    case = Fp8Case(device, torch.float16, mode="paged", kv_heads=2, descale=descale,
                    lengths=(20, 0, 40), new_len=0, seqlen_q=1)
+    zero_e4m3_subnormals(case)
     kw = case.kwargs()
     # The FP8 cache's split and tile rules differ: force one-warp tiles with 2 splits on both
     # (a forced split count > 1 keeps the one-warp tile) for the same summation order.
@@ -836,13 +860,14 @@ def test_fp8_cache_matches_16bit_cache(device, descale):
     out = fa.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, **kw)
     kd, vd = kw.pop("k_descale"), kw.pop("v_descale")
     # Pages are per batch entry (block_table rows are disjoint): dequantise each entry's pages.
-    k16, v16 = case.k_cache.to(torch.bfloat16), case.v_cache.to(torch.bfloat16)
+    k16, v16 = case.k_cache.to(torch.float16), case.v_cache.to(torch.float16)
     for b in range(case.batch):
         pages = case.block_table[b].long()
         for cache16, cache8, d in ((k16, case.k_cache, kd), (v16, case.v_cache, vd)):
             f = d.reshape(()) if d.numel() == 1 else d[b][:, None]
-            cache16[pages] = (_bits(cache8)[pages].view(FP8).double() * f).to(torch.bfloat16)
-    expected = fa.flash_attn_with_kvcache(case.q, k16, v16, **kw)
+            cache16[pages] = (_bits(cache8)[pages].view(FP8).double() * f).to(torch.float16)
+    expected = fa.flash_attn_with_kvcache(fp8_kernel_column_order(case.q),
+                                         fp8_kernel_column_order(k16), v16, **kw)
     tol = dict(atol=0, rtol=0) if device == "cuda" else {}
     torch.testing.assert_close(out, expected, **tol)
 
@@ -971,15 +996,13 @@ def test_cuda_fp8_padded_head_dim(head_dim):
 def test_cuda_fp8_forced_tiles_match_16bit(dtype, tile, head_dim):
     """The raw operator with a forced tile and one split: an FP8 cache with power-of-two
     descales gives exactly the output of the 16-bit cache kernels on the dequantised cache
-    (same tile; the conversion is exact and the factors are powers of two)."""
+    (same tile; the conversion is exact and the factors are powers of two) with an fp16 q;
+    with a bf16 q the FP8 kernels run fp16 MMAs (q converted, P in fp16): the same lse, and
+    the output within the FlashAttention rule."""
     case = Fp8Case("cuda", dtype, head_dim=head_dim, mode="paged", lengths=(100, 0, 300),
                    new_len=0, cache_len=320, seqlen_q=1, descale="pow2_heads")
     if dtype == torch.float16:
-        # e4m3 subnormals are fp16 subnormals in both computations (x 2^-8 in the kernel's
-        # conversion, x descale in the 16-bit cache): keep the comparison to normal numbers.
-        for cache in (case.k_cache, case.v_cache):
-            codes = cache.view(torch.uint8)
-            codes[(codes & 0x78) == 0] = 0
+        zero_e4m3_subnormals(case)
     used = _i32(case.lengths, "cuda")
     fwd = torch.ops.flash_attn_ext.fwd
     out, lse = fwd(case.q, case.k_cache, case.v_cache, head_dim ** -0.5, False, True, 1, tile,
@@ -992,10 +1015,13 @@ def test_cuda_fp8_forced_tiles_match_16bit(dtype, tile, head_dim):
                       case.k_descale[b][:, None]).to(dtype)
         v16[pages] = (_bits(case.v_cache)[pages].view(FP8).double() *
                       case.v_descale[b][:, None]).to(dtype)
-    out16, lse16 = fwd(case.q, k16, v16, head_dim ** -0.5, False, True, 1, tile, used,
-                       block_table=case.block_table)
-    assert torch.equal(out, out16)
-    torch.testing.assert_close(lse, lse16, atol=0, rtol=0)
+    out16, lse16 = fwd(fp8_kernel_column_order(case.q), fp8_kernel_column_order(k16), v16,
+                       head_dim ** -0.5, False, True, 1, tile, used, block_table=case.block_table)
+    if dtype == torch.float16:
+        assert torch.equal(out, out16)
+        torch.testing.assert_close(lse, lse16, atol=0, rtol=0)
+    else:  # the same scores (exact products) up to the order of the sums; P rounded otherwise
+        torch.testing.assert_close(lse, lse16)
     (ref_out, _), (base_out, _) = case.reference(case.k_cache, case.v_cache)
     assert_fa_rule(out, ref_out, base_out, 2)
 

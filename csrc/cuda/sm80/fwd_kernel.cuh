@@ -209,106 +209,58 @@ FAE_DEVICE void load_cache_tile_async(typename Traits::T* smem, const typename T
 // ---------------------------------------------------------------------------
 // FP8 (e4m3) K / V tiles (Traits::kKVFp8: an FP8 KV cache under a 16-bit q).
 // A tile row of kHeadDim bytes is copied in 16-byte chunks (16 elements) with
-// the cache map of 16-element chunks (CacheTileMap<Traits, 16>) into a
-// row-major staging tile, by the same cp.async pipeline as the 16-bit tiles
-// (without their L2 evict_first hint, see load_cache_fp8); rows past
-// valid_rows and columns past head_dim (a multiple of 16: ops_cuda.cpp pads)
-// are zero-filled. Once a thread's copies have landed
-// (its own cp.async wait, no barrier) it converts exactly those chunks into
-// the 16-bit tile (convert_fp8_tile), and the kernel's barrier publishes them.
+// the cache map of 16-element chunks (CacheTileMap<Traits, 16>) into a staging
+// tile (Traits::KVFp8Layout: 16-byte chunks swizzled or padded like a 16-bit
+// tile's), by the same cp.async pipeline as the 16-bit tiles (without their L2
+// evict_first hint, see load_cache_fp8); rows past valid_rows and columns past
+// head_dim (a multiple of 16: ops_cuda.cpp pads) are zero-filled. The MMA code
+// reads the staging tiles directly (gemm_qk_fp8, pv_step_fp8).
 // ---------------------------------------------------------------------------
+// Byte offset of 16-byte chunk `chunk` of row `row` of a staging tile.
+template <typename Traits>
+FAE_DEVICE int fp8_stage_offset(int row, int chunk) {
+  return 2 * Traits::KVFp8Layout::offset(row, chunk);
+}
+
 template <typename Traits>
 FAE_DEVICE void load_cache_tile_fp8_async(uint8_t* stage, const uint8_t* base,
                                           const TensorStrides& st,
                                           const KVRow (&rows)[CacheTileMap<Traits, 16>::kGroups],
                                           const AttentionFwdParams& params, int batch, int head,
                                           int64_t row0, int valid_rows, int head_dim, int tid) {
-  constexpr int kRowBytes = Traits::kHeadDim;
   for_each_cache_copy<Traits, 16, false>(
       st, rows, params, batch, head, row0, valid_rows, head_dim, tid,
       [&](int row, int chunk, int64_t offset, bool valid) {
-        cp_async_16(stage + row * kRowBytes + chunk * 16, valid ? base + offset : base, valid);
+        cp_async_16(stage + fp8_stage_offset<Traits>(row, chunk), valid ? base + offset : base,
+                    valid);
       });
 }
 
-// Four e4m3 values (bytes 0-3 of w) -> two pairs of T = 2^-8 x their values,
-// exactly (every e4m3 value is a T value): lo = bytes (0, 1), hi = (2, 3). The
-// byte goes to the high byte of a 16-bit lane (s eeee mmm 00000000); one right
-// shift puts exponent and mantissa where fp16's are (bias 15 instead of 7: x
-// 2^-8, subnormals included), four put them where bf16's are (x 2^-120, then
-// one bf16x2 multiply by 2^112, exact, bf16 subnormals being supported). The
-// 2^8 goes into the softmax scale and the epilogue (kFp8Dequant). e4m3's NaN
-// (S.1111.111) comes out as +-480 (x 2^-8).
-template <typename T>
-FAE_DEVICE uint32_t fp8x2_to_16bit(uint32_t w, uint32_t selector) {
-  const uint32_t t = __byte_perm(w, 0u, selector);  // [b_hi, 0, b_lo, 0]
-  if constexpr (std::is_same_v<T, __half>) {
-    return (t & 0x80008000u) | ((t >> 1) & 0x3F803F80u);
+// Two e4m3 values (the low (kHalf = 0) or high 16 bits of w) -> an f16x2,
+// exactly: every e4m3 value is an fp16 value (NaN stays NaN). sm_89 and later
+// have an instruction for it (F2FP.F16.E4M3.UNPACK_B, the half chosen by an
+// operand selector); older GPUs move the bits (fp16's exponent bias is 8
+// above e4m3's, so the moved bits are the value x 2^-8, subnormals included)
+// and multiply by 2^8.
+template <int kHalf>
+FAE_DEVICE uint32_t e4m3x2_to_f16x2(uint32_t w) {
+  static_assert(kHalf == 0 || kHalf == 1, "a word holds two e4m3 pairs");
+  uint32_t out;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (kHalf == 0) {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
+        : "=r"(out) : "r"(w));
   } else {
-    const uint32_t bits = (t & 0x80008000u) | ((t >> 4) & 0x07F007F0u);  // x 2^-120
-    uint32_t out;
-    // 2^112 = bf16 0x7780; -0 keeps the sign of zeros.
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
-        : "=r"(out) : "r"(bits), "r"(0x77807780u), "r"(0x80008000u));
-    return out;
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n"
+        : "=r"(out) : "r"(w));
   }
-}
-
-// The factor the converted K / V values are short of (fp8x2_to_16bit).
-inline constexpr float kFp8Dequant = 256.f;
-
-// 16 staged e4m3 values (one 16-byte copy) -> 16-bit chunks 2c and 2c + 1 of
-// `row` of a K/V tile. Threads c = 4..7 (mod 8) store chunk 2c + 1 first, so
-// that the 8 threads of a store phase hit 8 different 16-byte bank groups (a
-// row holds its 16-byte copies in consecutive threads; with the swizzle both
-// orders land on {0, 2, 4, 6} ^ s otherwise).
-template <typename Traits>
-FAE_DEVICE void convert_fp8_chunk(typename Traits::T* tile, const uint8_t* staged, int row,
-                                  int chunk) {
-  using T = typename Traits::T;
-  using Layout = typename Traits::KVLayout;
-  const uint4 in = *reinterpret_cast<const uint4*>(staged);
-  const bool swap = (chunk >> 2) & 1;
-  const uint32_t w0 = swap ? in.z : in.x, w1 = swap ? in.w : in.y;  // the chunk stored first
-  const uint32_t w2 = swap ? in.x : in.z, w3 = swap ? in.y : in.w;
-  const int first = 2 * chunk + (swap ? 1 : 0);
-  const int second = 2 * chunk + (swap ? 0 : 1);
-  *reinterpret_cast<uint4*>(tile + Layout::offset(row, first)) =
-      make_uint4(fp8x2_to_16bit<T>(w0, 0x1404), fp8x2_to_16bit<T>(w0, 0x3424),
-                 fp8x2_to_16bit<T>(w1, 0x1404), fp8x2_to_16bit<T>(w1, 0x3424));
-  *reinterpret_cast<uint4*>(tile + Layout::offset(row, second)) =
-      make_uint4(fp8x2_to_16bit<T>(w2, 0x1404), fp8x2_to_16bit<T>(w2, 0x3424),
-                 fp8x2_to_16bit<T>(w3, 0x1404), fp8x2_to_16bit<T>(w3, 0x3424));
-}
-
-// Converts the chunks this thread copied (load_cache_tile_fp8_async's map)
-// from the staging tile into the 16-bit tile.
-template <typename Traits>
-FAE_DEVICE void convert_fp8_tile(typename Traits::T* tile, const uint8_t* stage, int tid) {
-  using Map = CacheTileMap<Traits, 16>;
-  constexpr int kRowBytes = Traits::kHeadDim;
-  if constexpr (Map::kRowWise) {
-    const int chunk = tid % Map::kChunks;
-    const int row_first = tid / Map::kChunks;
-    constexpr int kIters = Map::kRows / Map::kRowsPerIter;
-    // Partial unroll past 8 chunks per thread (one warp at D=256: 16): fully
-    // unrolled, ptxas issued every staged load first and spilled.
-#pragma unroll(kIters <= 8 ? kIters : 4)
-    for (int i = 0; i < kIters; ++i) {
-      const int row = row_first + i * Map::kRowsPerIter;
-      convert_fp8_chunk<Traits>(tile, stage + row * kRowBytes + chunk * 16, row, chunk);
-    }
-  } else {
-    constexpr int kTotal = Map::kRows * Map::kChunks;
-    constexpr int kIters = (kTotal + Map::kThreads - 1) / Map::kThreads;
-    // (Key warps at D=224, 7 chunks per thread: fully unrolled, 8 bytes of spills.)
-#pragma unroll(kIters <= 6 ? kIters : 4)
-    for (int i = 0; i < kIters; ++i) {
-      const int idx = tid + i * Map::kThreads;
-      if (kTotal % Map::kThreads != 0 && idx >= kTotal) break;
-      convert_fp8_chunk<Traits>(tile, stage + idx * 16, idx / Map::kChunks, idx % Map::kChunks);
-    }
-  }
+#else
+  const uint32_t t = __byte_perm(w, 0u, kHalf == 0 ? 0x1404 : 0x3424);  // [0, b_lo, 0, b_hi]
+  const uint32_t bits = (t & 0x80008000u) | ((t >> 1) & 0x3F803F80u);   // x 2^-8
+  // 2^8 = fp16 0x5C00; -0 keeps the sign of zeros.
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(out) : "r"(bits), "r"(0x5C005C00u), "r"(0x80008000u));
+#endif
+  return out;
 }
 
 // A-fragments of the warp's Q rows for head-dim k-step kk (16 columns).
@@ -366,7 +318,7 @@ FAE_DEVICE void gemm_qk(float (&s)[Traits::kMmaM][Traits::kTilesN][4], const QFr
 template <typename Traits>
 FAE_DEVICE void pack_p_step(uint32_t (&a)[Traits::kMmaM][4],
                             const float (&p)[Traits::kMmaM][Traits::kTilesN][4], int kk) {
-  using T = typename Traits::T;
+  using T = typename Traits::MmaT;
 #pragma unroll
   for (int m = 0; m < Traits::kMmaM; ++m) {
     a[m][0] = pack2<T>(p[m][2 * kk][0], p[m][2 * kk][1]);          // row g,   keys lo
@@ -444,6 +396,252 @@ FAE_DEVICE void gemm_pv_packed(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
   for (int kk = 0; kk < Traits::kStepsN; ++kk) pv_step<Traits>(o, a[kk], smem_v, kk, lane);
 }
 
+// Q A-fragments, loaded once in the prologue when they fit in registers
+// (Traits::kQInRegs); otherwise a placeholder and gemm_qk reads shared memory.
+template <typename Traits>
+using QFragments = uint32_t[Traits::kQInRegs ? Traits::kMmaM : 1]
+                           [Traits::kQInRegs ? Traits::kStepsD : 1][4];
+
+// ---------------------------------------------------------------------------
+// FP8 tiles straight into mma fragments (Traits::kKVFp8). ldmatrix reads the
+// e4m3 staging tile as 16-bit pairs and e4m3x2_to_f16x2 widens each pair of
+// bytes in registers: no 16-bit copy of the tile in shared memory. The MMAs
+// run in fp16 (Traits::MmaT) whatever q's type: e4m3 -> fp16 is one
+// instruction per pair, e4m3 -> bf16 took five integer / bf16x2 ones, and the
+// widening was then half of the kernel's instructions (ncu: issue-bound, DRAM
+// at 76%). A bf16 q goes to fp16 times a power of two that puts its largest
+// |value| in [2^14, 2^15) (fp8_prepare_q; exact for every element above 2^-32
+// of that maximum), and the softmax scale takes the inverse; P is fp16 (more
+// mantissa than bf16's). Two orders change, both undone where they must be:
+//
+//  * Q K^T sums over the head dim, so its 16 columns of a k-step may be taken
+//    in any order that Q and K share. ldmatrix (no .trans) gives lane (g, q)
+//    bytes 4q..4q+3 of key row g's 16-byte chunk: head-dim columns 4q, 4q+1
+//    are taken as the fragment's k = 2q, 2q+1 (b0 b1) and 4q+2, 4q+3 as
+//    k = 2q+8, 2q+9 (b2 b3); Q's A fragments are read in that order
+//    (load_q_frag_fp8: one 8-byte load per row).
+//
+//      chunk columns  0 1 2 3 | 4 5 6 7  | 8 ... 11  | 12 ... 15
+//      lane q         0       | 1        | 2         | 3
+//      mma k          0 1 8 9 | 2 3 10 11| 4 5 12 13 | 6 7 14 15
+//
+//  * P V: ldmatrix.trans of 8 keys x one chunk gives lane (g, q) the pairs
+//    (key 2q: columns 2g, 2g+1) and (key 2q+1: columns 2g, 2g+1) in one
+//    word; bytes (0, 2) are the B fragment of column 2g, bytes (1, 3) that of
+//    column 2g+1. So accumulator tile 2c + p of O holds columns 16c + 2n + p
+//    (n = the fragment column), i.e. lane q holds columns 16c + 4q .. 4q+3 of
+//    its rows; unpermute_o_fp8 moves them back to the 16-bit layout (8-column
+//    tiles, lane q: columns 2q, 2q+1) before the epilogue.
+// ---------------------------------------------------------------------------
+// Q's A fragment of k-step kk in gemm_qk_fp8's column order: a[0] / a[2] =
+// row g's columns 16kk + 4q, +1 / +2, +3; a[1] / a[3] the same of row g+8
+// (q's type T; fp8_q_to_mma converts them).
+template <typename Traits>
+FAE_DEVICE void load_q_frag_fp8(uint32_t (&a)[4], const typename Traits::T* smem_q, int warp_row0,
+                                int m, int kk, int lane) {
+  const int g = lane / 4, q = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp_row0 + m * 16 + h * 8 + g;
+    const uint2 v = *reinterpret_cast<const uint2*>(
+        smem_q + Traits::QLayout::offset(row, 2 * kk + q / 2) + (q % 2) * 4);
+    a[h] = v.x;
+    a[2 + h] = v.y;
+  }
+}
+
+// A pair of q's type T -> the MMA type (fp16), times q_mult (a power of two).
+template <typename T>
+FAE_DEVICE uint32_t fp8_q_to_mma(uint32_t pair, float q_mult) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return pair;  // q_mult == 1
+  } else {
+    const float2 f = unpack2<T>(pair);
+    return pack2<__half>(f.x * q_mult, f.y * q_mult);
+  }
+}
+
+// The power of two fp8_q_to_mma multiplies q by (1 for an fp16 q): it puts
+// the largest |q| of the tile (every warp holds all of its rows, kRowWarps ==
+// 1) in [2^14, 2^15). Converts q_frags (Q in registers) in place.
+template <typename Traits>
+FAE_DEVICE float fp8_prepare_q(QFragments<Traits>& q_frags, const typename Traits::T* smem_q,
+                               int warp_row0, int lane) {
+  using T = typename Traits::T;
+  static_assert(Traits::kRowWarps == 1, "every warp must see the whole Q tile (one scale)");
+  if constexpr (std::is_same_v<T, __half>) {
+    return 1.f;
+  } else {
+    float max_abs = 0.f;
+#pragma unroll
+    for (int m = 0; m < Traits::kMmaM; ++m)
+#pragma unroll
+      for (int kk = 0; kk < Traits::kStepsD; ++kk) {
+        uint32_t a[4];
+        if constexpr (Traits::kQInRegs) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[r] = q_frags[m][kk][r];
+        } else {
+          load_q_frag_fp8<Traits>(a, smem_q, warp_row0, m, kk, lane);
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float2 f = unpack2<T>(a[r]);
+          max_abs = fmaxf(max_abs, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+      }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, offset));
+    }
+    // max_abs in [2^(e-127), 2^(e-126)): times 2^(141-e) it is in [2^14, 2^15).
+    // Kept in [-126, 126] so that the factor and its inverse are normal floats
+    // (q = 0: the largest factor; q = inf / NaN stay inf / NaN).
+    const int biased_exp = static_cast<int>((__float_as_uint(max_abs) >> 23) & 0xFF);
+    const int shift = min(126, max(-126, 141 - biased_exp));
+    const float q_mult = __uint_as_float(static_cast<uint32_t>(127 + shift) << 23);
+    if constexpr (Traits::kQInRegs) {
+#pragma unroll
+      for (int m = 0; m < Traits::kMmaM; ++m)
+#pragma unroll
+        for (int kk = 0; kk < Traits::kStepsD; ++kk)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) q_frags[m][kk][r] = fp8_q_to_mma<T>(q_frags[m][kk][r], q_mult);
+    }
+    return q_mult;
+  }
+}
+
+// S[m] += Q[m] K^T from an FP8 staging tile (stage_k: the warp's first key
+// row, tile-relative rows swizzle the same), two k-steps per ldmatrix.x4.
+// q_frags: fp16 (fp8_prepare_q); else Q from shared memory times q_mult.
+template <typename Traits, typename QFrags>
+FAE_DEVICE void gemm_qk_fp8(float (&s)[Traits::kMmaM][Traits::kTilesN][4], const QFrags& q_frags,
+                            const typename Traits::T* smem_q, float q_mult,
+                            const uint8_t* stage_k, int warp_row0, int lane) {
+  using MmaT = typename Traits::MmaT;
+  static_assert(Traits::kStepsD % 2 == 0, "two k-steps (one 16-byte chunk pair) per ldmatrix");
+#pragma unroll
+  for (int kp = 0; kp < Traits::kStepsD / 2; ++kp) {
+    uint32_t a[2][Traits::kMmaM][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int m = 0; m < Traits::kMmaM; ++m) {
+        if constexpr (Traits::kQInRegs) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[h][m][r] = q_frags[m][2 * kp + h][r];
+        } else {
+          load_q_frag_fp8<Traits>(a[h][m], smem_q, warp_row0, m, 2 * kp + h, lane);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            a[h][m][r] = fp8_q_to_mma<typename Traits::T>(a[h][m][r], q_mult);
+          }
+        }
+      }
+#pragma unroll
+    for (int jn = 0; jn < Traits::kWarpKeys / 16; ++jn) {
+      // Matrices: (keys 0-7, chunk 2kp) (keys 8-15, 2kp) (keys 0-7, 2kp+1)
+      // (keys 8-15, 2kp+1) = n-tiles 2jn, 2jn+1 of k-step 2kp, then of 2kp+1.
+      uint32_t w[4];
+      const int key = jn * 16 + (lane & 15);
+      ldmatrix_x4(w, stage_k + fp8_stage_offset<Traits>(key, 2 * kp + (lane >> 4)));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t b[2] = {e4m3x2_to_f16x2<0>(w[i]), e4m3x2_to_f16x2<1>(w[i])};
+#pragma unroll
+        for (int m = 0; m < Traits::kMmaM; ++m) {
+          mma_16816<MmaT>(s[m][2 * jn + i % 2], a[i / 2][m], b);
+        }
+      }
+    }
+  }
+}
+
+// O[m] += P[m] V for k-step kk (16 keys) from an FP8 staging tile, into the
+// permuted accumulator tiles described above.
+template <typename Traits>
+FAE_DEVICE void pv_step_fp8(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
+                            const uint32_t (&a)[Traits::kMmaM][4], const uint8_t* stage_v, int kk,
+                            int lane) {
+  using MmaT = typename Traits::MmaT;
+#pragma unroll
+  for (int jc = 0; jc < Traits::kHeadDim / 32; ++jc) {
+    // Matrices: (keys 0-7, chunk 2jc) (keys 8-15, 2jc) (keys 0-7, 2jc+1) (keys 8-15, 2jc+1).
+    uint32_t w[4];
+    const int key = kk * 16 + (lane & 15);
+    ldmatrix_x4_trans(w, stage_v + fp8_stage_offset<Traits>(key, 2 * jc + (lane >> 4)));
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      // Bytes (0, 2, 1, 3): the low half is column 2g of keys 2q, 2q+1, the high one column 2g+1.
+      const uint32_t keys_lo = __byte_perm(w[2 * c], 0u, 0x3120);
+      const uint32_t keys_hi = __byte_perm(w[2 * c + 1], 0u, 0x3120);
+      const uint32_t b_even[2] = {e4m3x2_to_f16x2<0>(keys_lo), e4m3x2_to_f16x2<0>(keys_hi)};
+      const uint32_t b_odd[2] = {e4m3x2_to_f16x2<1>(keys_lo), e4m3x2_to_f16x2<1>(keys_hi)};
+      const int tile = 2 * (2 * jc + c);  // accumulator tiles of chunk 2jc + c
+#pragma unroll
+      for (int m = 0; m < Traits::kMmaM; ++m) {
+        mma_16816<MmaT>(o[m][tile], a[m], b_even);
+        mma_16816<MmaT>(o[m][tile + 1], a[m], b_odd);
+      }
+    }
+  }
+}
+
+template <typename Traits>
+FAE_DEVICE void gemm_pv_fp8(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
+                            const float (&p)[Traits::kMmaM][Traits::kTilesN][4],
+                            const uint8_t* stage_v, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < Traits::kStepsN; ++kk) {
+    uint32_t a[Traits::kMmaM][4];
+    pack_p_step<Traits>(a, p, kk);
+    pv_step_fp8<Traits>(o, a, stage_v, kk, lane);
+  }
+}
+
+template <typename Traits>
+FAE_DEVICE void gemm_pv_packed_fp8(float (&o)[Traits::kMmaM][Traits::kTilesD][4],
+                                   const PFragments<Traits>& a, const uint8_t* stage_v, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < Traits::kStepsN; ++kk) pv_step_fp8<Traits>(o, a[kk], stage_v, kk, lane);
+}
+
+// pv_step_fp8's accumulator order -> the 16-bit kernels' (lane q: columns 2q,
+// 2q+1 of every 8-column tile), inside each quad. Per 16 columns of a row,
+// lane q holds pairs 2q (columns 4q, 4q+1) and 2q+1 and needs pairs q and
+// q+4; two rounds of shuffles move one pair to every lane each:
+//   round 1: lane 0 <- pair 0 of lane 0, 1 <- 5 of 2, 2 <- 6 of 3, 3 <- 3 of 1
+//   round 2: lane 0 <- pair 4 of lane 2, 1 <- 1 of 0, 2 <- 2 of 1, 3 <- 7 of 3
+// (a lane offers its odd pair in round 1 when q ^ (q >> 1) is odd).
+template <typename Traits>
+FAE_DEVICE void unpermute_o_fp8(float (&o)[Traits::kMmaM][Traits::kTilesD][4], int lane) {
+  const int q = lane % 4;
+  const int quad = lane & ~3;
+  const bool odd_first = ((q ^ (q >> 1)) & 1) != 0;  // offers its odd pair in round 1
+  const int src1 = quad + ((0x1320 >> (4 * q)) & 0xF);
+  const int src2 = quad + ((0x3102 >> (4 * q)) & 0xF);
+#pragma unroll
+  for (int m = 0; m < Traits::kMmaM; ++m)
+#pragma unroll
+    for (int c = 0; c < Traits::kHeadDim / 16; ++c)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float* lo = &o[m][2 * c][2 * h];  // columns 4q, 4q+2 (lo[0], lo[1])
+        float* hi = &o[m][2 * c + 1][2 * h];  // columns 4q+1, 4q+3
+        const float even0 = lo[0], even1 = hi[0], odd0 = lo[1], odd1 = hi[1];
+        const float r1x = __shfl_sync(0xffffffffu, odd_first ? odd0 : even0, src1);
+        const float r1y = __shfl_sync(0xffffffffu, odd_first ? odd1 : even1, src1);
+        const float r2x = __shfl_sync(0xffffffffu, odd_first ? even0 : odd0, src2);
+        const float r2y = __shfl_sync(0xffffffffu, odd_first ? even1 : odd1, src2);
+        // Lanes 0 and 3 got pair q in round 1, lanes 1 and 2 in round 2.
+        lo[0] = odd_first ? r2x : r1x;
+        lo[1] = odd_first ? r2y : r1y;
+        hi[0] = odd_first ? r1x : r2x;
+        hi[1] = odd_first ? r1y : r2y;
+      }
+}
+
 // ---------------------------------------------------------------------------
 // What the main kernel below shares with its prologue and epilogue stages: the
 // thread's place in the CTA and the K/V pipeline.
@@ -467,12 +665,6 @@ struct FwdThread {
         warp_key0(warp % Traits::kKeyWarps * Traits::kWarpKeys) {}
 };
 
-// Q A-fragments, loaded once in the prologue when they fit in registers
-// (Traits::kQInRegs); otherwise a placeholder and gemm_qk reads shared memory.
-template <typename Traits>
-using QFragments = uint32_t[Traits::kQInRegs ? Traits::kMmaM : 1]
-                           [Traits::kQInRegs ? Traits::kStepsD : 1][4];
-
 // The CTA's K/V tiles (tile t = key tile range_begin + t) into the kStages
 // shared-memory slots, one cp.async commit group for K and one for V.
 // kKVCache: rows through the KV cache addressing (load_cache_tile_async)
@@ -481,7 +673,7 @@ template <typename Traits, bool kKVCache = false>
 struct KVTileLoader {
   using T = typename Traits::T;
   const AttentionFwdParams& params;
-  T* smem_k;  // kKVSlots K tiles (kStages; kKVFp8: 1, the staging tiles have the stages)
+  T* smem_k;  // kKVSlots K tiles (kStages; kKVFp8: none, the staging tiles follow Q)
   T* smem_v;  // kKVSlots V tiles
   const T* k_head;
   const T* v_head;
@@ -530,7 +722,7 @@ struct KVTileLoader {
                                          valid_rows, params.head_dim, tid, 0);
   }
 
-  // kKVFp8: staging tile `slot` of K (which = 0) or V (1), after the V tile.
+  // kKVFp8: staging tile `slot` of K (which = 0) or V (1), right after Q.
   FAE_DEVICE uint8_t* stage(int slot, int which) const {
     return reinterpret_cast<uint8_t*>(smem_v + Traits::kKVSlots * Traits::kSmemKVElems) +
            (which * Traits::kStages + slot) * Traits::kSmemKVFp8Bytes;
@@ -545,17 +737,6 @@ struct KVTileLoader {
     load_cache_tile_fp8_async<Traits>(staging, static_cast<const uint8_t*>(base), st, rows,
                                       params, batch, head_k, row0, valid_rows, params.head_dim,
                                       tid);
-  }
-
-  // kKVFp8: the thread's own chunks of the staged K (which = 0) or V (1) tile
-  // in `slot` into the (one) 16-bit tile, once its copies of it have landed;
-  // the caller's barrier then publishes the tile. One 16-bit K and V tile
-  // suffice: K_t is converted after the barrier before P V of tile t-1, which
-  // every warp passes once done with K_{t-1}; V_t after the barrier at the top
-  // of tile t, which every warp passes once done with V_{t-1}.
-  FAE_DEVICE void convert(int slot, int which) const {
-    static_assert(Traits::kKVSlots == 1, "FP8 tiles are converted into one 16-bit tile");
-    convert_fp8_tile<Traits>(which == 0 ? smem_k : smem_v, stage(slot, which), tid);
   }
 
   FAE_DEVICE void load_tile(int tile, int slot) const {
@@ -620,14 +801,20 @@ FAE_DEVICE void fwd_prologue(QFragments<Traits>& q_frags, const Loader& kv,
     }
   }
 
-  if constexpr (Traits::kQInRegs) {
+  if constexpr (Traits::kQInRegs || Traits::kKVFp8) {  // kKVFp8: fp8_prepare_q reads Q
     cp_async_wait<2 * (kStages - 1)>();  // all but the K/V groups: Q has landed
     __syncthreads();                      // ... for every thread's chunks
+  }
+  if constexpr (Traits::kQInRegs) {
 #pragma unroll
     for (int m = 0; m < Traits::kMmaM; ++m)
 #pragma unroll
       for (int kk = 0; kk < Traits::kStepsD; ++kk)
-        load_q_frag<Traits>(q_frags[m][kk], smem_q, th.warp_row0, m, kk, th.lane);
+        if constexpr (Traits::kKVFp8) {
+          load_q_frag_fp8<Traits>(q_frags[m][kk], smem_q, th.warp_row0, m, kk, th.lane);
+        } else {
+          load_q_frag<Traits>(q_frags[m][kk], smem_q, th.warp_row0, m, kk, th.lane);
+        }
   }
 }
 
@@ -729,7 +916,7 @@ FAE_DEVICE void store_split_partials(const float (&acc_o)[Traits::kMmaM][Traits:
 // left padding; KVTileLoader), instantiated for the decode tiles only
 // (run_fwd_kvcache_impl), so the other kernels compile as without it.
 // Traits::kKVFp8 (with kKVCache; run_fwd_kvcache_fp8_impl): an FP8 KV cache,
-// staged and converted to 16 bits per tile (convert_fp8_tile), k_descale
+// staged and read into 16-bit fragments (gemm_qk_fp8, pv_step_fp8), k_descale
 // folded into the softmax scale and v_descale into the epilogue.
 // ---------------------------------------------------------------------------
 template <typename Traits, bool kIsCausal, bool kVarSeq, bool kClusterMerge = false,
@@ -770,11 +957,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   ScoreVariants variants;
   if constexpr (kHasVariants) variants = ScoreVariants::make(params, seq, batch, head);
-  // FP8 K: real K = k_descale(batch, kv head) x stored = k_descale x kFp8Dequant
-  // x converted, a factor of the scores folded into the softmax scale.
+  // FP8 K: real K = k_descale(batch, kv head) x stored, a factor of the scores
+  // folded into the softmax scale (and fp8_prepare_q's factor of q, below).
   float kv_scale_log2 = 0.f;  // kKVFp8: the scale of this CTA's scores
   if constexpr (Traits::kKVFp8) {
-    const float k_factor = descale_at(params.k_descale, batch, head_k) * kFp8Dequant;
+    const float k_factor = descale_at(params.k_descale, batch, head_k);
     kv_scale_log2 = params.scale_log2 * k_factor;
     if constexpr (kHasVariants) {
       variants.scale_log2 *= k_factor;
@@ -818,6 +1005,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     QFragments<Traits> q_frags;
     fwd_prologue<Traits>(q_frags, kv, smem_q, q_tile, params.q_strides.row,
                          seq.seqlen_q - m_block * kBlockM, params.head_dim, n_tiles, th);
+    float q_mult = 1.f;  // kKVFp8: q's factor in the fp16 MMAs
+    if constexpr (Traits::kKVFp8) {
+      q_mult = fp8_prepare_q<Traits>(q_frags, smem_q, th.warp_row0, th.lane);
+      const float q_unscale = 1.f / q_mult;  // a power of two: exact
+      kv_scale_log2 *= q_unscale;
+      if constexpr (kHasVariants) {
+        variants.scale_log2 *= q_unscale;
+        variants.softcap_in *= q_unscale;
+      }
+    }
 
     // ---- main loop over key tiles --------------------------------------------
     // (Inline here: as a device function it cost the D=192 causal varlen kernel
@@ -827,15 +1024,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int n_block = range.begin + tile;
       const int slot = tile % kStages;
       // The warp's key slice: whole rows, so the swizzle (row % 8) is unchanged.
-      // (kKVFp8: one 16-bit K / V tile, converted from staging slot `slot`.)
-      const int slice = (Traits::kKVSlots == 1 ? 0 : slot) * Traits::kSmemKVElems +
-                        th.warp_key0 * KVLayout::kRowStride;
+      // (kKVFp8: the staging tiles of slot `slot`.)
+      const int slice = slot * Traits::kSmemKVElems + th.warp_key0 * KVLayout::kRowStride;
       const T* smem_k_tile = smem_k + slice;
       const T* smem_v_tile = smem_v + slice;
+      const int stage_slice = fp8_stage_offset<Traits>(th.warp_key0, 0);
+      const uint8_t* stage_k_tile = kv.stage(slot, 0) + stage_slice;
+      const uint8_t* stage_v_tile = kv.stage(slot, 1) + stage_slice;
 
       // Groups newer than K_tile: V_tile and 2 per tile tile+1 .. tile+kStages-2.
       cp_async_wait<2 * kStages - 3>();
-      if constexpr (Traits::kKVFp8) kv.convert(slot, 0);  // this thread's chunks of K_tile
       // K_tile is visible to all threads, and every warp has finished tile-1,
       // so its slot ((tile-1) % kStages) can be refilled.
       __syncthreads();
@@ -853,7 +1051,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int j = 0; j < Traits::kTilesN; ++j)
 #pragma unroll
           for (int r = 0; r < 4; ++r) acc_s[m][j][r] = 0.f;
-      gemm_qk<Traits>(acc_s, q_frags, smem_q, smem_k_tile, th.warp_row0, th.lane);
+      if constexpr (Traits::kKVFp8) {
+        gemm_qk_fp8<Traits>(acc_s, q_frags, smem_q, q_mult, stage_k_tile, th.warp_row0,
+                            th.lane);
+      } else {
+        gemm_qk<Traits>(acc_s, q_frags, smem_q, smem_k_tile, th.warp_row0, th.lane);
+      }
 
       const int col_base = n_block * kBlockN + th.warp_key0 + 2 * th.q;
       if constexpr (kHasVariants) {
@@ -886,9 +1089,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       // Groups newer than V_tile: 2 per tile tile+1 .. tile+kStages-1.
       cp_async_wait<2 * kStages - 2>();
-      if constexpr (Traits::kKVFp8) kv.convert(slot, 1);  // this thread's chunks of V_tile
       __syncthreads();  // V_tile visible to all threads
-      if constexpr (kHasVariants) {
+      if constexpr (Traits::kKVFp8 && kHasVariants) {
+        gemm_pv_packed_fp8<Traits>(acc_o, p16, stage_v_tile, th.lane);
+      } else if constexpr (Traits::kKVFp8) {
+        gemm_pv_fp8<Traits>(acc_o, acc_s, stage_v_tile, th.lane);
+      } else if constexpr (kHasVariants) {
         gemm_pv_packed<Traits>(acc_o, p16, smem_v_tile, th.lane);
       } else {
         gemm_pv<Traits>(acc_o, acc_s, smem_v_tile, th.lane);
@@ -896,14 +1102,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     cp_async_wait<0>();  // only empty groups remain; keeps the smem reuse below obviously safe
   }
+  if constexpr (Traits::kKVFp8) unpermute_o_fp8<Traits>(acc_o, th.lane);
 
   // ---- epilogue: normalise, merge key warps / splits, store ------------------
   float lse[kMmaM][2];
   softmax.finalize(acc_o, lse);
   if constexpr (Traits::kKVFp8) {
-    // FP8 V: O = v_descale(batch, kv head) x kFp8Dequant x P V (the merges of
+    // FP8 V: O = v_descale(batch, kv head) x P V (the merges of
     // key warps and splits are linear in O; every split has the same factor).
-    const float v_factor = descale_at(params.v_descale, batch, head_k) * kFp8Dequant;
+    const float v_factor = descale_at(params.v_descale, batch, head_k);
 #pragma unroll
     for (int m = 0; m < kMmaM; ++m)
 #pragma unroll

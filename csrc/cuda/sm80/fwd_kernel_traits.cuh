@@ -92,11 +92,11 @@ struct SmemTileLayout {
 // kKVFp8_: K / V are FP8 (e4m3) in global memory (an FP8 KV cache under a
 // 16-bit q; the KV cache kernels only, run_fwd_kvcache_fp8_impl). Their tiles
 // stream into shared-memory staging tiles of kStages x (K, V) x kBlockN x
-// kHeadDim bytes with the same cp.async pipeline, and each thread converts the
-// chunks it copied into one 16-bit K and one V tile (kKVSlots = 1, the layout
-// above) before the barrier that publishes them (fwd_kernel.cuh,
-// convert_fp8_tile): the MMA code is the 16-bit one, the global traffic half
-// of it, and the stages cost half the shared memory of 16-bit ones.
+// kHeadDim bytes (KVFp8Layout) with the same cp.async pipeline, and the MMA
+// code reads them straight into registers: ldmatrix of the e4m3 bytes as
+// 16-bit pairs, widened to 16 bits in the fragment (fwd_kernel.cuh, "FP8 tiles
+// straight into mma fragments"). No 16-bit K / V tiles (kKVSlots = 0): the
+// global traffic and the shared-memory stages are half of a 16-bit tile's.
 template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_,
           bool kQInRegs_, bool kKVL2Policy_ = false, int kKeyWarps_ = 1, bool kKVFp8_ = false>
 struct FwdKernelTraits {
@@ -110,6 +110,9 @@ struct FwdKernelTraits {
   static constexpr bool kKVL2Policy = kKVL2Policy_;
   static constexpr int kKeyWarps = kKeyWarps_;
   static constexpr bool kKVFp8 = kKVFp8_;
+  // The MMAs' 16-bit type: T, or fp16 for FP8 K / V (fwd_kernel.cuh, "FP8
+  // tiles straight into mma fragments").
+  using MmaT = std::conditional_t<kKVFp8, __half, T>;
 
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kRowWarps = kNWarps / kKeyWarps;   // warps along the query rows
@@ -126,11 +129,14 @@ struct FwdKernelTraits {
 
   static constexpr int kSmemQElems = QLayout::kElems;
   static constexpr int kSmemKVElems = KVLayout::kElems;
-  // 16-bit K (and V) tiles in shared memory: one per stage, or one (kKVFp8).
-  static constexpr int kKVSlots = kKVFp8 ? 1 : kStages;
-  // kKVFp8: the FP8 staging tiles (bytes, row-major [kBlockN][kHeadDim]; kStages
-  // K tiles, then kStages V tiles) after the V tile.
-  static constexpr int kSmemKVFp8Bytes = kBlockN * kHeadDim;
+  // 16-bit K (and V) tiles in shared memory: one per stage (none with kKVFp8).
+  static constexpr int kKVSlots = kKVFp8 ? 0 : kStages;
+  // kKVFp8: the FP8 staging tiles after Q (kStages K tiles, then kStages V
+  // tiles), rows of kHeadDim bytes addressed as rows of kHeadDim / 2 16-bit
+  // pairs: SmemTileLayout's swizzle (or padding) of 16-byte chunks keeps the
+  // 8 row addresses of an ldmatrix in 8 different bank groups.
+  using KVFp8Layout = SmemTileLayout<kBlockN, kHeadDim / 2>;
+  static constexpr int kSmemKVFp8Bytes = KVFp8Layout::kElems * 2;
   static constexpr int kSmemBytes =
       (kSmemQElems + 2 * kKVSlots * kSmemKVElems) * static_cast<int>(sizeof(T)) +
       (kKVFp8 ? 2 * kStages * kSmemKVFp8Bytes : 0);
