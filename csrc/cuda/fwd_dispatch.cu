@@ -252,17 +252,17 @@ static TileShape call_tile_shape(const AttentionFwdParams& params) {
 // one-warp tile's 7 -> 6 splits, kMaxClusterSplits; the key-warp tile's 4 -> 3).
 static int heuristic_splits(const AttentionFwdParams& params, int num_sms) {
   if (params.kv_dtype == DType::kFloat8E4M3 && params.dtype != DType::kFloat8E4M3) {
-    // An FP8 KV cache: its tiles carry half a 16-bit tile's bytes in about a
-    // 16-bit tile's time (staged, then widened in shared memory), so bytes in
-    // flight come from CTAs: two full waves of them. H200, B=8 H=32/8 D=128
-    // (64 CTAs unsplit, 4 per SM), time of the 16-bit cache / FP8 cache: the
-    // 16-bit rule 0.79-0.82, 9 splits (a 4% second wave) 0.54-0.76, 8 splits
-    // (one wave) 0.99-1.03, 16 splits (two) 1.07-1.09.
+    // An FP8 KV cache: one full wave of CTAs (the one-warp tile's 4 per SM).
+    // H100, B=8 H=32/8 D=128 bf16 q, caches 4k / 16k / 64k, GB/s of the FP8
+    // cache (one-warp tile, kernels reading fragments from the e4m3 tiles):
+    // 8 splits (one wave) 1592 / 2392 / 2827, 12 (5.8 CTAs per SM) 1541 / 2371
+    // / 2788, 16 (two waves) 1460 / 2147 / 2498, 24 1473 / 2289 / 2747; the
+    // key-warp tile with 2 / 3 splits 1590 / 2227 / 2491, 1530 / 2240 / 2593.
     const TileShape shape = call_tile_shape(params);
     const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
     const int64_t ctas = std::max<int64_t>(1, unsplit_ctas(params, shape));
     const int64_t slots = static_cast<int64_t>(std::max(1, num_sms)) * shape.ctas_per_sm;
-    const int64_t want = ctas >= slots ? 1 : 2 * (slots / ctas);
+    const int64_t want = ctas >= slots ? 1 : slots / ctas;
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, n_blocks)));
   }
   const TileShape shape = call_tile_shape(params);

@@ -329,9 +329,10 @@ struct FwdTileConfigDecode {
   static constexpr bool kQInRegs = kHeadDim <= 128;
   // kKVFp8: an FP8 (e4m3) KV cache (FwdKernelTraits), same tile. A tile
   // carries half the bytes of a 16-bit one, so it prefetches further ahead:
-  // kFp8Stages staging tiles (kFp8Stages - 1 tiles in flight) and one 16-bit
-  // K / V tile, e.g. one warp at D=128 keeps 24 KB in flight in 52 KB of
-  // shared memory (16-bit: 16 KB in 36 KB); key warps 48 KB in 100 KB.
+  // kFp8Stages staging tiles (kFp8Stages - 1 tiles in flight), e.g. one warp
+  // at D=128 keeps 24 KB in flight in 36 KB of shared memory (16-bit: 16 KB
+  // in 36 KB); key warps 48 KB in 68 KB. (6 stages measured no faster, H100
+  // 2026-11-26: docs/PERFORMANCE.md.)
   static constexpr int kFp8Stages = FAE_FWD_DECODE_FP8_STAGES;
   template <typename T, bool kKVFp8 = false>
   using Traits = FwdKernelTraits<T, kHeadDim, kBlockM, kBlockN, kNWarps,
