@@ -250,14 +250,24 @@ static TileShape call_tile_shape(const AttentionFwdParams& params) {
 // cluster limit round down to the limit where a thread-block cluster merges
 // them and they still fill 70-100% of one wave (B=8 H_kv=8 decode: the
 // one-warp tile's 7 -> 6 splits, kMaxClusterSplits; the key-warp tile's 4 -> 3).
+// Decode calls on an FP8 or a paged KV cache: the one-warp tile with one full
+// wave of CTAs (4 per SM), merged by the combine kernel (heuristic_splits).
+//  * FP8 cache, H100, B=8 H=32/8 D=128 bf16 q, caches 4k / 16k / 64k, GB/s of
+//    the FP8 cache: 8 splits (one wave) 1592 / 2392 / 2827, 12 (5.8 CTAs per
+//    SM) 1541 / 2371 / 2788, 16 (two waves) 1460 / 2147 / 2498, 24 1473 / 2289
+//    / 2747; the key-warp tile with 2 / 3 splits 1590 / 2227 / 2491, 1530 /
+//    2240 / 2593.
+//  * 16-token pages in a shuffled pool, same shape (bf16 cache), µs contiguous
+//    / paged at 16k and 64k: key-warp tile, 3 splits (the contiguous cache's
+//    choice) 192 / 207, 711 / 766 (1.08x); one warp, 6 splits in clusters 193
+//    / 200, 706 / 737; one warp, 8 splits 194 / 197, 709 / 722 (1.02x).
+static bool fwd_decode_one_wave(const AttentionFwdParams& params) {
+  return (params.kv_dtype == DType::kFloat8E4M3 && params.dtype != DType::kFloat8E4M3) ||
+         params.block_table != nullptr;
+}
+
 static int heuristic_splits(const AttentionFwdParams& params, int num_sms) {
-  if (params.kv_dtype == DType::kFloat8E4M3 && params.dtype != DType::kFloat8E4M3) {
-    // An FP8 KV cache: one full wave of CTAs (the one-warp tile's 4 per SM).
-    // H100, B=8 H=32/8 D=128 bf16 q, caches 4k / 16k / 64k, GB/s of the FP8
-    // cache (one-warp tile, kernels reading fragments from the e4m3 tiles):
-    // 8 splits (one wave) 1592 / 2392 / 2827, 12 (5.8 CTAs per SM) 1541 / 2371
-    // / 2788, 16 (two waves) 1460 / 2147 / 2498, 24 1473 / 2289 / 2747; the
-    // key-warp tile with 2 / 3 splits 1590 / 2227 / 2491, 1530 / 2240 / 2593.
+  if (fwd_decode_one_wave(params)) {
     const TileShape shape = call_tile_shape(params);
     const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
     const int64_t ctas = std::max<int64_t>(1, unsplit_ctas(params, shape));
@@ -314,7 +324,7 @@ void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {
   if (params.fwd_tile != kFwdTileAuto || params.num_splits > 1 || !fwd_uses_decode_tile(params)) {
     return;
   }
-  if (params.kv_dtype == DType::kFloat8E4M3) {  // many splits (heuristic_splits): one warp
+  if (fwd_decode_one_wave(params)) {  // many splits (heuristic_splits): one warp
     params.fwd_tile = kFwdTileSmallM;
     return;
   }
