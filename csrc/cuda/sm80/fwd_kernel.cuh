@@ -237,11 +237,11 @@ FAE_DEVICE void load_cache_tile_fp8_async(uint8_t* stage, const uint8_t* base,
 }
 
 // Two e4m3 values (the low (kHalf = 0) or high 16 bits of w) -> an f16x2,
-// exactly: every e4m3 value is an fp16 value (NaN stays NaN). sm_89 and later
-// have an instruction for it (F2FP.F16.E4M3.UNPACK_B, the half chosen by an
-// operand selector); older GPUs move the bits (fp16's exponent bias is 8
-// above e4m3's, so the moved bits are the value x 2^-8, subnormals included)
-// and multiply by 2^8.
+// exactly: every e4m3 value is an fp16 value. sm_89 and later have an
+// instruction for it (F2FP.F16.E4M3.UNPACK_B, the half chosen by an operand
+// selector; NaN stays NaN); older GPUs move the bits (fp16's exponent bias is
+// 8 above e4m3's, so the moved bits are the value x 2^-8, subnormals
+// included) and multiply by 2^8 (e4m3's NaN comes out as +-480 there).
 template <int kHalf>
 FAE_DEVICE uint32_t e4m3x2_to_f16x2(uint32_t w) {
   static_assert(kHalf == 0 || kHalf == 1, "a word holds two e4m3 pairs");
