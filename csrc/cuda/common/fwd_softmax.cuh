@@ -432,26 +432,11 @@ struct OnlineSoftmax {
 
   // Turns the scores s into probabilities p = exp2(s - new_max) in place,
   // and rescales the O accumulator and the running sum by exp2(old - new).
-  // O is left alone when no row of the warp moved its max (warp-uniform): its
-  // rows' factors are then exp2(0) = 1 exactly (or 0 for a row that still sees
-  // no key, whose O is 0), so skipping is bit for bit the same. Once the maxima
-  // settle (decode: after the first few tiles) that saves kTilesD * 4 * kMmaM
-  // multiplies per tile (the FP8-cache decode kernel was issue-bound).
   template <int kTilesN, int kTilesD>
   FAE_DEVICE void update(float (&s)[kMmaM][kTilesN][4], float (&o)[kMmaM][kTilesD][4]) {
-    float old_max[kMmaM][2];
-#pragma unroll
-    for (int m = 0; m < kMmaM; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) old_max[m][h] = row_max[m][h];
     float rescale[kMmaM][2];
     update_scores(s, rescale);
-    bool moved = false;
-#pragma unroll
-    for (int m = 0; m < kMmaM; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) moved |= row_max[m][h] != old_max[m][h];
-    if (__any_sync(0xffffffffu, moved)) rescale_rows(o, rescale);
+    rescale_rows(o, rescale);
   }
 
   // The two halves of update(), for kernels that must rescale O later (the
