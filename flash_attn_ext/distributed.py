@@ -35,7 +35,7 @@ shard) (two K/V blocks and two fp32 dK/dV accumulators in flight).
 import itertools
 import math
 import numbers
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -249,11 +249,6 @@ class _Attention:
     def backward(self, piece, dout, q, k, v, out, lse):
         raise NotImplementedError
 
-    def split_own_block(self, pieces) -> Tuple[List[_Piece], List[_Piece]]:
-        """Step 0's pieces (the rank's own K/V block) as (early, late): the backward runs the
-        late ones after the last ring step, under the final dK/dV transfer. Default: no split."""
-        return pieces, []
-
 
 class _PaddedAttention(_Attention):
     """[batch, seqlen_local, heads, head_dim] shards, lse [batch, heads, seqlen_local].
@@ -286,21 +281,6 @@ class _PaddedAttention(_Attention):
     def backward(self, piece, dout, q, k, v, out, lse):
         return torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, self.scale, piece.causal,
                                             True, self.deterministic, None, -1, -1, self.softcap)
-
-    def split_own_block(self, pieces):
-        # The shard's first chunk of rows against its keys (causal: the first chunk's, the
-        # rest is masked), then the second chunk against all keys (causal bottom-right: its
-        # rows still see exactly the keys up to their own position).
-        if len(pieces) != 1:
-            return pieces, []
-        (p,) = pieces
-        first, second = _halves(p.rows.stop - p.rows.start)
-        if second.stop <= second.start:
-            return pieces, []
-        early_keys = slice(p.keys.start, p.keys.start + first.stop) if p.causal else p.keys
-        early = _Piece(slice(p.rows.start, p.rows.start + first.stop), early_keys, p.causal)
-        late = _Piece(slice(p.rows.start + second.start, p.rows.stop), p.keys, p.causal)
-        return [early], [late]
 
 
 class _PackedChunks:
@@ -365,12 +345,6 @@ class _PackedAttention(_Attention):
                                                    *self._varlen_args(piece),
                                                    self.deterministic, None, -1, -1,
                                                    self.softcap)
-
-    def split_own_block(self, pieces):
-        # The first chunks' rows first, the second chunks' after the ring.
-        early = [p for p in pieces if p.q_chunk == 0]
-        late = [p for p in pieces if p.q_chunk != 0]
-        return (early, late) if early and late else (pieces, [])
 
 
 def _block_shape(kv_or_grads, seq_dim, seqlen):
@@ -441,12 +415,7 @@ def _ring_forward(q, k, v, ring, attention):
 
 
 def _ring_backward(dout, q, k, v, out, lse, ring, attention):
-    """(dq, dk, dv) of this rank's shard, from the global out and lse of its rows.
-
-    The own block's pieces (step 0) are split (attention.split_own_block): the early ones run
-    first, under the transfer of the first remote K/V block, the late ones after the last
-    step, under the final transfer of a completed dK/dV accumulator to its owner (which had
-    no compute under it: ~10% of a 2-rank step, bench_ring.py)."""
+    """(dq, dk, dv) of this rank's shard, from the global out and lse of its rows."""
     dim = attention.seq_dim
     whole = _whole_shard_piece(q, k, ring, attention)
     if whole is not None:
@@ -457,19 +426,6 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
     dq = torch.empty_like(q, dtype=torch.float32)
     dq_written = []
     row_lse = {}  # the operators want a contiguous lse: one copy per row range used
-
-    def run(p, kv):
-        bounds = (p.rows.start, p.rows.stop)
-        if bounds not in row_lse:
-            row_lse[bounds] = _narrow(lse, -1, p.rows).contiguous()
-        dq_piece, dk_piece, dv_piece = attention.backward(
-            p, _narrow(dout, dim, p.rows), _narrow(q, dim, p.rows),
-            _narrow(kv[0], dim, p.keys), _narrow(kv[1], dim, p.keys),
-            _narrow(out, dim, p.rows), row_lse[bounds])
-        _accumulate(_narrow(dq, dim, p.rows), dq_piece, p.rows, dq_written, dim)
-        return p.keys, dk_piece, dv_piece
-
-    early, late = attention.split_own_block(attention.pieces(0, ring.rank, ring.world))
     grads_in_flight = None
     for step in range(ring.world):
         # The block held at step + 1 and its gradient accumulator both come from rank
@@ -478,8 +434,17 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
         kv_in_flight = None
         if step + 1 < ring.world:
             kv_in_flight = ring.pass_on(kv, _block_shape(kv, dim, next_len))
-        pieces = early if step == 0 else attention.pieces(step, ring.rank, ring.world)
-        block_grads = [run(p, kv) for p in pieces]
+        block_grads = []
+        for p in attention.pieces(step, ring.rank, ring.world):
+            bounds = (p.rows.start, p.rows.stop)
+            if bounds not in row_lse:
+                row_lse[bounds] = _narrow(lse, -1, p.rows).contiguous()
+            dq_piece, dk_piece, dv_piece = attention.backward(
+                p, _narrow(dout, dim, p.rows), _narrow(q, dim, p.rows),
+                _narrow(kv[0], dim, p.keys), _narrow(kv[1], dim, p.keys),
+                _narrow(out, dim, p.rows), row_lse[bounds])
+            _accumulate(_narrow(dq, dim, p.rows), dq_piece, p.rows, dq_written, dim)
+            block_grads.append((p.keys, dk_piece, dv_piece))
         # The block's dK/dV so far: the previous rank added its share one step ago (the
         # transfer ran under this step's compute); at step 0 the block is our own, new.
         if step == 0:
@@ -493,21 +458,17 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
             _accumulate(_narrow(dkv[1], dim, keys), dv_piece, keys, dkv_written, dim)
         if step == 0:
             _zero_unwritten(dkv, dim + 1, dkv_written)
-        # After the last step the accumulator, now complete but for its owner's late pieces,
-        # goes to the owner, the next rank: in the gradients' dtype when nothing is left to
-        # add (half the bytes; the owner would round it to that dtype anyway).
-        if step + 1 == ring.world and not late:
+        # After the last step the accumulator, now complete, goes to the block's owner, the
+        # next rank, in the gradients' dtype (half the bytes of the one transfer that no
+        # compute hides; the owner would round it to that dtype anyway).
+        if step + 1 == ring.world:
             dkv = dkv.to(k.dtype)
         grads_in_flight = ring.pass_on(dkv, _block_shape(dkv, dim, next_len))
         if kv_in_flight is not None:
             kv = kv_in_flight.wait()
-    late_grads = [run(p, (k, v)) for p in late]  # the saved k, v: the own block
     _zero_unwritten(dq, dim, dq_written)
     dkv = grads_in_flight.wait()
-    for keys, dk_piece, dv_piece in late_grads:
-        _narrow(dkv[0], dim, keys).add_(dk_piece)
-        _narrow(dkv[1], dim, keys).add_(dv_piece)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq.to(q.dtype), dkv[0], dkv[1]
 
 
 def _gaps(rows: slice, written):
