@@ -136,8 +136,8 @@ def zigzag_unshard_varlen(shards: Sequence[torch.Tensor], cu_seqlens,
 
 # ---- the ring -----------------------------------------------------------------------------
 class _InFlight:
-    """A block on its way from the previous rank; wait() returns it. Keeps the tensor being
-    sent alive until the transfer is done (gloo reads it asynchronously)."""
+    """Blocks on their way from the previous rank; wait() returns them (a tuple). Keeps the
+    tensors being sent alive until the transfer is done (gloo reads them asynchronously)."""
 
     def __init__(self, works, received, sent=None):
         self._works, self._received, self._sent = works, received, sent
@@ -167,15 +167,17 @@ class _Ring:
         self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self._prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
-    def pass_on(self, block: torch.Tensor, received_shape) -> _InFlight:
-        """Starts sending `block` to the next rank and receiving a `received_shape` block of the
-        same dtype from the previous one."""
+    def pass_on(self, blocks, received_shapes) -> _InFlight:
+        """Starts sending the tensors `blocks` (contiguous) to the next rank and receiving one
+        of each received_shapes (same dtypes) from the previous one, in one batch of P2P
+        operations (K and V go as two messages: no stacked copy of them)."""
+        blocks = tuple(blocks)
         if self.world == 1 or not self.communicate:
-            return _InFlight([], block)
-        received = block.new_empty(received_shape)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, block, self._next, self.group),
-                                        dist.P2POp(dist.irecv, received, self._prev, self.group)])
-        return _InFlight(works, received, sent=block)
+            return _InFlight([], blocks)
+        received = tuple(b.new_empty(shape) for b, shape in zip(blocks, received_shapes))
+        ops = [dist.P2POp(dist.isend, b, self._next, self.group) for b in blocks]
+        ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
+        return _InFlight(dist.batch_isend_irecv(ops), received, sent=blocks)
 
 
 class _Piece(NamedTuple):
@@ -347,11 +349,11 @@ class _PackedAttention(_Attention):
                                                    self.softcap)
 
 
-def _block_shape(kv_or_grads, seq_dim, seqlen):
-    """The packed K/V (or dK/dV) block, stacked on a new dim 0, of a rank with `seqlen`
-    tokens."""
-    shape = list(kv_or_grads.shape)
-    shape[seq_dim + 1] = seqlen
+def _block_shape(block, seq_dim, seqlen):
+    """The shape of `block` (a K or V block, or the stacked dK/dV accumulator with seq_dim
+    one further) for a rank with `seqlen` tokens."""
+    shape = list(block.shape)
+    shape[seq_dim] = seqlen
     return shape
 
 
@@ -388,7 +390,7 @@ def _ring_forward(q, k, v, ring, attention):
     whole = _whole_shard_piece(q, k, ring, attention)
     if whole is not None:
         return attention.forward(whole, q, k, v)
-    kv = torch.stack((k, v))  # one message per step; also a contiguous buffer for gloo
+    kv = (k.contiguous(), v.contiguous())  # the messages (no copy unless strided)
     out = torch.zeros_like(q, dtype=torch.float32)
     lse = torch.full(attention.lse_shape(q), float("-inf"), dtype=torch.float32,
                      device=q.device)
@@ -397,7 +399,7 @@ def _ring_forward(q, k, v, ring, attention):
         in_flight = None
         if step + 1 < ring.world:
             next_len = attention.seqlens[(ring.rank - step - 1) % ring.world]
-            in_flight = ring.pass_on(kv, _block_shape(kv, dim, next_len))
+            in_flight = ring.pass_on(kv, [_block_shape(t, dim, next_len) for t in kv])
         for p in attention.pieces(step, ring.rank, ring.world):
             block_out, block_lse = attention.forward(p, _narrow(q, dim, p.rows),
                                                      _narrow(kv[0], dim, p.keys),
@@ -420,7 +422,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
     whole = _whole_shard_piece(q, k, ring, attention)
     if whole is not None:
         return attention.backward(whole, dout, q, k, v, out, lse.contiguous())
-    kv = torch.stack((k, v))
+    kv = (k.contiguous(), v.contiguous())  # the messages (no copy unless strided)
     # fp32 accumulators: a piece whose rows (dQ) or keys (dK/dV) hold nothing yet is copied
     # in rather than added to zeros (one pass over the accumulator instead of three).
     dq = torch.empty_like(q, dtype=torch.float32)
@@ -433,7 +435,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
         next_len = attention.seqlens[(ring.rank - step - 1) % ring.world]
         kv_in_flight = None
         if step + 1 < ring.world:
-            kv_in_flight = ring.pass_on(kv, _block_shape(kv, dim, next_len))
+            kv_in_flight = ring.pass_on(kv, [_block_shape(t, dim, next_len) for t in kv])
         block_grads = []
         for p in attention.pieces(step, ring.rank, ring.world):
             bounds = (p.rows.start, p.rows.stop)
@@ -448,10 +450,10 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
         # The block's dK/dV so far: the previous rank added its share one step ago (the
         # transfer ran under this step's compute); at step 0 the block is our own, new.
         if step == 0:
-            dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+            dkv = torch.empty((2, *k.shape), dtype=torch.float32, device=k.device)
             dkv_written = []
         else:
-            dkv, dkv_written = grads_in_flight.wait(), None
+            (dkv,), dkv_written = grads_in_flight.wait(), None
         for keys, dk_piece, dv_piece in block_grads:
             _accumulate(_narrow(dkv[0], dim, keys), dk_piece, keys, dkv_written, dim,
                         record=False)
@@ -463,11 +465,11 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
         # compute hides; the owner would round it to that dtype anyway).
         if step + 1 == ring.world:
             dkv = dkv.to(k.dtype)
-        grads_in_flight = ring.pass_on(dkv, _block_shape(dkv, dim, next_len))
+        grads_in_flight = ring.pass_on((dkv,), [_block_shape(dkv, dim + 1, next_len)])
         if kv_in_flight is not None:
             kv = kv_in_flight.wait()
     _zero_unwritten(dq, dim, dq_written)
-    dkv = grads_in_flight.wait()
+    (dkv,) = grads_in_flight.wait()
     return dq.to(q.dtype), dkv[0], dkv[1]
 
 
