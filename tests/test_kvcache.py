@@ -709,6 +709,8 @@ def fp8_kernel_column_order(t):
     assert dim % 16 == 0
     order = (torch.arange(0, dim, 16)[:, None] + step).reshape(-1).to(t.device)
     return t[..., order]
+
+
 # Every finite e4m3 code (NaN is 0x7f / 0xff): subnormals, zeros and +-448 included.
 E4M3_CODES = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
 
