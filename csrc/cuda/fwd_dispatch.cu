@@ -250,31 +250,7 @@ static TileShape call_tile_shape(const AttentionFwdParams& params) {
 // cluster limit round down to the limit where a thread-block cluster merges
 // them and they still fill 70-100% of one wave (B=8 H_kv=8 decode: the
 // one-warp tile's 7 -> 6 splits, kMaxClusterSplits; the key-warp tile's 4 -> 3).
-// Decode calls on an FP8 or a paged KV cache: the one-warp tile with one full
-// wave of CTAs (4 per SM), merged by the combine kernel (heuristic_splits).
-//  * FP8 cache, H100, B=8 H=32/8 D=128 bf16 q, caches 4k / 16k / 64k, GB/s of
-//    the FP8 cache: 8 splits (one wave) 1592 / 2392 / 2827, 12 (5.8 CTAs per
-//    SM) 1541 / 2371 / 2788, 16 (two waves) 1460 / 2147 / 2498, 24 1473 / 2289
-//    / 2747; the key-warp tile with 2 / 3 splits 1590 / 2227 / 2491, 1530 /
-//    2240 / 2593.
-//  * 16-token pages in a shuffled pool, same shape (bf16 cache), µs contiguous
-//    / paged at 16k and 64k: key-warp tile, 3 splits (the contiguous cache's
-//    choice) 192 / 207, 711 / 766 (1.08x); one warp, 6 splits in clusters 193
-//    / 200, 706 / 737; one warp, 8 splits 194 / 197, 709 / 722 (1.02x).
-static bool fwd_decode_one_wave(const AttentionFwdParams& params) {
-  return (params.kv_dtype == DType::kFloat8E4M3 && params.dtype != DType::kFloat8E4M3) ||
-         params.block_table != nullptr;
-}
-
-static int heuristic_splits(const AttentionFwdParams& params, int num_sms) {
-  if (fwd_decode_one_wave(params)) {
-    const TileShape shape = call_tile_shape(params);
-    const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
-    const int64_t ctas = std::max<int64_t>(1, unsplit_ctas(params, shape));
-    const int64_t slots = static_cast<int64_t>(std::max(1, num_sms)) * shape.ctas_per_sm;
-    const int64_t want = ctas >= slots ? 1 : slots / ctas;
-    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, n_blocks)));
-  }
+static int wave_splits(const AttentionFwdParams& params, int num_sms) {
   const TileShape shape = call_tile_shape(params);
   const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
   const int64_t ctas = unsplit_ctas(params, shape);
@@ -287,6 +263,62 @@ static int heuristic_splits(const AttentionFwdParams& params, int num_sms) {
     return cluster_limit;
   }
   return splits;
+}
+
+// The one-warp tile with one full wave of CTAs (4 per SM), merged by the
+// combine kernel: as many splits as fill the wave, at most one key tile each.
+static int one_wave_splits(const AttentionFwdParams& params, int num_sms) {
+  AttentionFwdParams one_warp = params;
+  one_warp.fwd_tile = kFwdTileSmallM;
+  const TileShape shape = call_tile_shape(one_warp);
+  const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
+  const int64_t ctas = std::max<int64_t>(1, unsplit_ctas(one_warp, shape));
+  const int64_t slots = static_cast<int64_t>(std::max(1, num_sms)) * shape.ctas_per_sm;
+  const int64_t want = ctas >= slots ? 1 : slots / ctas;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, n_blocks)));
+}
+
+// Decode calls that take the one-warp tile with one full wave (one_wave_splits):
+//  * FP8 caches. H100, B=8 H=32/8 D=128 bf16 q, caches 4k / 16k / 64k, GB/s of
+//    the FP8 cache: 8 splits (one wave) 1592 / 2392 / 2827, 12 (5.8 CTAs per
+//    SM) 1541 / 2371 / 2788, 16 (two waves) 1460 / 2147 / 2498, 24 1473 / 2289
+//    / 2747; the key-warp tile with 2 / 3 splits 1590 / 2227 / 2491, 1530 /
+//    2240 / 2593.
+//  * Paged caches. 16-token pages in a shuffled pool, same shape (bf16 cache),
+//    µs contiguous / paged at 16k and 64k: key-warp tile, 3 splits 192 / 207,
+//    711 / 766 (1.08x); one warp, 6 splits in clusters 193 / 200, 706 / 737;
+//    one warp, 8 splits 194 / 197, 709 / 722 (1.02x).
+//  * Long contiguous 16-bit caches whose key-warp splits would fill less than
+//    80% of that tile's wave, from kOneWaveMinKeysPerSplit keys per split on.
+//    H100, B=8 H=32/8 D=128 bf16, µs at 16k / 32k / 64k: key-warp tile, 3
+//    splits (73% of its slots) 193.6 / 369.2 / 718.0; one warp, 8 splits 193.3
+//    / 365.3 / 709.7; cuDNN 194.1 / 365.3 / 708.8. D=64, 32k / 64k: 199.4 /
+//    380.2 -> 195.5 / 368.8 (cuDNN 193 / 362.5). Shapes that fill the key-warp
+//    wave (B=8 H_kv=32, B=16 H_kv=8) or have under 4k keys per split keep it.
+constexpr int kOneWaveMinKeysPerSplit = 4096;
+
+static bool fwd_decode_one_wave(const AttentionFwdParams& params, int num_sms) {
+  if ((params.kv_dtype == DType::kFloat8E4M3 && params.dtype != DType::kFloat8E4M3) ||
+      params.block_table != nullptr) {
+    return true;
+  }
+  // A forced split count keeps the tile fwd_choose_tile gives it.
+  if (params.dtype == DType::kFloat32 || params.num_splits > 0 || !fwd_uses_decode_tile(params) ||
+      fwd_uses_key_warp_tile(params)) {
+    return false;
+  }
+  AttentionFwdParams key_warps = params;
+  key_warps.fwd_tile = kFwdTileSmallMKeyWarps;
+  const TileShape shape = call_tile_shape(key_warps);
+  const int64_t filled = unsplit_ctas(key_warps, shape) * wave_splits(key_warps, num_sms);
+  const int64_t slots = static_cast<int64_t>(std::max(1, num_sms)) * shape.ctas_per_sm;
+  return filled < 0.8 * slots &&
+         params.seqlen_k >= int64_t{kOneWaveMinKeysPerSplit} * one_wave_splits(params, num_sms);
+}
+
+static int heuristic_splits(const AttentionFwdParams& params, int num_sms) {
+  return fwd_decode_one_wave(params, num_sms) ? one_wave_splits(params, num_sms)
+                                              : wave_splits(params, num_sms);
 }
 
 // kFwdTileAuto on a decode shape: the key-warp tile where it runs with at most
@@ -324,7 +356,7 @@ void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {
   if (params.fwd_tile != kFwdTileAuto || params.num_splits > 1 || !fwd_uses_decode_tile(params)) {
     return;
   }
-  if (fwd_decode_one_wave(params)) {  // many splits (heuristic_splits): one warp
+  if (fwd_decode_one_wave(params, num_sms)) {  // many splits (heuristic_splits): one warp
     params.fwd_tile = kFwdTileSmallM;
     return;
   }
