@@ -167,16 +167,18 @@ class _Ring:
         self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self._prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
-    def pass_on(self, blocks, received_shapes) -> _InFlight:
+    def pass_on(self, blocks, received_shapes, backwards=False) -> _InFlight:
         """Starts sending the tensors `blocks` (contiguous) to the next rank and receiving one
         of each received_shapes (same dtypes) from the previous one, in one batch of P2P
-        operations (K and V go as two messages: no stacked copy of them)."""
+        operations (K and V go as two messages: no stacked copy of them); backwards=True:
+        to the previous rank, from the next one."""
         blocks = tuple(blocks)
         if self.world == 1 or not self.communicate:
             return _InFlight([], blocks)
+        to, source = (self._prev, self._next) if backwards else (self._next, self._prev)
         received = tuple(b.new_empty(shape) for b, shape in zip(blocks, received_shapes))
-        ops = [dist.P2POp(dist.isend, b, self._next, self.group) for b in blocks]
-        ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
+        ops = [dist.P2POp(dist.isend, b, to, self.group) for b in blocks]
+        ops += [dist.P2POp(dist.irecv, r, source, self.group) for r in received]
         return _InFlight(dist.batch_isend_irecv(ops), received, sent=blocks)
 
 
@@ -385,11 +387,12 @@ def _whole_shard_piece(q, k, ring, attention):
 
 
 def _ring_forward(q, k, v, ring, attention):
-    """(out in q's dtype, lse float32) of this rank's queries against the whole sequence."""
+    """(out in q's dtype, lse float32, (K, V) of the block it ended with) of this rank's
+    queries against the whole sequence."""
     dim = attention.seq_dim
     whole = _whole_shard_piece(q, k, ring, attention)
     if whole is not None:
-        return attention.forward(whole, q, k, v)
+        return (*attention.forward(whole, q, k, v), (k, v))
     kv = (k.contiguous(), v.contiguous())  # the messages (no copy unless strided)
     out = torch.zeros_like(q, dtype=torch.float32)
     lse = torch.full(attention.lse_shape(q), float("-inf"), dtype=torch.float32,
@@ -413,31 +416,41 @@ def _ring_forward(q, k, v, ring, attention):
             written.append(p.rows)
         if in_flight is not None:
             kv = in_flight.wait()
-    return out.to(q.dtype), lse
+    return out.to(q.dtype), lse, kv
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring, attention):
-    """(dq, dk, dv) of this rank's shard, from the global out and lse of its rows."""
+def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
+    """(dq, dk, dv) of this rank's shard, from the global out and lse of its rows.
+
+    The blocks go round the other way, in the reverse order of the forward: first the one
+    the forward ended with (last_kv, the block of rank + 1: no transfer to wait for), last
+    this rank's own. A block's fp32 dK/dV accumulator travels with it, so it arrives home
+    at the owner's last step, complete but for the owner's own share: no final transfer
+    that nothing hides. K/V hop world - 2 times (the owner has its own), the accumulators
+    world - 1 times."""
     dim = attention.seq_dim
     whole = _whole_shard_piece(q, k, ring, attention)
     if whole is not None:
         return attention.backward(whole, dout, q, k, v, out, lse.contiguous())
-    kv = (k.contiguous(), v.contiguous())  # the messages (no copy unless strided)
+    world, rank = ring.world, ring.rank
+    kv = last_kv
     # fp32 accumulators: a piece whose rows (dQ) or keys (dK/dV) hold nothing yet is copied
     # in rather than added to zeros (one pass over the accumulator instead of three).
     dq = torch.empty_like(q, dtype=torch.float32)
     dq_written = []
     row_lse = {}  # the operators want a contiguous lse: one copy per row range used
     grads_in_flight = None
-    for step in range(ring.world):
-        # The block held at step + 1 and its gradient accumulator both come from rank
-        # (rank - step - 1): same length.
-        next_len = attention.seqlens[(ring.rank - step - 1) % ring.world]
+    for step in range(world):
+        source = (rank + 1 + step) % world  # whose block this rank holds
+        # The next block, source + 1's, is held by the next rank now; the previous rank takes
+        # ours next, unless it owns it.
         kv_in_flight = None
-        if step + 1 < ring.world:
-            kv_in_flight = ring.pass_on(kv, [_block_shape(t, dim, next_len) for t in kv])
+        if step + 2 < world:
+            next_len = attention.seqlens[(source + 1) % world]
+            kv_in_flight = ring.pass_on(kv, [_block_shape(t, dim, next_len) for t in kv],
+                                        backwards=True)
         block_grads = []
-        for p in attention.pieces(step, ring.rank, ring.world):
+        for p in attention.pieces((rank - source) % world, rank, world):
             bounds = (p.rows.start, p.rows.stop)
             if bounds not in row_lse:
                 row_lse[bounds] = _narrow(lse, -1, p.rows).contiguous()
@@ -447,10 +460,10 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
                 _narrow(out, dim, p.rows), row_lse[bounds])
             _accumulate(_narrow(dq, dim, p.rows), dq_piece, p.rows, dq_written, dim)
             block_grads.append((p.keys, dk_piece, dv_piece))
-        # The block's dK/dV so far: the previous rank added its share one step ago (the
-        # transfer ran under this step's compute); at step 0 the block is our own, new.
+        # The block's dK/dV so far: the next rank added its share one step ago (the transfer
+        # ran under this step's compute); at step 0 the block's first.
         if step == 0:
-            dkv = torch.empty((2, *k.shape), dtype=torch.float32, device=k.device)
+            dkv = torch.empty((2, *kv[0].shape), dtype=torch.float32, device=q.device)
             dkv_written = []
         else:
             (dkv,), dkv_written = grads_in_flight.wait(), None
@@ -460,17 +473,16 @@ def _ring_backward(dout, q, k, v, out, lse, ring, attention):
             _accumulate(_narrow(dkv[1], dim, keys), dv_piece, keys, dkv_written, dim)
         if step == 0:
             _zero_unwritten(dkv, dim + 1, dkv_written)
-        # After the last step the accumulator, now complete, goes to the block's owner, the
-        # next rank, in the gradients' dtype (half the bytes of the one transfer that no
-        # compute hides; the owner would round it to that dtype anyway).
-        if step + 1 == ring.world:
-            dkv = dkv.to(k.dtype)
-        grads_in_flight = ring.pass_on((dkv,), [_block_shape(dkv, dim + 1, next_len)])
+        if step + 1 < world:  # on to the previous rank, which holds this block next
+            next_len = attention.seqlens[(source + 1) % world]
+            grads_in_flight = ring.pass_on((dkv,), [_block_shape(dkv, dim + 1, next_len)],
+                                           backwards=True)
         if kv_in_flight is not None:
             kv = kv_in_flight.wait()
+        elif step + 2 == world:
+            kv = (k, v)  # the last step's block is our own
     _zero_unwritten(dq, dim, dq_written)
-    (dkv,) = grads_in_flight.wait()
-    return dq.to(q.dtype), dkv[0], dkv[1]
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 def _gaps(rows: slice, written):
@@ -517,17 +529,20 @@ class _RingFlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, ring, attention):
-        out, lse = _ring_forward(q, k, v, ring, attention)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, (last_k, last_v) = _ring_forward(q, k, v, ring, attention)
+        # The backward starts with the block the forward ended with (one K/V block of memory
+        # for one transfer fewer, _ring_backward).
+        ctx.save_for_backward(q, k, v, out, lse, last_k, last_v)
         ctx.ring, ctx.attention = ring, attention
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, last_k, last_v = ctx.saved_tensors
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.attention)
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, (last_k, last_v), ctx.ring,
+                                    ctx.attention)
         return dq, dk, dv, None, None
 
 
@@ -671,7 +686,7 @@ def _run(q, k, v, ring, attention, return_lse):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = _RingFlashAttnFunction.apply(q, k, v, ring, attention)
     else:
-        out, lse = _ring_forward(q, k, v, ring, attention)
+        out, lse, _ = _ring_forward(q, k, v, ring, attention)
     return (out, lse) if return_lse else out
 
 
@@ -698,8 +713,10 @@ def ring_flash_attn_func(q, k, v, group: Optional["dist.ProcessGroup"] = None,
     the whole-sequence gradients).
 
     Communication per call: one all_gather of a few integers (checks; on CUDA one host sync),
-    then per step one K/V block passed to the next rank (world - 1 steps); the backward also
-    passes the fp32 dK/dV accumulators (world steps).
+    then per step one K/V block passed to the next rank (world - 1 steps); the backward
+    passes K/V blocks world - 2 times and the fp32 dK/dV accumulators world - 1 times, the
+    other way round the ring. The backward keeps the last K/V block the forward received
+    (one shard's K/V of memory) so that it starts without waiting for a transfer.
     """
     ring = _process_group_ring(group)
     seqlens, _ = _agree_on_inputs(q, k, v, bool(causal), ring)

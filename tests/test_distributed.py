@@ -70,6 +70,9 @@ CPU_CASES = {
         Case(False, "bf16", 64),
         Case(True, "fp32", (10, 2, 0, 74, 6)),        # local 5, 1, 0, 37, 3 per sequence
         Case(False, "bf16", (12, 4, 30), heads_k=1)],
+    # 3 ranks: the backward passes K/V blocks as well as the dK/dV accumulators.
+    3: [Case(True, "fp32", 90),                       # local 15 (chunks of 8 and 7)
+        Case(False, "bf16", 31, heads_k=1)],          # shards of 11, 10 and 10
     4: [Case(True, "fp32", 148),                      # local 37
         Case(True, "bf16", 148, heads_k=1),
         Case(False, "bf16", 83),                      # shards of 21, 21, 21 and 20
