@@ -250,11 +250,16 @@ static TileShape call_tile_shape(const AttentionFwdParams& params) {
 // cluster limit round down to the limit where a thread-block cluster merges
 // them and they still fill 70-100% of one wave (B=8 H_kv=8 decode: the
 // one-warp tile's 7 -> 6 splits, kMaxClusterSplits; the key-warp tile's 4 -> 3).
+// CTA slots of one wave of the tile.
+static int wave_slots(const TileShape& shape, int num_sms) {
+  return std::max(1, num_sms) * shape.ctas_per_sm;
+}
+
 static int wave_splits(const AttentionFwdParams& params, int num_sms) {
   const TileShape shape = call_tile_shape(params);
   const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
   const int64_t ctas = unsplit_ctas(params, shape);
-  const int slots = std::max(1, num_sms) * shape.ctas_per_sm;
+  const int slots = wave_slots(shape, num_sms);
   const int splits = num_splits_heuristic(ctas, slots, n_blocks, 128);
   const int cluster_limit =
       fwd_uses_key_warp_tile(params) ? kMaxKeyWarpClusterSplits : kMaxClusterSplits;
@@ -273,7 +278,7 @@ static int one_wave_splits(const AttentionFwdParams& params, int num_sms) {
   const TileShape shape = call_tile_shape(one_warp);
   const int n_blocks = ceil_div(params.seqlen_k, shape.block_n);
   const int64_t ctas = std::max<int64_t>(1, unsplit_ctas(one_warp, shape));
-  const int64_t slots = static_cast<int64_t>(std::max(1, num_sms)) * shape.ctas_per_sm;
+  const int64_t slots = wave_slots(shape, num_sms);
   const int64_t want = ctas >= slots ? 1 : slots / ctas;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, n_blocks)));
 }
@@ -311,7 +316,7 @@ static bool fwd_decode_one_wave(const AttentionFwdParams& params, int num_sms) {
   key_warps.fwd_tile = kFwdTileSmallMKeyWarps;
   const TileShape shape = call_tile_shape(key_warps);
   const int64_t filled = unsplit_ctas(key_warps, shape) * wave_splits(key_warps, num_sms);
-  const int64_t slots = static_cast<int64_t>(std::max(1, num_sms)) * shape.ctas_per_sm;
+  const int64_t slots = wave_slots(shape, num_sms);
   return filled < 0.8 * slots &&
          params.seqlen_k >= int64_t{kOneWaveMinKeysPerSplit} * one_wave_splits(params, num_sms);
 }
