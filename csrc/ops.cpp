@@ -28,6 +28,12 @@
 //                                  max_seqlen_k, q_descale, k_descale, v_descale,
 //                                  softmax_scale, causal, out_dtype) -> (out, lse): the same
 //       for packed sequences (varlen_fwd's layout; descales per sequence and kv head).
+//   flash_attn_ext::merge_partial_(out, lse, block_out, block_lse, prev_out=None) -> ():
+//       folds a block's partial result (block_out, block_lse: a forward over some of the
+//       keys) into the running (out, lse), in place, by the log-sum-exp; prev_out, when
+//       given, is read as the running output instead of out (out is then only written,
+//       e.g. a float32 accumulator filled from a 16-bit partial). Ring attention's merge
+//       (flash_attn_ext/distributed.py; the formula: params.h, MergePartialParams).
 //
 // Padded: q/k/v/out/dout are [batch, seqlen, heads, head_dim] with any batch,
 // seqlen and head strides and a contiguous last dim; lse is [batch, heads,
@@ -220,6 +226,20 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_fp8_cpu(
                               "descale) and call flash_attn_varlen_func");
 }
 
+// merge_partial_ with ATen ops in float32 (the CUDA kernel does it in one pass:
+// cuda/merge_partial.cu). lerp with a tensor weight is the formula both follow.
+void merge_partial_cpu(at::Tensor out, at::Tensor lse, const at::Tensor& block_out,
+                       const at::Tensor& block_lse, const std::optional<at::Tensor>& prev_out) {
+  make_merge_partial_params(out, lse, block_out, block_lse, prev_out);  // the checks
+  const at::Tensor merged = at::logaddexp(lse, block_lse);
+  // -inf - -inf would be NaN: a row that still has no key gets share 0.
+  const at::Tensor share = at::exp(block_lse - merged.masked_fill(at::isneginf(merged), 0.0));
+  const int64_t seq_dim = out.dim() - 3;
+  const at::Tensor prev = (prev_out.has_value() ? *prev_out : out).to(at::kFloat);
+  out.copy_(prev.lerp(block_out.to(at::kFloat), share.movedim(-1, seq_dim).unsqueeze(-1)));
+  lse.copy_(merged);
+}
+
 // The attention variants (flash-attn's window_size, softcap, alibi_slopes,
 // dropout_p with its rng_state = {seed, offset}, and torch SDPA's attn_mask),
 // the last arguments of every operator; their defaults turn them off.
@@ -268,6 +288,9 @@ TORCH_LIBRARY(flash_attn_ext, m) {
       "int max_seqlen_q, int max_seqlen_k, Tensor q_descale, Tensor k_descale, "
       "Tensor v_descale, float softmax_scale, bool causal, ScalarType out_dtype) "
       "-> (Tensor out, Tensor lse)");
+  m.def(
+      "merge_partial_(Tensor(a!) out, Tensor(b!) lse, Tensor block_out, Tensor block_lse, "
+      "Tensor? prev_out=None) -> ()");
 }
 #undef FAE_VARIANT_ARGS
 
@@ -280,6 +303,7 @@ TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
   m.impl("fwd_fp8", &fwd_fp8_cpu);
   m.impl("varlen_fwd_fp8", &varlen_fwd_fp8_cpu);
   m.impl("sdpa_fwd", &sdpa_fwd_cpu);
+  m.impl("merge_partial_", &merge_partial_cpu);
 }
 
 }  // namespace flash_attn_ext

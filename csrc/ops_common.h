@@ -12,6 +12,8 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "dropout.h"
 #include "params.h"
@@ -685,6 +687,77 @@ inline AttentionBwdParams make_varlen_bwd_params(const at::Tensor& dout, const a
   check_varlen_3d(dout, "dout");
   AttentionBwdParams p = add_bwd_inputs(fwd, q.unsqueeze(0), dout.unsqueeze(0), out.unsqueeze(0),
                                         lse, {q.size(1), q.size(0)}, deterministic);
+  return p;
+}
+
+// flash_attn_ext::merge_partial_'s checks and params (params.h,
+// MergePartialParams): out, block_out and prev_out (when given; else out
+// itself) are [batch, seqlen, heads, head_dim] or packed [total, heads,
+// head_dim] of one shape, lse and block_lse float32 [batch, heads, seqlen] or
+// [heads, total]; out and prev_out are float32 or block_out's dtype.
+inline MergePartialParams make_merge_partial_params(const at::Tensor& out, const at::Tensor& lse,
+                                                    const at::Tensor& block_out,
+                                                    const at::Tensor& block_lse,
+                                                    const std::optional<at::Tensor>& prev_out) {
+  const at::Tensor& prev = prev_out.has_value() ? *prev_out : out;
+  const char* names[] = {"out", "block_out", "prev_out"};
+  const at::Tensor* outs[] = {&out, &block_out, &prev};
+  for (int i = 0; i < 3; ++i) {
+    const at::Tensor& t = *outs[i];
+    TORCH_CHECK(t.dim() == 3 || t.dim() == 4, "flash_attn_ext: merge_partial_: ", names[i],
+                " must be [batch, seqlen, heads, head_dim] or [total, heads, head_dim], got "
+                "shape ", t.sizes());
+    TORCH_CHECK(t.sizes() == out.sizes(), "flash_attn_ext: merge_partial_: ", names[i],
+                " must have out's shape ", out.sizes(), ", got ", t.sizes());
+    TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, "flash_attn_ext: merge_partial_: ",
+                names[i], " must have a contiguous last dimension");
+    TORCH_CHECK(t.device() == out.device(), "flash_attn_ext: merge_partial_: every tensor must "
+                "be on out's device ", out.device(), ", ", names[i], " is on ", t.device());
+    const at::ScalarType dtype = t.scalar_type();
+    TORCH_CHECK(dtype == block_out.scalar_type() || (i != 1 && dtype == at::kFloat),
+                "flash_attn_ext: merge_partial_: ", names[i], " must be float32 or block_out's "
+                "dtype ", block_out.scalar_type(), ", got ", dtype);
+  }
+  const bool packed = out.dim() == 3;
+  const at::Tensor out4 = as_4d(out);
+  const std::vector<int64_t> lse_shape =
+      packed ? std::vector<int64_t>{out.size(1), out.size(0)}
+             : std::vector<int64_t>{out.size(0), out.size(2), out.size(1)};
+  for (const auto& [t, name] : {std::pair{&lse, "lse"}, std::pair{&block_lse, "block_lse"}}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->sizes() == lse_shape,
+                "flash_attn_ext: merge_partial_: ", name, " must be float32 of shape ",
+                at::IntArrayRef(lse_shape), " (", packed ? "[heads, total]" : "[batch, heads, seqlen]",
+                "), got ", t->scalar_type(), " of shape ", t->sizes());
+    TORCH_CHECK(t->device() == out.device(), "flash_attn_ext: merge_partial_: ", name,
+                " must be on out's device ", out.device());
+  }
+  TORCH_CHECK(out4.size(0) <= std::numeric_limits<int>::max() &&
+                  out4.size(1) <= std::numeric_limits<int>::max() &&
+                  out4.size(2) <= std::numeric_limits<int>::max() &&
+                  out4.size(3) <= std::numeric_limits<int>::max(),
+              "flash_attn_ext: merge_partial_: out has a dimension too large: ", out.sizes());
+  MergePartialParams p;
+  p.batch = static_cast<int>(out4.size(0));
+  p.seqlen = static_cast<int>(out4.size(1));
+  p.heads = static_cast<int>(out4.size(2));
+  p.head_dim = static_cast<int>(out4.size(3));
+  p.out = out.data_ptr();
+  p.prev_out = prev.data_ptr();
+  p.block_out = block_out.data_ptr();
+  p.out_dtype = to_dtype(out.scalar_type());
+  p.prev_dtype = to_dtype(prev.scalar_type());
+  p.block_dtype = to_dtype(block_out.scalar_type());
+  p.out_strides = strides_of(out);
+  p.prev_strides = strides_of(prev);
+  p.block_strides = strides_of(block_out);
+  p.lse = lse.data_ptr<float>();
+  p.block_lse = block_lse.data_ptr<float>();
+  const at::Tensor lse3 = packed ? lse.unsqueeze(0) : lse;
+  const at::Tensor block_lse3 = packed ? block_lse.unsqueeze(0) : block_lse;
+  for (int i = 0; i < 3; ++i) {
+    p.lse_strides[i] = lse3.size(i) == 1 ? 0 : lse3.stride(i);
+    p.block_lse_strides[i] = block_lse3.size(i) == 1 ? 0 : block_lse3.stride(i);
+  }
   return p;
 }
 

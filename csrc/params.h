@@ -440,4 +440,27 @@ struct AttentionBwdParams : AttentionFwdParams {
   int* dq_semaphore = nullptr;
 };
 
+// Merging one block's partial attention result into a running one by their
+// log-sum-exps (flash_attn_ext::merge_partial_, ring attention's forward):
+//   lse' = logaddexp(lse, block_lse),  out = lerp(prev, block_out, exp(block_lse - lse'))
+// where prev is prev_out when given, else out itself (in place). Every output
+// tensor is addressed as [batch, seqlen, heads, head_dim] with element strides
+// (a packed [total, heads, head_dim] one as batch 1), every lse as [batch,
+// heads, seqlen] fp32.
+struct MergePartialParams {
+  int batch = 0;
+  int seqlen = 0;
+  int heads = 0;
+  int head_dim = 0;
+  void* out = nullptr;
+  const void* prev_out = nullptr;  // == out when merging in place
+  const void* block_out = nullptr;
+  DType out_dtype = DType::kFloat32, prev_dtype = DType::kFloat32, block_dtype = DType::kFloat32;
+  TensorStrides out_strides, prev_strides, block_strides;
+  float* lse = nullptr;
+  const float* block_lse = nullptr;
+  int64_t lse_strides[3] = {0, 0, 0};        // batch, head, row
+  int64_t block_lse_strides[3] = {0, 0, 0};  // batch, head, row
+};
+
 }  // namespace flash_attn_ext

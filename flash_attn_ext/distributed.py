@@ -167,19 +167,22 @@ class _Ring:
         self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self._prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
-    def pass_on(self, blocks, received_shapes, backwards=False) -> _InFlight:
-        """Starts sending the tensors `blocks` (contiguous) to the next rank and receiving one
-        of each received_shapes (same dtypes) from the previous one, in one batch of P2P
+    def pass_on(self, blocks, received, device, backwards=False) -> _InFlight:
+        """Starts sending the tensors `blocks` (contiguous) to the next rank and receiving
+        tensors of the (shape, dtype)s `received` from the previous one, in one batch of P2P
         operations (K and V go as two messages: no stacked copy of them); backwards=True:
         to the previous rank, from the next one."""
         blocks = tuple(blocks)
         if self.world == 1 or not self.communicate:
-            return _InFlight([], blocks)
+            if [(tuple(b.shape), b.dtype) for b in blocks] == [(tuple(s), d) for s, d in received]:
+                return _InFlight([], blocks)
+            # Without communication, the same amount of memory in the shapes expected.
+            return _InFlight([], tuple(torch.empty(s, dtype=d, device=device) for s, d in received))
         to, source = (self._prev, self._next) if backwards else (self._next, self._prev)
-        received = tuple(b.new_empty(shape) for b, shape in zip(blocks, received_shapes))
+        received = tuple(torch.empty(s, dtype=d, device=device) for s, d in received)
         ops = [dist.P2POp(dist.isend, b, to, self.group) for b in blocks]
         ops += [dist.P2POp(dist.irecv, r, source, self.group) for r in received]
-        return _InFlight(dist.batch_isend_irecv(ops), received, sent=blocks)
+        return _InFlight(dist.batch_isend_irecv(ops) if ops else [], received, sent=blocks)
 
 
 class _Piece(NamedTuple):
@@ -244,6 +247,12 @@ class _Attention:
     def lse_shape(self, q):
         raise NotImplementedError
 
+    def chunks(self, rank) -> List[slice]:
+        """The rows of rank's shard in its (non-empty) zig-zag chunks: every piece's rows and
+        keys are a union of whole chunks, which is what _ChunkSums and _ring_forward keep
+        their partial results by."""
+        raise NotImplementedError
+
     def pieces(self, step, rank, world) -> List[_Piece]:
         raise NotImplementedError
 
@@ -264,6 +273,9 @@ class _PaddedAttention(_Attention):
 
     def lse_shape(self, q):
         return (q.shape[0], q.shape[2], q.shape[1])
+
+    def chunks(self, rank):
+        return [c for c in _halves(self.seqlens[rank]) if c.stop > c.start]
 
     def pieces(self, step, rank, world):
         q_len, k_len = self.seqlens[rank], self.seqlens[(rank - step) % world]
@@ -321,22 +333,25 @@ class _PackedAttention(_Attention):
 
     def __init__(self, chunks: _PackedChunks, world, *args):
         super().__init__((chunks.total,) * world, *args)
-        self.chunks = chunks
+        self.chunks_of_shard = chunks
 
     def lse_shape(self, q):
         return (q.shape[1], q.shape[0])
+
+    def chunks(self, rank):
+        return [c for c in self.chunks_of_shard.rows if c.stop > c.start]
 
     def pieces(self, step, rank, world):
         if self.causal:
             pairs = _zigzag_chunk_pairs(step, rank, world)
         else:
             pairs = [(q_chunk, k_chunk, False) for q_chunk in (0, 1) for k_chunk in (0, 1)]
-        rows = self.chunks.rows
+        rows = self.chunks_of_shard.rows
         return _nonempty([_Piece(rows[q_chunk], rows[k_chunk], causal, q_chunk, k_chunk)
                           for q_chunk, k_chunk, causal in pairs])
 
     def _varlen_args(self, piece):
-        c = self.chunks
+        c = self.chunks_of_shard
         return (c.cu[piece.q_chunk], c.cu[piece.k_chunk], c.max_len[piece.q_chunk],
                 c.max_len[piece.k_chunk], self.scale, piece.causal)
 
@@ -359,23 +374,70 @@ def _block_shape(block, seq_dim, seqlen):
     return shape
 
 
-def _merge_block(out, lse, block_out, block_lse, seq_dim):
-    """Folds a block's partial result into the running one, in place (fp32): with
-    lse' = logaddexp(lse, block_lse), out' = out * exp(lse - lse') + block_out *
-    exp(block_lse - lse'), i.e. a lerp towards block_out by the block's share of the
-    probability mass. Rows that have seen no key yet (lse = -inf) take the block's result;
-    rows the block has no key for (block_lse = -inf) keep theirs."""
-    merged = torch.logaddexp(lse, block_lse)
-    # -inf - -inf would be NaN: a row that still sees no key gets share 0 (its out stays 0).
-    finite = torch.where(torch.isneginf(merged), torch.zeros_like(merged), merged)
-    share = torch.exp(block_lse - finite).movedim(-1, seq_dim).unsqueeze(-1)
-    out.lerp_(block_out.float(), share)
-    lse.copy_(merged)
+def _covers(span: slice, chunk: slice):
+    return span.start <= chunk.start and chunk.stop <= span.stop
+
+
+def _part(t, dim, span: slice, chunk: slice):
+    """The rows of `chunk` in t, a piece's output over the rows `span` (which covers it)."""
+    return t.narrow(dim, chunk.start - span.start, chunk.stop - chunk.start)
+
+
+class _ChunkSums:
+    """Running sums of gradient pieces over the zig-zag chunks of one shard (rows along dim),
+    rounded once, as an fp32 accumulator would be, with fewer passes over memory: a chunk
+    holds nothing yet, its one piece so far as the operator returned it (q's dtype: no copy),
+    or from the second piece on an fp32 sum. The chunk's last piece, when `result` (q's
+    dtype) is given, is added straight into the result: with a 16-bit piece held, one
+    16-bit add (computed in fp32, rounded once); with an fp32 sum, one add that rounds on
+    the store.
+
+    touches: how many pieces will cover each chunk in all; seen: how many already have
+    (their sums are `held`, e.g. received from the previous holder of a K/V block)."""
+
+    def __init__(self, chunks, touches, dim, seen=None, held=None):
+        self.chunks, self.dim, self.touches = chunks, dim, touches
+        self.left = [t - s for t, s in zip(touches, seen or [0] * len(chunks))]
+        self.held = list(held) if held is not None else [None] * len(chunks)
+
+    def add(self, span: slice, piece, result=None):
+        for i, chunk in enumerate(self.chunks):
+            if not _covers(span, chunk):
+                continue
+            part, held = _part(piece, self.dim, span, chunk), self.held[i]
+            self.left[i] -= 1
+            if self.left[i] == 0 and result is not None:
+                dest = _narrow(result, self.dim, chunk)
+                if held is None:
+                    dest.copy_(part)
+                else:
+                    torch.add(held, part, out=dest)
+                self.held[i] = None
+            elif held is None:
+                self.held[i] = part
+            elif held.dtype == torch.float32:  # our accumulator (or an fp32 piece we own)
+                held.add_(part)
+            else:
+                self.held[i] = held.float().add_(part)
+
+    def finish(self, result):
+        """Writes what is still held into result (cast) and zeros the chunks nothing
+        covered."""
+        for chunk, held, touches in zip(self.chunks, self.held, self.touches):
+            if held is not None:
+                _narrow(result, self.dim, chunk).copy_(held)
+            elif touches == 0:
+                _narrow(result, self.dim, chunk).zero_()
+        return result
+
+
+def _touches(chunks, spans):
+    return [sum(_covers(span, chunk) for span in spans) for chunk in chunks]
 
 
 def _whole_shard_piece(q, k, ring, attention):
     """The one piece of a single-rank ring when it covers the whole shard (then the ring is
-    one call of the operators, with no fp32 accumulators to merge into), else None."""
+    one call of the operators, with no partial results to merge), else None."""
     if ring.world != 1:
         return None
     pieces = attention.pieces(0, ring.rank, ring.world)
@@ -388,35 +450,103 @@ def _whole_shard_piece(q, k, ring, attention):
 
 def _ring_forward(q, k, v, ring, attention):
     """(out in q's dtype, lse float32, (K, V) of the block it ended with) of this rank's
-    queries against the whole sequence."""
+    queries against the whole sequence.
+
+    Each chunk of rows keeps its first block's result as the operator returned it (q's
+    dtype: exact, no copy); later blocks are merged by the log-sum-exp (merge_partial_, one
+    pass) into an fp32 accumulator, and the chunk's last block straight into out."""
     dim = attention.seq_dim
     whole = _whole_shard_piece(q, k, ring, attention)
     if whole is not None:
         return (*attention.forward(whole, q, k, v), (k, v))
-    kv = (k.contiguous(), v.contiguous())  # the messages (no copy unless strided)
-    out = torch.zeros_like(q, dtype=torch.float32)
+    world, rank = ring.world, ring.rank
+    schedule = [attention.pieces(step, rank, world) for step in range(world)]
+    chunks = attention.chunks(rank)
+    touches = _touches(chunks, [p.rows for pieces in schedule for p in pieces])
+    left = list(touches)
+    running = [None] * len(chunks)  # per chunk: nothing, the first block's out, fp32 sum
+    out = torch.empty_like(q)
     lse = torch.full(attention.lse_shape(q), float("-inf"), dtype=torch.float32,
                      device=q.device)
-    written = []  # row ranges that hold a partial result (the others are copied, not merged)
-    for step in range(ring.world):
+    kv = (k.contiguous(), v.contiguous())  # the messages (no copy unless strided)
+    for step in range(world):
         in_flight = None
-        if step + 1 < ring.world:
-            next_len = attention.seqlens[(ring.rank - step - 1) % ring.world]
-            in_flight = ring.pass_on(kv, [_block_shape(t, dim, next_len) for t in kv])
-        for p in attention.pieces(step, ring.rank, ring.world):
+        if step + 1 < world:
+            next_len = attention.seqlens[(rank - step - 1) % world]
+            in_flight = ring.pass_on(kv, [(_block_shape(t, dim, next_len), t.dtype) for t in kv],
+                                     q.device)
+        for p in schedule[step]:
             block_out, block_lse = attention.forward(p, _narrow(q, dim, p.rows),
                                                      _narrow(kv[0], dim, p.keys),
                                                      _narrow(kv[1], dim, p.keys))
-            if _gaps(p.rows, written) == [p.rows]:
-                _narrow(out, dim, p.rows).copy_(block_out)
-                _narrow(lse, -1, p.rows).copy_(block_lse)
-            else:
-                _merge_block(_narrow(out, dim, p.rows), _narrow(lse, -1, p.rows), block_out,
-                             block_lse, dim)
-            written.append(p.rows)
+            for i, chunk in enumerate(chunks):
+                if not _covers(p.rows, chunk):
+                    continue
+                part = _part(block_out, dim, p.rows, chunk)
+                part_lse = _part(block_lse, block_lse.dim() - 1, p.rows, chunk)
+                chunk_lse, prev = _narrow(lse, -1, chunk), running[i]
+                left[i] -= 1
+                if prev is None:
+                    chunk_lse.copy_(part_lse)
+                    if left[i] == 0:
+                        _narrow(out, dim, chunk).copy_(part)
+                    else:
+                        running[i] = part
+                elif left[i] == 0:
+                    torch.ops.flash_attn_ext.merge_partial_(_narrow(out, dim, chunk), chunk_lse,
+                                                           part, part_lse, prev)
+                elif prev.dtype == torch.float32:
+                    torch.ops.flash_attn_ext.merge_partial_(prev, chunk_lse, part, part_lse)
+                else:
+                    running[i] = torch.empty_like(prev, dtype=torch.float32)
+                    torch.ops.flash_attn_ext.merge_partial_(running[i], chunk_lse, part,
+                                                           part_lse, prev)
         if in_flight is not None:
             kv = in_flight.wait()
-    return out.to(q.dtype), lse, kv
+    for chunk, n in zip(chunks, touches):
+        if n == 0:  # rows without a key (their lse stays -inf)
+            _narrow(out, dim, chunk).zero_()
+    return out, lse, kv
+
+
+def _block_holders(block, world):
+    """The ranks that hold `block`'s K/V in the backward, in order: rank block - 1 first,
+    the owner last (_ring_backward)."""
+    return [(block - 1 - j) % world for j in range(world)]
+
+
+def _block_grad_touches(block, step, attention, world):
+    """For `block`'s key chunks: how many backward pieces cover each in all, and how many
+    the block's holders before the one at `step` (_block_holders) computed."""
+    chunks = attention.chunks(block)
+    spans = [[p.keys for p in attention.pieces((h - block) % world, h, world)]
+             for h in _block_holders(block, world)]
+    return (chunks, _touches(chunks, [s for holder in spans for s in holder]),
+            _touches(chunks, [s for holder in spans[:step] for s in holder]))
+
+
+def _grad_message(block, step, k, attention, world):
+    """What the holder of `block` at `step` receives from the one before: the key chunks
+    with a sum so far (as flags), and (shape, dtype) of each tensor: dK's sums, then dV's;
+    one piece so far travels in k's dtype, more as an fp32 sum."""
+    chunks, _, seen = _block_grad_touches(block, step, attention, world)
+    specs = [(_block_shape(k, attention.seq_dim, c.stop - c.start),
+              k.dtype if n == 1 else torch.float32) for c, n in zip(chunks, seen) if n > 0]
+    return [n > 0 for n in seen], specs + specs
+
+
+def _block_grad_sums(block, step, k, attention, world, received):
+    """(dK sums, dV sums) of `block` at `step`, from what the previous holder sent."""
+    chunks, touches, seen = _block_grad_touches(block, step, attention, world)
+    held = [[None] * len(chunks) for _ in "kv"]
+    if received is not None:
+        has_sum, _ = _grad_message(block, step, k, attention, world)
+        tensors = iter(received)
+        for grad in held:
+            for i in range(len(chunks)):
+                if has_sum[i]:
+                    grad[i] = next(tensors)
+    return tuple(_ChunkSums(chunks, touches, attention.seq_dim, seen, h) for h in held)
 
 
 def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
@@ -424,33 +554,38 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
 
     The blocks go round the other way, in the reverse order of the forward: first the one
     the forward ended with (last_kv, the block of rank + 1: no transfer to wait for), last
-    this rank's own. A block's fp32 dK/dV accumulator travels with it, so it arrives home
+    this rank's own. A block's dK/dV sums (_ChunkSums) travel with it, so they arrive home
     at the owner's last step, complete but for the owner's own share: no final transfer
-    that nothing hides. K/V hop world - 2 times (the owner has its own), the accumulators
+    that nothing hides. A chunk with one piece so far travels as that piece (q's dtype),
+    with more as an fp32 sum. K/V hop world - 2 times (the owner has its own), the sums
     world - 1 times."""
     dim = attention.seq_dim
     whole = _whole_shard_piece(q, k, ring, attention)
     if whole is not None:
         return attention.backward(whole, dout, q, k, v, out, lse.contiguous())
     world, rank = ring.world, ring.rank
+    sources = [(rank + 1 + step) % world for step in range(world)]  # whose block, per step
+    schedule = [attention.pieces((rank - s) % world, rank, world) for s in sources]
+    q_chunks = attention.chunks(rank)
+    dq = torch.empty_like(q)
+    dq_sums = _ChunkSums(q_chunks, _touches(q_chunks, [p.rows for ps in schedule for p in ps]),
+                         dim)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     kv = last_kv
-    # fp32 accumulators: a piece whose rows (dQ) or keys (dK/dV) hold nothing yet is copied
-    # in rather than added to zeros (one pass over the accumulator instead of three).
-    dq = torch.empty_like(q, dtype=torch.float32)
-    dq_written = []
     row_lse = {}  # the operators want a contiguous lse: one copy per row range used
     grads_in_flight = None
-    for step in range(world):
-        source = (rank + 1 + step) % world  # whose block this rank holds
+    for step, (source, pieces) in enumerate(zip(sources, schedule)):
         # The next block, source + 1's, is held by the next rank now; the previous rank takes
         # ours next, unless it owns it.
         kv_in_flight = None
         if step + 2 < world:
             next_len = attention.seqlens[(source + 1) % world]
-            kv_in_flight = ring.pass_on(kv, [_block_shape(t, dim, next_len) for t in kv],
-                                        backwards=True)
-        block_grads = []
-        for p in attention.pieces((rank - source) % world, rank, world):
+            kv_in_flight = ring.pass_on(
+                kv, [(_block_shape(t, dim, next_len), t.dtype) for t in kv], q.device,
+                backwards=True)
+        owner = step + 1 == world
+        grads = []
+        for p in pieces:
             bounds = (p.rows.start, p.rows.stop)
             if bounds not in row_lse:
                 row_lse[bounds] = _narrow(lse, -1, p.rows).contiguous()
@@ -458,69 +593,28 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
                 p, _narrow(dout, dim, p.rows), _narrow(q, dim, p.rows),
                 _narrow(kv[0], dim, p.keys), _narrow(kv[1], dim, p.keys),
                 _narrow(out, dim, p.rows), row_lse[bounds])
-            _accumulate(_narrow(dq, dim, p.rows), dq_piece, p.rows, dq_written, dim)
-            block_grads.append((p.keys, dk_piece, dv_piece))
-        # The block's dK/dV so far: the next rank added its share one step ago (the transfer
-        # ran under this step's compute); at step 0 the block's first.
-        if step == 0:
-            dkv = torch.empty((2, *kv[0].shape), dtype=torch.float32, device=q.device)
-            dkv_written = []
-        else:
-            (dkv,), dkv_written = grads_in_flight.wait(), None
-        for keys, dk_piece, dv_piece in block_grads:
-            _accumulate(_narrow(dkv[0], dim, keys), dk_piece, keys, dkv_written, dim,
-                        record=False)
-            _accumulate(_narrow(dkv[1], dim, keys), dv_piece, keys, dkv_written, dim)
-        if step == 0:
-            _zero_unwritten(dkv, dim + 1, dkv_written)
-        if step + 1 < world:  # on to the previous rank, which holds this block next
-            next_len = attention.seqlens[(source + 1) % world]
-            grads_in_flight = ring.pass_on((dkv,), [_block_shape(dkv, dim + 1, next_len)],
-                                           backwards=True)
+            dq_sums.add(p.rows, dq_piece, result=dq)
+            grads.append((p.keys, dk_piece, dv_piece))
+        # The block's dK/dV sums so far: the next rank added its share one step ago (the
+        # transfer ran under this step's compute).
+        block_sums = _block_grad_sums(source, step, k, attention, world,
+                                      grads_in_flight.wait() if step > 0 else None)
+        for keys, dk_piece, dv_piece in grads:
+            for sums, piece, result in zip(block_sums, (dk_piece, dv_piece), (dk, dv)):
+                sums.add(keys, piece, result=result if owner else None)
+        if not owner:  # on to the previous rank, which holds this block next
+            messages = [h.contiguous() for sums in block_sums for h in sums.held if h is not None]
+            grads_in_flight = ring.pass_on(
+                messages, _grad_message(sources[step + 1], step + 1, k, attention, world)[1],
+                q.device, backwards=True)
         if kv_in_flight is not None:
             kv = kv_in_flight.wait()
         elif step + 2 == world:
             kv = (k, v)  # the last step's block is our own
-    _zero_unwritten(dq, dim, dq_written)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-
-def _gaps(rows: slice, written):
-    """The parts of `rows` that no range in `written` covers (sorted slices)."""
-    gaps, start = [], rows.start
-    for r in sorted(written, key=lambda r: r.start):
-        if r.stop <= start or r.start >= rows.stop:
-            continue
-        if r.start > start:
-            gaps.append(slice(start, r.start))
-        start = max(start, r.stop)
-    if start < rows.stop:
-        gaps.append(slice(start, rows.stop))
-    return gaps
-
-
-def _accumulate(acc, piece, rows: slice, written, dim, record=True):
-    """acc (the accumulator's `rows`, along dim) += piece, where `written` (the ranges already
-    holding a partial sum; None: all) covers them; rows it does not cover take the piece as it
-    is (copied: one pass instead of a zero fill and an add)."""
-    if written is None:
-        acc.add_(piece)
-        return
-    gaps = _gaps(rows, written)
-    if gaps == [rows]:
-        acc.copy_(piece)
-    else:
-        for g in gaps:  # never written: zero, then the add below
-            acc.narrow(dim, g.start - rows.start, g.stop - g.start).zero_()
-        acc.add_(piece)
-    if record:
-        written.append(rows)
-
-
-def _zero_unwritten(acc, dim, written):
-    """Zeros the rows of acc (along dim) that no piece wrote."""
-    for g in _gaps(slice(0, acc.shape[dim]), written):
-        _narrow(acc, dim, g).zero_()
+    dq_sums.finish(dq)
+    for sums, result in zip(block_sums, (dk, dv)):
+        sums.finish(result)
+    return dq, dk, dv
 
 
 class _RingFlashAttnFunction(torch.autograd.Function):

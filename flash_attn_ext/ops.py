@@ -33,6 +33,9 @@ torch.ops.flash_attn_ext.sdpa_fwd(query, key, value, softmax_scale, causal, drop
 torch.ops.flash_attn_ext.fwd_fp8(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
                                  causal_bottom_right, out_dtype) -> (out, lse): e4m3 q / k / v
     (flash_attn_ext/fp8.py; Hopper only, forward only).
+torch.ops.flash_attn_ext.merge_partial_(out, lse, block_out, block_lse, prev_out=None): folds a
+    block's partial result into the running (out, lse) in place by the log-sum-exp (ring
+    attention's merge; prev_out: read the running output from there instead of out).
 
 Padded tensors are [batch, seqlen, heads, head_dim] with a contiguous last dim and lse is
 float32 [batch, heads, seqlen_q]; varlen tensors are packed [total, heads, head_dim] and
@@ -185,6 +188,11 @@ def _dropout_mask_fake(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p):
 # The variants' defaults (window_left, window_right, softcap, alibi_slopes, dropout_p,
 # rng_state, attn_mask): off.
 _NO_VARIANTS = (-1, -1, 0.0, None, 0.0, None, None)
+
+
+@torch.library.register_fake("flash_attn_ext::merge_partial_")
+def _merge_partial_fake(out, lse, block_out, block_lse, prev_out=None):
+    return None
 
 
 def _with_variant_defaults(inputs, n_before):

@@ -344,6 +344,27 @@ at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, int64_t batch, int64_t
   return mask;
 }
 
+
+void merge_partial_cuda(at::Tensor out, at::Tensor lse, const at::Tensor& block_out,
+                        const at::Tensor& block_lse, const std::optional<at::Tensor>& prev_out) {
+  TORCH_CHECK(out.is_cuda(), "flash_attn_ext: merge_partial_: expected CUDA tensors, out is on ",
+              out.device());
+  const MergePartialParams p = make_merge_partial_params(out, lse, block_out, block_lse, prev_out);
+  // 4-element vectors when every row start is aligned to them.
+  bool vectorized = p.head_dim % 4 == 0;
+  const at::Tensor& prev = prev_out.has_value() ? *prev_out : out;
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&out), &block_out, &prev}) {
+    const at::Tensor t4 = t->dim() == 3 ? t->unsqueeze(0) : *t;
+    const auto address = reinterpret_cast<uintptr_t>(t4.data_ptr());
+    vectorized = vectorized && address % (4 * t4.element_size()) == 0;
+    for (int64_t d = 0; d < 3; ++d) vectorized = vectorized && t4.stride(d) % 4 == 0;
+  }
+  const c10::cuda::CUDAGuard guard(out.device());
+  call_kernels([&] {
+    cuda::merge_partial(p, vectorized, at::cuda::getCurrentCUDAStream().stream());
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
@@ -353,6 +374,7 @@ TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
   m.impl("varlen_fwd", &varlen_fwd_cuda);
   m.impl("varlen_bwd", &varlen_bwd_cuda);
   m.impl("dropout_mask", &dropout_mask_cuda);
+  m.impl("merge_partial_", &merge_partial_cuda);
 }
 
 }  // namespace flash_attn_ext

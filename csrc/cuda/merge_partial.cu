@@ -1,0 +1,162 @@
+// flash_attn_ext::merge_partial_ on CUDA: folds one block's partial attention
+// result (out, lse) into a running one, in one pass over the outputs. Ring
+// attention calls it once per step and chunk of rows; with torch ops the same
+// merge took five passes (an fp32 copy of the block, the lerp, logaddexp, ...)
+// and a final cast, all memory-bound over the shard's whole output.
+//
+// The formula (params.h, MergePartialParams) is torch.lerp's, so that the CPU
+// implementation (ops.cpp, ATen's lerp) and this one round alike:
+//   share = exp(block_lse - lse')            0 where lse' = -inf (no key yet)
+//   out   = share < 0.5 ? prev + share * (block - prev)
+//                       : block - (block - prev) * (1 - share)
+//
+// Thread map: a row (b, s, h) of head_dim elements is kVec-element vectors,
+// one per thread along x; y picks the row within the block.
+//
+//      threadIdx.x ->   0        1      ...   head_dim / kVec - 1
+//   y = 0  row r0    [d0..d3] [d4..d7]  ...
+//   y = 1  row r0+1  ...
+//
+// Every thread reads its row's two lse values; after a barrier, x = 0 writes
+// the merged one (lse is updated in place, and another warp of the same row
+// may not have read it yet).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <stdexcept>
+
+#include "flash_api.h"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+namespace {
+
+constexpr int kThreadsPerBlock = 256;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// kVec elements moved as one load / store (the op layer checks the alignment).
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Vec {
+  T v[kVec];
+};
+
+template <typename T, int kVec>
+__device__ __forceinline__ void load(const void* base, int64_t offset, float (&x)[kVec]) {
+  const Vec<T, kVec> v = *reinterpret_cast<const Vec<T, kVec>*>(static_cast<const T*>(base) + offset);
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) x[i] = to_float(v.v[i]);
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ void store(void* base, int64_t offset, const float (&x)[kVec]) {
+  Vec<T, kVec> v;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) v.v[i] = from_float<T>(x[i]);
+  *reinterpret_cast<Vec<T, kVec>*>(static_cast<T*>(base) + offset) = v;
+}
+
+// torch.logaddexp's value, -inf when both are.
+__device__ __forceinline__ float log_add_exp(float a, float b) {
+  const float hi = fmaxf(a, b), lo = fminf(a, b);
+  if (hi == -INFINITY) return -INFINITY;
+  return hi + log1pf(expf(lo - hi));
+}
+
+template <typename Out, typename Prev, typename Block, int kVec>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    merge_partial_kernel(MergePartialParams p) {
+  static_assert(kVec == 1 || kVec == 4, "vectors of 1 or 4 elements");
+  const int64_t rows = int64_t(p.batch) * p.seqlen * p.heads;
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool active = row < rows;
+  // Rows run heads fastest, like the [batch, seqlen, heads, head_dim] outputs.
+  const int h = int(row % p.heads);
+  const int s = int((row / p.heads) % p.seqlen);
+  const int b = int(row / (int64_t(p.heads) * p.seqlen));
+
+  float merged = -INFINITY, share = 0.f;
+  float* lse = nullptr;
+  if (active) {
+    lse = p.lse + b * p.lse_strides[0] + h * p.lse_strides[1] + s * p.lse_strides[2];
+    const float block_lse = p.block_lse[b * p.block_lse_strides[0] + h * p.block_lse_strides[1] +
+                                        s * p.block_lse_strides[2]];
+    merged = log_add_exp(*lse, block_lse);
+    share = merged == -INFINITY ? 0.f : expf(block_lse - merged);
+  }
+  __syncthreads();  // every thread of the row has read *lse before it changes
+  if (!active) return;
+  if (threadIdx.x == 0) *lse = merged;
+
+  const int d = threadIdx.x * kVec;
+  if (d >= p.head_dim) return;
+  float prev[kVec], block[kVec], out[kVec];
+  load<Prev, kVec>(p.prev_out, row_offset(p.prev_strides, b, h, s) + d, prev);
+  load<Block, kVec>(p.block_out, row_offset(p.block_strides, b, h, s) + d, block);
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    const float diff = block[i] - prev[i];
+    out[i] = share < 0.5f ? prev[i] + share * diff : block[i] - diff * (1.f - share);
+  }
+  store<Out, kVec>(p.out, row_offset(p.out_strides, b, h, s) + d, out);
+}
+
+template <typename Out, typename Prev, typename Block>
+void launch(const MergePartialParams& p, bool vectorized, cudaStream_t stream) {
+  const int vec = vectorized ? 4 : 1;
+  const int threads_per_row = (p.head_dim + vec - 1) / vec;
+  if (threads_per_row > kThreadsPerBlock) {
+    throw std::runtime_error("flash_attn_ext: merge_partial_ supports head_dim <= 1024");
+  }
+  const int rows_per_block = kThreadsPerBlock / threads_per_row;
+  const int64_t rows = int64_t(p.batch) * p.seqlen * p.heads;
+  const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
+  const dim3 block(threads_per_row, rows_per_block);
+  if (vectorized) {
+    merge_partial_kernel<Out, Prev, Block, 4><<<grid, block, 0, stream>>>(p);
+  } else {
+    merge_partial_kernel<Out, Prev, Block, 1><<<grid, block, 0, stream>>>(p);
+  }
+}
+
+// The running output and prev_out are float32 or the block's dtype (the op
+// layer checks): the combinations instantiated here.
+template <typename Block>
+void launch_for_block(const MergePartialParams& p, bool vectorized, cudaStream_t stream) {
+  const bool out_fp32 = p.out_dtype == DType::kFloat32;
+  const bool prev_fp32 = p.prev_dtype == DType::kFloat32;
+  if (out_fp32 && prev_fp32) return launch<float, float, Block>(p, vectorized, stream);
+  if (out_fp32) return launch<float, Block, Block>(p, vectorized, stream);
+  if (prev_fp32) return launch<Block, float, Block>(p, vectorized, stream);
+  return launch<Block, Block, Block>(p, vectorized, stream);
+}
+
+}  // namespace
+
+void merge_partial(const MergePartialParams& p, bool vectorized, cudaStream_t stream) {
+  if (int64_t(p.batch) * p.seqlen * p.heads == 0 || p.head_dim == 0) return;
+  switch (p.block_dtype) {
+    case DType::kFloat32: return launch<float, float, float>(p, vectorized, stream);
+    case DType::kFloat16: return launch_for_block<__half>(p, vectorized, stream);
+    case DType::kBFloat16: return launch_for_block<__nv_bfloat16>(p, vectorized, stream);
+    default: throw std::runtime_error("flash_attn_ext: merge_partial_: unsupported dtype");
+  }
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext
