@@ -24,13 +24,14 @@ The forward runs W steps; at step i this rank holds the K/V block of rank (r - i
 passing it on (torch.distributed.batch_isend_irecv; asynchronous on gloo and NCCL, whose
 transfers run on NCCL's own stream, so they overlap the compute), computes its queries against
 the block with the forward operator, which returns (out, lse), and merges that partial result
-into fp32 accumulators by the log-sum-exp. The backward runs the same steps with the backward
-operator, given the global (merged) out and lse: FlashAttention's backward rebuilds
-P = exp(scale * Q K^T - lse) and dS = P * (dP - rowsum(dO * O)), which for a block of keys is
-the block's share of the whole-sequence gradient exactly when out and lse are the global ones.
-dQ accumulates locally; each block's dK/dV accumulator (fp32) travels around the ring with the
-block and reaches its owner after the last step. Nothing is all-gathered: memory stays O(local
-shard) (two K/V blocks and two fp32 dK/dV accumulators in flight).
+by the log-sum-exp (merge_partial_; a chunk of rows keeps its first result in q's dtype and
+sums later ones in fp32, its last merge writes out). The backward runs the blocks the other
+way round with the backward operator, given the global (merged) out and lse: FlashAttention's
+backward rebuilds P = exp(scale * Q K^T - lse) and dS = P * (dP - rowsum(dO * O)), which for a
+block of keys is the block's share of the whole-sequence gradient exactly when out and lse are
+the global ones. dQ sums locally; the dK/dV pieces of a block go straight to its owner, which
+sums them in fp32 as they arrive. Nothing is all-gathered: memory stays O(local shard) (two K/V
+blocks in flight, and one shard's K/V kept from the forward for the backward's first step).
 """
 import itertools
 import math
@@ -164,25 +165,29 @@ class _Ring:
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.communicate = communicate
-        self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
-        self._prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
-    def pass_on(self, blocks, received, device, backwards=False) -> _InFlight:
-        """Starts sending the tensors `blocks` (contiguous) to the next rank and receiving
-        tensors of the (shape, dtype)s `received` from the previous one, in one batch of P2P
-        operations (K and V go as two messages: no stacked copy of them); backwards=True:
-        to the previous rank, from the next one."""
+    def exchange(self, blocks, to, received, source, device) -> _InFlight:
+        """Starts sending the tensors `blocks` (contiguous) to group rank `to` and receiving
+        tensors of the (shape, dtype)s `received` from group rank `source`, in one batch of
+        P2P operations (K and V go as two messages: no stacked copy of them)."""
         blocks = tuple(blocks)
         if self.world == 1 or not self.communicate:
             if [(tuple(b.shape), b.dtype) for b in blocks] == [(tuple(s), d) for s, d in received]:
                 return _InFlight([], blocks)
             # Without communication, the same amount of memory in the shapes expected.
             return _InFlight([], tuple(torch.empty(s, dtype=d, device=device) for s, d in received))
-        to, source = (self._prev, self._next) if backwards else (self._next, self._prev)
+        to, source = (dist.get_global_rank(self.group, r) for r in (to, source))
         received = tuple(torch.empty(s, dtype=d, device=device) for s, d in received)
         ops = [dist.P2POp(dist.isend, b, to, self.group) for b in blocks]
         ops += [dist.P2POp(dist.irecv, r, source, self.group) for r in received]
         return _InFlight(dist.batch_isend_irecv(ops) if ops else [], received, sent=blocks)
+
+    def pass_on(self, blocks, received, device, backwards=False) -> _InFlight:
+        """exchange with the ring's neighbours: to the next rank, from the previous one
+        (backwards=True: the other way round)."""
+        step = -1 if backwards else 1
+        return self.exchange(blocks, (self.rank + step) % self.world, received,
+                             (self.rank - step) % self.world, device)
 
 
 class _Piece(NamedTuple):
@@ -367,8 +372,7 @@ class _PackedAttention(_Attention):
 
 
 def _block_shape(block, seq_dim, seqlen):
-    """The shape of `block` (a K or V block, or the stacked dK/dV accumulator with seq_dim
-    one further) for a rank with `seqlen` tokens."""
+    """The shape of `block` (a K or V block, or a dK / dV piece) with `seqlen` rows."""
     shape = list(block.shape)
     shape[seq_dim] = seqlen
     return shape
@@ -387,27 +391,24 @@ class _ChunkSums:
     """Running sums of gradient pieces over the zig-zag chunks of one shard (rows along dim),
     rounded once, as an fp32 accumulator would be, with fewer passes over memory: a chunk
     holds nothing yet, its one piece so far as the operator returned it (q's dtype: no copy),
-    or from the second piece on an fp32 sum. The chunk's last piece, when `result` (q's
-    dtype) is given, is added straight into the result: with a 16-bit piece held, one
-    16-bit add (computed in fp32, rounded once); with an fp32 sum, one add that rounds on
-    the store.
+    or from the second piece on an fp32 sum. The chunk's last piece is added straight into
+    `result` (q's dtype): with a 16-bit piece held, one 16-bit add (computed in fp32,
+    rounded once); with an fp32 sum, one add that rounds on the store. touches: how many
+    pieces will cover each chunk in all."""
 
-    touches: how many pieces will cover each chunk in all; seen: how many already have
-    (their sums are `held`, e.g. received from the previous holder of a K/V block)."""
+    def __init__(self, chunks, touches, dim, result):
+        self.chunks, self.dim, self.touches, self.result = chunks, dim, touches, result
+        self.left = list(touches)
+        self.held = [None] * len(chunks)
 
-    def __init__(self, chunks, touches, dim, seen=None, held=None):
-        self.chunks, self.dim, self.touches = chunks, dim, touches
-        self.left = [t - s for t, s in zip(touches, seen or [0] * len(chunks))]
-        self.held = list(held) if held is not None else [None] * len(chunks)
-
-    def add(self, span: slice, piece, result=None):
+    def add(self, span: slice, piece):
         for i, chunk in enumerate(self.chunks):
             if not _covers(span, chunk):
                 continue
             part, held = _part(piece, self.dim, span, chunk), self.held[i]
             self.left[i] -= 1
-            if self.left[i] == 0 and result is not None:
-                dest = _narrow(result, self.dim, chunk)
+            if self.left[i] == 0:
+                dest = _narrow(self.result, self.dim, chunk)
                 if held is None:
                     dest.copy_(part)
                 else:
@@ -415,20 +416,17 @@ class _ChunkSums:
                 self.held[i] = None
             elif held is None:
                 self.held[i] = part
-            elif held.dtype == torch.float32:  # our accumulator (or an fp32 piece we own)
+            elif held.dtype == torch.float32:  # our sum, or an fp32 piece of our own
                 held.add_(part)
             else:
                 self.held[i] = held.float().add_(part)
 
-    def finish(self, result):
-        """Writes what is still held into result (cast) and zeros the chunks nothing
-        covered."""
-        for chunk, held, touches in zip(self.chunks, self.held, self.touches):
-            if held is not None:
-                _narrow(result, self.dim, chunk).copy_(held)
-            elif touches == 0:
-                _narrow(result, self.dim, chunk).zero_()
-        return result
+    def finish(self):
+        """The result, after zeroing the chunks that no piece covered."""
+        for chunk, touches in zip(self.chunks, self.touches):
+            if touches == 0:
+                _narrow(self.result, self.dim, chunk).zero_()
+        return self.result
 
 
 def _touches(chunks, spans):
@@ -509,56 +507,16 @@ def _ring_forward(q, k, v, ring, attention):
     return out, lse, kv
 
 
-def _block_holders(block, world):
-    """The ranks that hold `block`'s K/V in the backward, in order: rank block - 1 first,
-    the owner last (_ring_backward)."""
-    return [(block - 1 - j) % world for j in range(world)]
-
-
-def _block_grad_touches(block, step, attention, world):
-    """For `block`'s key chunks: how many backward pieces cover each in all, and how many
-    the block's holders before the one at `step` (_block_holders) computed."""
-    chunks = attention.chunks(block)
-    spans = [[p.keys for p in attention.pieces((h - block) % world, h, world)]
-             for h in _block_holders(block, world)]
-    return (chunks, _touches(chunks, [s for holder in spans for s in holder]),
-            _touches(chunks, [s for holder in spans[:step] for s in holder]))
-
-
-def _grad_message(block, step, k, attention, world):
-    """What the holder of `block` at `step` receives from the one before: the key chunks
-    with a sum so far (as flags), and (shape, dtype) of each tensor: dK's sums, then dV's;
-    one piece so far travels in k's dtype, more as an fp32 sum."""
-    chunks, _, seen = _block_grad_touches(block, step, attention, world)
-    specs = [(_block_shape(k, attention.seq_dim, c.stop - c.start),
-              k.dtype if n == 1 else torch.float32) for c, n in zip(chunks, seen) if n > 0]
-    return [n > 0 for n in seen], specs + specs
-
-
-def _block_grad_sums(block, step, k, attention, world, received):
-    """(dK sums, dV sums) of `block` at `step`, from what the previous holder sent."""
-    chunks, touches, seen = _block_grad_touches(block, step, attention, world)
-    held = [[None] * len(chunks) for _ in "kv"]
-    if received is not None:
-        has_sum, _ = _grad_message(block, step, k, attention, world)
-        tensors = iter(received)
-        for grad in held:
-            for i in range(len(chunks)):
-                if has_sum[i]:
-                    grad[i] = next(tensors)
-    return tuple(_ChunkSums(chunks, touches, attention.seq_dim, seen, h) for h in held)
-
-
 def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
     """(dq, dk, dv) of this rank's shard, from the global out and lse of its rows.
 
-    The blocks go round the other way, in the reverse order of the forward: first the one
-    the forward ended with (last_kv, the block of rank + 1: no transfer to wait for), last
-    this rank's own. A block's dK/dV sums (_ChunkSums) travel with it, so they arrive home
-    at the owner's last step, complete but for the owner's own share: no final transfer
-    that nothing hides. A chunk with one piece so far travels as that piece (q's dtype),
-    with more as an fp32 sum. K/V hop world - 2 times (the owner has its own), the sums
-    world - 1 times."""
+    The K/V blocks go round the other way, in the reverse order of the forward: first the
+    one the forward ended with (last_kv, the block of rank + 1: no transfer to wait for),
+    last this rank's own; K/V hop world - 2 times. The dK/dV pieces a rank computes for a
+    block go straight to the block's owner (at step i rank r sends to r + 1 + i and receives
+    from r - 1 - i: a permutation, one message each way), as the operator returned them
+    (q's dtype); the owner sums its pieces in fp32 (_ChunkSums) as they arrive, under the
+    next step's compute, and adds its own share at its last step."""
     dim = attention.seq_dim
     whole = _whole_shard_piece(q, k, ring, attention)
     if whole is not None:
@@ -567,10 +525,21 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
     sources = [(rank + 1 + step) % world for step in range(world)]  # whose block, per step
     schedule = [attention.pieces((rank - s) % world, rank, world) for s in sources]
     q_chunks = attention.chunks(rank)
-    dq = torch.empty_like(q)
     dq_sums = _ChunkSums(q_chunks, _touches(q_chunks, [p.rows for ps in schedule for p in ps]),
-                         dim)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+                         dim, torch.empty_like(q))
+    # Who computes pieces of our block at step i: rank - 1 - i, the last (i = world - 1) us.
+    senders = [(rank - 1 - step) % world for step in range(world)]
+    our_pieces = [attention.pieces((r - rank) % world, r, world) for r in senders]
+    k_chunks = attention.chunks(rank)
+    key_touches = _touches(k_chunks, [p.keys for ps in our_pieces for p in ps])
+    dk_sums, dv_sums = (_ChunkSums(k_chunks, key_touches, dim, torch.empty_like(t))
+                        for t in (k, v))
+
+    def add_ours(pieces, dk_pieces, dv_pieces):
+        for p, dk_piece, dv_piece in zip(pieces, dk_pieces, dv_pieces):
+            dk_sums.add(p.keys, dk_piece)
+            dv_sums.add(p.keys, dv_piece)
+
     kv = last_kv
     row_lse = {}  # the operators want a contiguous lse: one copy per row range used
     grads_in_flight = None
@@ -583,8 +552,7 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
             kv_in_flight = ring.pass_on(
                 kv, [(_block_shape(t, dim, next_len), t.dtype) for t in kv], q.device,
                 backwards=True)
-        owner = step + 1 == world
-        grads = []
+        dk_pieces, dv_pieces = [], []
         for p in pieces:
             bounds = (p.rows.start, p.rows.stop)
             if bounds not in row_lse:
@@ -593,28 +561,27 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
                 p, _narrow(dout, dim, p.rows), _narrow(q, dim, p.rows),
                 _narrow(kv[0], dim, p.keys), _narrow(kv[1], dim, p.keys),
                 _narrow(out, dim, p.rows), row_lse[bounds])
-            dq_sums.add(p.rows, dq_piece, result=dq)
-            grads.append((p.keys, dk_piece, dv_piece))
-        # The block's dK/dV sums so far: the next rank added its share one step ago (the
-        # transfer ran under this step's compute).
-        block_sums = _block_grad_sums(source, step, k, attention, world,
-                                      grads_in_flight.wait() if step > 0 else None)
-        for keys, dk_piece, dv_piece in grads:
-            for sums, piece, result in zip(block_sums, (dk_piece, dv_piece), (dk, dv)):
-                sums.add(keys, piece, result=result if owner else None)
-        if not owner:  # on to the previous rank, which holds this block next
-            messages = [h.contiguous() for sums in block_sums for h in sums.held if h is not None]
-            grads_in_flight = ring.pass_on(
-                messages, _grad_message(sources[step + 1], step + 1, k, attention, world)[1],
-                q.device, backwards=True)
+            dq_sums.add(p.rows, dq_piece)
+            dk_pieces.append(dk_piece)
+            dv_pieces.append(dv_piece)
+        if grads_in_flight is not None:  # the pieces of our block from the previous step
+            received = grads_in_flight.wait()
+            add_ours(our_pieces[step - 1], received[:len(received) // 2],
+                     received[len(received) // 2:])
+            grads_in_flight = None
+        if source == rank:  # the last step: our own block
+            add_ours(pieces, dk_pieces, dv_pieces)
+        else:
+            specs = [(_block_shape(k, dim, p.keys.stop - p.keys.start), k.dtype)
+                     for p in our_pieces[step]]
+            grads_in_flight = ring.exchange(
+                [t.contiguous() for t in dk_pieces + dv_pieces], source, specs + specs,
+                senders[step], q.device)
         if kv_in_flight is not None:
             kv = kv_in_flight.wait()
         elif step + 2 == world:
             kv = (k, v)  # the last step's block is our own
-    dq_sums.finish(dq)
-    for sums, result in zip(block_sums, (dk, dv)):
-        sums.finish(result)
-    return dq, dk, dv
+    return dq_sums.finish(), dk_sums.finish(), dv_sums.finish()
 
 
 class _RingFlashAttnFunction(torch.autograd.Function):
@@ -808,9 +775,10 @@ def ring_flash_attn_func(q, k, v, group: Optional["dist.ProcessGroup"] = None,
 
     Communication per call: one all_gather of a few integers (checks; on CUDA one host sync),
     then per step one K/V block passed to the next rank (world - 1 steps); the backward
-    passes K/V blocks world - 2 times and the fp32 dK/dV accumulators world - 1 times, the
-    other way round the ring. The backward keeps the last K/V block the forward received
-    (one shard's K/V of memory) so that it starts without waiting for a transfer.
+    passes K/V blocks world - 2 times the other way round the ring, and sends each block's
+    dK/dV pieces (q's dtype) to the block's owner, world - 1 times. The backward keeps the
+    last K/V block the forward received (one shard's K/V of memory) so that it starts
+    without waiting for a transfer.
     """
     ring = _process_group_ring(group)
     seqlens, _ = _agree_on_inputs(q, k, v, bool(causal), ring)
