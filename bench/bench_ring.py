@@ -142,7 +142,7 @@ def measure(args, device):
     same_blocks = ring_attention._PaddedAttention((args.seqlen,) * world, True,
                                                   args.head_dim ** -0.5, 0.0, False)
     no_comm = fwd_bwd(lambda q, k, v: ring_attention._RingFlashAttnFunction.apply(
-        q, k, v, silent_ring, same_blocks)[0])
+        q, k, v, silent_ring, same_blocks, None)[0])
     single = fwd_bwd(lambda q, k, v: flash_attn_ext.flash_attn_func(q, k, v, causal=True))
 
     ms = {name: _slowest_rank_median_ms(fn, args.iters, args.warmup, device)

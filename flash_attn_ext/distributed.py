@@ -166,10 +166,11 @@ class _Ring:
         self.world = dist.get_world_size(self.group)
         self.communicate = communicate
 
-    def exchange(self, blocks, to, received, source, device) -> _InFlight:
+    def exchange(self, blocks, to, received, source, device, after=None) -> _InFlight:
         """Starts sending the tensors `blocks` (contiguous) to group rank `to` and receiving
         tensors of the (shape, dtype)s `received` from group rank `source`, in one batch of
-        P2P operations (K and V go as two messages: no stacked copy of them)."""
+        P2P operations (K and V go as two messages: no stacked copy of them). NCCL's stream
+        waits for the current stream, or with after (a CUDA event) for that event only."""
         blocks = tuple(blocks)
         if self.world == 1 or not self.communicate:
             if [(tuple(b.shape), b.dtype) for b in blocks] == [(tuple(s), d) for s, d in received]:
@@ -180,14 +181,22 @@ class _Ring:
         received = tuple(torch.empty(s, dtype=d, device=device) for s, d in received)
         ops = [dist.P2POp(dist.isend, b, to, self.group) for b in blocks]
         ops += [dist.P2POp(dist.irecv, r, source, self.group) for r in received]
-        return _InFlight(dist.batch_isend_irecv(ops) if ops else [], received, sent=blocks)
+        if not ops:
+            return _InFlight([], received)
+        if after is None:
+            return _InFlight(dist.batch_isend_irecv(ops), received, sent=blocks)
+        side = _side_stream(device)
+        side.wait_event(after)
+        with torch.cuda.stream(side):  # NCCL's stream waits for the side stream
+            works = dist.batch_isend_irecv(ops)
+        return _InFlight(works, received, sent=blocks)
 
-    def pass_on(self, blocks, received, device, backwards=False) -> _InFlight:
+    def pass_on(self, blocks, received, device, backwards=False, after=None) -> _InFlight:
         """exchange with the ring's neighbours: to the next rank, from the previous one
         (backwards=True: the other way round)."""
         step = -1 if backwards else 1
         return self.exchange(blocks, (self.rank + step) % self.world, received,
-                             (self.rank - step) % self.world, device)
+                             (self.rank - step) % self.world, device, after)
 
 
 class _Piece(NamedTuple):
@@ -446,9 +455,10 @@ def _whole_shard_piece(q, k, ring, attention):
     return None
 
 
-def _ring_forward(q, k, v, ring, attention):
+def _ring_forward(q, k, v, ring, attention, check=None):
     """(out in q's dtype, lse float32, (K, V) of the block it ended with) of this rank's
-    queries against the whole sequence.
+    queries against the whole sequence; `check` (_InputCheck) is finished once the first
+    step's kernels are queued.
 
     Each chunk of rows keeps its first block's result as the operator returned it (q's
     dtype: exact, no copy); later blocks are merged by the log-sum-exp (merge_partial_, one
@@ -456,24 +466,31 @@ def _ring_forward(q, k, v, ring, attention):
     dim = attention.seq_dim
     whole = _whole_shard_piece(q, k, ring, attention)
     if whole is not None:
+        if check is not None:
+            check.finish()
         return (*attention.forward(whole, q, k, v), (k, v))
     world, rank = ring.world, ring.rank
-    schedule = [attention.pieces(step, rank, world) for step in range(world)]
     chunks = attention.chunks(rank)
-    touches = _touches(chunks, [p.rows for pieces in schedule for p in pieces])
-    left = list(touches)
     running = [None] * len(chunks)  # per chunk: nothing, the first block's out, fp32 sum
     out = torch.empty_like(q)
     lse = torch.full(attention.lse_shape(q), float("-inf"), dtype=torch.float32,
                      device=q.device)
     kv = (k.contiguous(), v.contiguous())  # the messages (no copy unless strided)
+    # Where the first transfer may start: before the first step's compute (queued before it).
+    kv_ready = torch.cuda.Event() if q.is_cuda else None
+    if kv_ready is not None:
+        kv_ready.record()
+
+    def pass_kv(step, after=None):  # the block held at step on, for step + 1
+        next_len = attention.seqlens[(rank - step - 1) % world]
+        return ring.pass_on(kv, [(_block_shape(t, dim, next_len), t.dtype) for t in kv],
+                            q.device, after=after)
+
+    in_flight, left = None, None
     for step in range(world):
-        in_flight = None
-        if step + 1 < world:
-            next_len = attention.seqlens[(rank - step - 1) % world]
-            in_flight = ring.pass_on(kv, [(_block_shape(t, dim, next_len), t.dtype) for t in kv],
-                                     q.device)
-        for p in schedule[step]:
+        if 0 < step < world - 1:
+            in_flight = pass_kv(step)
+        for p in attention.pieces(step, rank, world):
             block_out, block_lse = attention.forward(p, _narrow(q, dim, p.rows),
                                                      _narrow(kv[0], dim, p.keys),
                                                      _narrow(kv[1], dim, p.keys))
@@ -483,14 +500,16 @@ def _ring_forward(q, k, v, ring, attention):
                 part = _part(block_out, dim, p.rows, chunk)
                 part_lse = _part(block_lse, block_lse.dim() - 1, p.rows, chunk)
                 chunk_lse, prev = _narrow(lse, -1, chunk), running[i]
-                left[i] -= 1
+                if left is not None:  # known from the end of the first step on
+                    left[i] -= 1
+                last = left is not None and left[i] == 0
                 if prev is None:
                     chunk_lse.copy_(part_lse)
-                    if left[i] == 0:
+                    if last:
                         _narrow(out, dim, chunk).copy_(part)
                     else:
                         running[i] = part
-                elif left[i] == 0:
+                elif last:
                     torch.ops.flash_attn_ext.merge_partial_(_narrow(out, dim, chunk), chunk_lse,
                                                            part, part_lse, prev)
                 elif prev.dtype == torch.float32:
@@ -499,11 +518,22 @@ def _ring_forward(q, k, v, ring, attention):
                     running[i] = torch.empty_like(prev, dtype=torch.float32)
                     torch.ops.flash_attn_ext.merge_partial_(running[i], chunk_lse, part,
                                                            part_lse, prev)
+        if step == 0:
+            # Every rank's length (for the schedule) once the check is done; then what is
+            # left to merge into each chunk, and the first transfer.
+            if check is not None:
+                attention.seqlens = tuple(check.finish())
+            later = [p.rows for s in range(1, world) for p in attention.pieces(s, rank, world)]
+            left = _touches(chunks, later)
+            for i, chunk in enumerate(chunks):
+                if left[i] == 0 and running[i] is not None:  # no later block: out as it is
+                    _narrow(out, dim, chunk).copy_(running[i])
+                elif left[i] == 0:  # no block: rows without keys (lse stays -inf)
+                    _narrow(out, dim, chunk).zero_()
+            if world > 1:
+                in_flight = pass_kv(step, after=kv_ready)
         if in_flight is not None:
-            kv = in_flight.wait()
-    for chunk, n in zip(chunks, touches):
-        if n == 0:  # rows without a key (their lse stays -inf)
-            _narrow(out, dim, chunk).zero_()
+            kv, in_flight = in_flight.wait(), None
     return out, lse, kv
 
 
@@ -585,12 +615,12 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
 
 
 class _RingFlashAttnFunction(torch.autograd.Function):
-    """out, lse = _RingFlashAttnFunction.apply(q, k, v, ring, attention); lse is not
+    """out, lse = _RingFlashAttnFunction.apply(q, k, v, ring, attention, check); lse is not
     differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, attention):
-        out, lse, (last_k, last_v) = _ring_forward(q, k, v, ring, attention)
+    def forward(ctx, q, k, v, ring, attention, check):
+        out, lse, (last_k, last_v) = _ring_forward(q, k, v, ring, attention, check)
         # The backward starts with the block the forward ended with (one K/V block of memory
         # for one transfer fewer, _ring_backward).
         ctx.save_for_backward(q, k, v, out, lse, last_k, last_v)
@@ -604,7 +634,7 @@ class _RingFlashAttnFunction(torch.autograd.Function):
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, (last_k, last_v), ctx.ring,
                                     ctx.attention)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 # ---- input checks --------------------------------------------------------------------------
@@ -676,50 +706,97 @@ def _describe(s: _Signature):
     return f"{shard}, {s.heads}/{s.heads_k} heads, head_dim {s.head_dim}, {dtype}"
 
 
-def _agree_on_inputs(q, k, v, causal, ring, packed=False, cu_seqlens=None):
-    """Checks the inputs on every rank at once (one all_gather of a few integers, and on CUDA
-    one host sync) so that a bad input raises the same error on every rank instead of leaving
-    the others waiting in the ring. Returns every rank's shard length and, for packed inputs,
-    cu_seqlens as a list."""
-    error = _local_input_error(q, k, v, packed, cu_seqlens)
-    cu_seqlens = _host_cu_seqlens(cu_seqlens) if packed and error is None else None
-    if isinstance(q, torch.Tensor):
-        device = q.device
-    elif dist.get_backend(ring.group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    mine = torch.tensor(_signature(q, k, causal, packed, cu_seqlens, error), dtype=torch.int64,
-                        device=device)
-    if ring.world == 1:
-        signatures = [_Signature(*mine.tolist())]
-    else:
-        gathered = [torch.empty_like(mine) for _ in range(ring.world)]
-        dist.all_gather(gathered, mine, group=ring.group)
-        signatures = [_Signature(*s.tolist()) for s in gathered]
-    if error is not None:
-        raise error[0](f"flash_attn_ext: ring attention (rank {ring.rank}): {error[1]}")
-    bad_ranks = [r for r, s in enumerate(signatures) if s.error]
-    if bad_ranks:
-        raise RuntimeError(f"flash_attn_ext: ring attention: the inputs of rank(s) {bad_ranks} "
-                           f"of the group are invalid (see the error there)")
-    if len({s.causal for s in signatures}) != 1:
-        raise ValueError("flash_attn_ext: ring attention: every rank of the group must pass "
-                         "the same causal flag")
-    if packed and len({s.cu_checksum for s in signatures}) != 1:
-        raise ValueError("flash_attn_ext: ring_flash_attn_varlen_func: every rank of the group "
-                         "must pass the same (global) cu_seqlens")
-    # Non-causal padded shards may differ in length, nothing else may.
-    may_differ = ("seqlen",) if not (causal or packed) else ()
-    agreed = {tuple(value for field, value in s._asdict().items() if field not in may_differ)
-              for s in signatures}
-    if len(agreed) != 1:
-        what = "shard length, " if not may_differ else ""
-        per_rank = "; ".join(f"rank {r}: {_describe(s)}" for r, s in enumerate(signatures))
-        raise ValueError(f"flash_attn_ext: ring attention needs the same batch, {what}heads, "
-                         f"heads_k, head_dim and dtype on every rank of the group"
-                         f"{' (causal: zig-zag shards)' if causal else ''}, got {per_rank}")
-    return [s.seqlen for s in signatures], cu_seqlens
+_side_streams = {}
+
+
+def _side_stream(device):
+    """A stream of our own on `device`, for work that must not wait for the current
+    stream's queue (the input check's all_gather, the first K/V transfer)."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+class _InputCheck:
+    """The inputs checked on every rank at once (one all_gather of a few integers), so that
+    a bad input raises the same error on every rank instead of leaving the others waiting in
+    the ring. Started before the forward's first step and finished (finish(): on CUDA the
+    one host sync) once that step's kernels are queued: the first step needs nothing from
+    the other ranks, so the GPU computes it while the host waits, and nothing is sent before
+    the check has passed. With bad inputs on this rank, the error is shared and raised at
+    once."""
+
+    def __init__(self, q, k, v, causal, ring, packed=False, cu_seqlens=None):
+        error = _local_input_error(q, k, v, packed, cu_seqlens)
+        self.cu_seqlens = _host_cu_seqlens(cu_seqlens) if packed and error is None else None
+        self._error, self._ring, self._causal, self._packed = error, ring, causal, packed
+        self._seqlens = None
+        if isinstance(q, torch.Tensor):
+            device = q.device
+        elif dist.get_backend(ring.group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        mine = _signature(q, k, causal, packed, self.cu_seqlens, error)
+        if ring.world == 1:
+            self._gathered = [mine]
+        elif device.type == "cuda":
+            # On a stream of our own, so that finish() waits for the all_gather alone, not
+            # for whatever the current stream has queued.
+            side = _side_stream(device)
+            with torch.cuda.stream(side):
+                sent = torch.tensor(mine, dtype=torch.int64).pin_memory()
+                sent = sent.to(device, non_blocking=True)
+                gathered = torch.empty((ring.world, len(mine)), dtype=torch.int64, device=device)
+                dist.all_gather_into_tensor(gathered, sent, group=ring.group)
+                host = torch.empty(gathered.shape, dtype=torch.int64, pin_memory=True)
+                host.copy_(gathered, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            self._gathered = (done, host, sent, gathered)
+        else:
+            sent = torch.tensor(mine, dtype=torch.int64)
+            gathered = [torch.empty_like(sent) for _ in range(ring.world)]
+            dist.all_gather(gathered, sent, group=ring.group)
+            self._gathered = [s.tolist() for s in gathered]
+        if error is not None:
+            self.finish()
+
+    def finish(self) -> List[int]:
+        """Every rank's shard length, in group-rank order (raises for bad inputs on any
+        rank)."""
+        if self._seqlens is not None:
+            return self._seqlens
+        if isinstance(self._gathered, tuple):
+            done, host = self._gathered[:2]
+            done.synchronize()
+            self._gathered = host.tolist()
+        signatures = [_Signature(*s) for s in self._gathered]
+        error, causal, packed, ring = self._error, self._causal, self._packed, self._ring
+        if error is not None:
+            raise error[0](f"flash_attn_ext: ring attention (rank {ring.rank}): {error[1]}")
+        bad_ranks = [r for r, s in enumerate(signatures) if s.error]
+        if bad_ranks:
+            raise RuntimeError(f"flash_attn_ext: ring attention: the inputs of rank(s) "
+                               f"{bad_ranks} of the group are invalid (see the error there)")
+        if len({s.causal for s in signatures}) != 1:
+            raise ValueError("flash_attn_ext: ring attention: every rank of the group must pass "
+                             "the same causal flag")
+        if packed and len({s.cu_checksum for s in signatures}) != 1:
+            raise ValueError("flash_attn_ext: ring_flash_attn_varlen_func: every rank of the "
+                             "group must pass the same (global) cu_seqlens")
+        # Non-causal padded shards may differ in length, nothing else may.
+        may_differ = ("seqlen",) if not (causal or packed) else ()
+        agreed = {tuple(value for field, value in s._asdict().items() if field not in may_differ)
+                  for s in signatures}
+        if len(agreed) != 1:
+            what = "shard length, " if not may_differ else ""
+            per_rank = "; ".join(f"rank {r}: {_describe(s)}" for r, s in enumerate(signatures))
+            raise ValueError(f"flash_attn_ext: ring attention needs the same batch, {what}heads, "
+                             f"heads_k, head_dim and dtype on every rank of the group"
+                             f"{' (causal: zig-zag shards)' if causal else ''}, got {per_rank}")
+        self._seqlens = [s.seqlen for s in signatures]
+        return self._seqlens
 
 
 def _process_group_ring(group):
@@ -742,12 +819,12 @@ def _scalar_args(q, softmax_scale, softcap, deterministic):
     return scale, float(softcap), bool(deterministic)
 
 
-def _run(q, k, v, ring, attention, return_lse):
+def _run(q, k, v, ring, attention, return_lse, check):
     q, k, v = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = _RingFlashAttnFunction.apply(q, k, v, ring, attention)
+        out, lse = _RingFlashAttnFunction.apply(q, k, v, ring, attention, check)
     else:
-        out, lse, _ = _ring_forward(q, k, v, ring, attention)
+        out, lse, _ = _ring_forward(q, k, v, ring, attention, check)
     return (out, lse) if return_lse else out
 
 
@@ -781,10 +858,12 @@ def ring_flash_attn_func(q, k, v, group: Optional["dist.ProcessGroup"] = None,
     without waiting for a transfer.
     """
     ring = _process_group_ring(group)
-    seqlens, _ = _agree_on_inputs(q, k, v, bool(causal), ring)
-    attention = _PaddedAttention(seqlens, bool(causal),
+    check = _InputCheck(q, k, v, bool(causal), ring)
+    # Every rank's length is known once the check is finished (_ring_forward, after its
+    # first step, which needs only this rank's).
+    attention = _PaddedAttention((q.shape[1],) * ring.world, bool(causal),
                                  *_scalar_args(q, softmax_scale, softcap, deterministic))
-    return _run(q, k, v, ring, attention, return_lse)
+    return _run(q, k, v, ring, attention, return_lse, check)
 
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, group: Optional["dist.ProcessGroup"] = None,
@@ -806,7 +885,8 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, group: Optional["dist.Proce
     per call, up to four calls per step).
     """
     ring = _process_group_ring(group)
-    _, cu = _agree_on_inputs(q, k, v, bool(causal), ring, packed=True, cu_seqlens=cu_seqlens)
+    check = _InputCheck(q, k, v, bool(causal), ring, packed=True, cu_seqlens=cu_seqlens)
+    cu = check.cu_seqlens
     chunks = _PackedChunks(cu, ring.world, q.device)
     if chunks.total != q.shape[0]:
         raise ValueError(f"flash_attn_ext: ring_flash_attn_varlen_func: cu_seqlens[-1] = "
@@ -814,4 +894,4 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, group: Optional["dist.Proce
                          f"but q has {q.shape[0]} rows")
     attention = _PackedAttention(chunks, ring.world, bool(causal),
                                  *_scalar_args(q, softmax_scale, softcap, deterministic))
-    return _run(q, k, v, ring, attention, return_lse)
+    return _run(q, k, v, ring, attention, return_lse, check)
