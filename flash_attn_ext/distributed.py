@@ -887,11 +887,15 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, group: Optional["dist.Proce
     ring = _process_group_ring(group)
     check = _InputCheck(q, k, v, bool(causal), ring, packed=True, cu_seqlens=cu_seqlens)
     cu = check.cu_seqlens
-    chunks = _PackedChunks(cu, ring.world, q.device)
-    if chunks.total != q.shape[0]:
-        raise ValueError(f"flash_attn_ext: ring_flash_attn_varlen_func: cu_seqlens[-1] = "
-                         f"{cu[-1]} tokens over {ring.world} ranks is {chunks.total} per rank, "
-                         f"but q has {q.shape[0]} rows")
+    try:
+        chunks = _PackedChunks(cu, ring.world, q.device)
+        if chunks.total != q.shape[0]:
+            raise ValueError(f"flash_attn_ext: ring_flash_attn_varlen_func: cu_seqlens[-1] = "
+                             f"{cu[-1]} tokens over {ring.world} ranks is {chunks.total} per "
+                             f"rank, but q has {q.shape[0]} rows")
+    except ValueError:
+        check.finish()  # ranks that disagree: that error, the same on every rank
+        raise
     attention = _PackedAttention(chunks, ring.world, bool(causal),
                                  *_scalar_args(q, softmax_scale, softcap, deterministic))
     return _run(q, k, v, ring, attention, return_lse, check)
