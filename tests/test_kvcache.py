@@ -1042,6 +1042,34 @@ def test_cuda_fp8_decode_splits(num_splits, kv_heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("exponent", [20, -30])
+@pytest.mark.parametrize("tile", [0, 1, 2, 3])
+def test_cuda_fp8_bf16_q_outside_fp16_range(exponent, tile):
+    """A bf16 q far outside fp16's range (|q| ~ 2^22 or 2^-28) on an FP8 cache, whose kernels
+    run fp16 MMAs: fp8_prepare_q scales q by a power of two into fp16 and the softmax scale by
+    its inverse, so q * 2^e with softmax_scale * 2^-e gives the plain call's output and lse
+    bit for bit (the scaled q is the same fp16 tensor), for every tile."""
+    case = Fp8Case("cuda", torch.bfloat16, head_dim=128, mode="paged", lengths=(100, 0, 300),
+                   new_len=0, cache_len=320, seqlen_q=2, descale="heads")
+    used = _i32(case.lengths, "cuda")
+    fwd = torch.ops.flash_attn_ext.fwd
+    scale = 128 ** -0.5
+
+    def call(q, softmax_scale):
+        return fwd(q, case.k_cache, case.v_cache, softmax_scale, False, True, 0, tile, used,
+                   block_table=case.block_table, k_descale=case.k_descale,
+                   v_descale=case.v_descale)
+
+    out, lse = call(case.q, scale)
+    big_out, big_lse = call(case.q * 2.0 ** exponent, scale * 2.0 ** -exponent)
+    assert bool(torch.isfinite(big_out).all())
+    assert torch.equal(big_out, out)
+    assert torch.equal(big_lse, lse)
+    (ref_out, _), (base_out, _) = case.reference(case.k_cache, case.v_cache)
+    assert_fa_rule(out, ref_out, base_out, 2)
+
+
+@pytest.mark.gpu
 def test_cuda_fp8_long_paged_prefill():
     """A long query chunk against a paged FP8 cache (the decode tile at seqlen_q > 16)."""
     Fp8Case("cuda", torch.float16, head_dim=128, mode="paged", page_size=16, lengths=(300, 0),
