@@ -179,16 +179,16 @@ class _Ring:
             return _InFlight([], tuple(torch.empty(s, dtype=d, device=device) for s, d in received))
         to, source = (dist.get_global_rank(self.group, r) for r in (to, source))
         received = tuple(torch.empty(s, dtype=d, device=device) for s, d in received)
-        ops = [dist.P2POp(dist.isend, b, to, self.group) for b in blocks]
-        ops += [dist.P2POp(dist.irecv, r, source, self.group) for r in received]
-        if not ops:
+        p2p = [dist.P2POp(dist.isend, b, to, self.group) for b in blocks]
+        p2p += [dist.P2POp(dist.irecv, r, source, self.group) for r in received]
+        if not p2p:
             return _InFlight([], received)
         if after is None:
-            return _InFlight(dist.batch_isend_irecv(ops), received, sent=blocks)
+            return _InFlight(dist.batch_isend_irecv(p2p), received, sent=blocks)
         side = _side_stream(device)
         side.wait_event(after)
         with torch.cuda.stream(side):  # NCCL's stream waits for the side stream
-            works = dist.batch_isend_irecv(ops)
+            works = dist.batch_isend_irecv(p2p)
         return _InFlight(works, received, sent=blocks)
 
     def pass_on(self, blocks, received, device, backwards=False, after=None) -> _InFlight:
@@ -442,6 +442,54 @@ def _touches(chunks, spans):
     return [sum(_covers(span, chunk) for span in spans) for chunk in chunks]
 
 
+class _ChunkMerges:
+    """The forward's running result (out, lse) over the zig-zag chunks of the shard's rows,
+    the counterpart of _ChunkSums: a chunk holds its first block's output as the operator
+    returned it (q's dtype: exact, no copy), from the second block on an fp32 merge
+    (merge_partial_, one pass), and its last block merges straight into `out`. How many
+    blocks are left for each chunk is known only once every rank's length is (set_left,
+    after the first step); until then merges go to fp32."""
+
+    def __init__(self, chunks, dim, out, lse):
+        self.chunks, self.dim, self.out, self.lse = chunks, dim, out, lse
+        self.held = [None] * len(chunks)
+        self.left = None
+
+    def set_left(self, touches):
+        """touches: the blocks each chunk gets after the ones seen so far. Chunks with none
+        left are finished here (rows without any key: zeros, lse -inf)."""
+        self.left = list(touches)
+        for chunk, held, left in zip(self.chunks, self.held, self.left):
+            if left == 0:
+                dest = _narrow(self.out, self.dim, chunk)
+                dest.copy_(held) if held is not None else dest.zero_()
+
+    def add(self, span: slice, block_out, block_lse):
+        merge = torch.ops.flash_attn_ext.merge_partial_
+        for i, chunk in enumerate(self.chunks):
+            if not _covers(span, chunk):
+                continue
+            part = _part(block_out, self.dim, span, chunk)
+            part_lse = _part(block_lse, block_lse.dim() - 1, span, chunk)
+            lse, held = _narrow(self.lse, -1, chunk), self.held[i]
+            if self.left is not None:
+                self.left[i] -= 1
+            last = self.left is not None and self.left[i] == 0
+            if held is None:
+                lse.copy_(part_lse)
+                if last:
+                    _narrow(self.out, self.dim, chunk).copy_(part)
+                else:
+                    self.held[i] = part
+            elif last:
+                merge(_narrow(self.out, self.dim, chunk), lse, part, part_lse, held)
+            elif held.dtype == torch.float32:  # our accumulator, or an fp32 block output
+                merge(held, lse, part, part_lse)
+            else:
+                self.held[i] = torch.empty_like(held, dtype=torch.float32)
+                merge(self.held[i], lse, part, part_lse, held)
+
+
 def _whole_shard_piece(q, k, ring, attention):
     """The one piece of a single-rank ring when it covers the whole shard (then the ring is
     one call of the operators, with no partial results to merge), else None."""
@@ -457,12 +505,8 @@ def _whole_shard_piece(q, k, ring, attention):
 
 def _ring_forward(q, k, v, ring, attention, check=None):
     """(out in q's dtype, lse float32, (K, V) of the block it ended with) of this rank's
-    queries against the whole sequence; `check` (_InputCheck) is finished once the first
-    step's kernels are queued.
-
-    Each chunk of rows keeps its first block's result as the operator returned it (q's
-    dtype: exact, no copy); later blocks are merged by the log-sum-exp (merge_partial_, one
-    pass) into an fp32 accumulator, and the chunk's last block straight into out."""
+    queries against the whole sequence, merged per chunk of rows (_ChunkMerges); `check`
+    (_InputCheck) is finished once the first step's kernels are queued."""
     dim = attention.seq_dim
     whole = _whole_shard_piece(q, k, ring, attention)
     if whole is not None:
@@ -470,11 +514,11 @@ def _ring_forward(q, k, v, ring, attention, check=None):
             check.finish()
         return (*attention.forward(whole, q, k, v), (k, v))
     world, rank = ring.world, ring.rank
-    chunks = attention.chunks(rank)
-    running = [None] * len(chunks)  # per chunk: nothing, the first block's out, fp32 sum
     out = torch.empty_like(q)
     lse = torch.full(attention.lse_shape(q), float("-inf"), dtype=torch.float32,
                      device=q.device)
+    chunks = attention.chunks(rank)
+    results = _ChunkMerges(chunks, dim, out, lse)
     kv = (k.contiguous(), v.contiguous())  # the messages (no copy unless strided)
     # Where the first transfer may start: before the first step's compute (queued before it).
     kv_ready = torch.cuda.Event() if q.is_cuda else None
@@ -486,50 +530,21 @@ def _ring_forward(q, k, v, ring, attention, check=None):
         return ring.pass_on(kv, [(_block_shape(t, dim, next_len), t.dtype) for t in kv],
                             q.device, after=after)
 
-    in_flight, left = None, None
+    in_flight = None
     for step in range(world):
         if 0 < step < world - 1:
             in_flight = pass_kv(step)
         for p in attention.pieces(step, rank, world):
-            block_out, block_lse = attention.forward(p, _narrow(q, dim, p.rows),
-                                                     _narrow(kv[0], dim, p.keys),
-                                                     _narrow(kv[1], dim, p.keys))
-            for i, chunk in enumerate(chunks):
-                if not _covers(p.rows, chunk):
-                    continue
-                part = _part(block_out, dim, p.rows, chunk)
-                part_lse = _part(block_lse, block_lse.dim() - 1, p.rows, chunk)
-                chunk_lse, prev = _narrow(lse, -1, chunk), running[i]
-                if left is not None:  # known from the end of the first step on
-                    left[i] -= 1
-                last = left is not None and left[i] == 0
-                if prev is None:
-                    chunk_lse.copy_(part_lse)
-                    if last:
-                        _narrow(out, dim, chunk).copy_(part)
-                    else:
-                        running[i] = part
-                elif last:
-                    torch.ops.flash_attn_ext.merge_partial_(_narrow(out, dim, chunk), chunk_lse,
-                                                           part, part_lse, prev)
-                elif prev.dtype == torch.float32:
-                    torch.ops.flash_attn_ext.merge_partial_(prev, chunk_lse, part, part_lse)
-                else:
-                    running[i] = torch.empty_like(prev, dtype=torch.float32)
-                    torch.ops.flash_attn_ext.merge_partial_(running[i], chunk_lse, part,
-                                                           part_lse, prev)
+            results.add(p.rows, *attention.forward(p, _narrow(q, dim, p.rows),
+                                                   _narrow(kv[0], dim, p.keys),
+                                                   _narrow(kv[1], dim, p.keys)))
         if step == 0:
-            # Every rank's length (for the schedule) once the check is done; then what is
-            # left to merge into each chunk, and the first transfer.
+            # Every rank's length once the check is done: the rest of the schedule, then the
+            # first transfer.
             if check is not None:
                 attention.seqlens = tuple(check.finish())
-            later = [p.rows for s in range(1, world) for p in attention.pieces(s, rank, world)]
-            left = _touches(chunks, later)
-            for i, chunk in enumerate(chunks):
-                if left[i] == 0 and running[i] is not None:  # no later block: out as it is
-                    _narrow(out, dim, chunk).copy_(running[i])
-                elif left[i] == 0:  # no block: rows without keys (lse stays -inf)
-                    _narrow(out, dim, chunk).zero_()
+            results.set_left(_touches(chunks, [p.rows for s in range(1, world)
+                                               for p in attention.pieces(s, rank, world)]))
             if world > 1:
                 in_flight = pass_kv(step, after=kv_ready)
         if in_flight is not None:
