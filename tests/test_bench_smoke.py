@@ -41,3 +41,15 @@ def test_bench_cpu_rounds(tmp_path, capsys):
                           "ours,naive", "--rounds", "2", "--no-roofline"])
     out = capsys.readouterr().out
     assert "median of 2 round(s)" in out and "geomean ours/naive" in out
+
+
+def test_bench_ring_cpu_smoke(tmp_path, capsys):
+    """bench_ring.py spawns gloo worlds of 1 and 2 ranks (tiny shards) and writes its table;
+    it drives the ring's private pieces (the no-communication ring), which this keeps honest."""
+    import bench_ring
+    csv_path = tmp_path / "ring.csv"
+    bench_ring.main(["--device", "cpu", "--all", "--max-world", "2", "--seqlen", "32",
+                     "--iters", "1", "--warmup", "1", "--csv", str(csv_path)])
+    out = capsys.readouterr().out
+    assert "scaling %" in out
+    assert csv_path.read_text().count("\n") == 1 + 2  # header + worlds 1 and 2
