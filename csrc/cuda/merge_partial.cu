@@ -121,7 +121,9 @@ void launch(const MergePartialParams& p, bool vectorized, cudaStream_t stream) {
   const int vec = vectorized ? 4 : 1;
   const int threads_per_row = (p.head_dim + vec - 1) / vec;
   if (threads_per_row > kThreadsPerBlock) {
-    throw std::runtime_error("flash_attn_ext: merge_partial_ supports head_dim <= 1024");
+    throw std::runtime_error(
+        "flash_attn_ext: merge_partial_ supports head_dim <= 256, or <= 1024 when every row "
+        "starts 4-element aligned");
   }
   const int rows_per_block = kThreadsPerBlock / threads_per_row;
   const int64_t rows = int64_t(p.batch) * p.seqlen * p.heads;
