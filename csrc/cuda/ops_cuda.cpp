@@ -20,14 +20,16 @@ namespace {
 
 constexpr int kMaxHeadDim = 256;
 
-bool is_aligned_16(const at::Tensor& t) {
-  const int64_t elems = 16 / t.element_size();
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+// Every row of t (its last dim) starts at a multiple of `elems` elements.
+bool rows_aligned_to(const at::Tensor& t, int64_t elems) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % (elems * t.element_size()) != 0) return false;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) {
     if (t.stride(d) % elems != 0) return false;
   }
   return true;
 }
+
+bool is_aligned_16(const at::Tensor& t) { return rows_aligned_to(t, 16 / t.element_size()); }
 
 // Kernels need 16-byte aligned rows and a head dim that is a multiple of 8.
 // Most inputs already qualify (no copy). Otherwise pad the head dim with
@@ -351,14 +353,9 @@ void merge_partial_cuda(at::Tensor out, at::Tensor lse, const at::Tensor& block_
               out.device());
   const MergePartialParams p = make_merge_partial_params(out, lse, block_out, block_lse, prev_out);
   // 4-element vectors when every row start is aligned to them.
-  bool vectorized = p.head_dim % 4 == 0;
   const at::Tensor& prev = prev_out.has_value() ? *prev_out : out;
-  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&out), &block_out, &prev}) {
-    const at::Tensor t4 = t->dim() == 3 ? t->unsqueeze(0) : *t;
-    const auto address = reinterpret_cast<uintptr_t>(t4.data_ptr());
-    vectorized = vectorized && address % (4 * t4.element_size()) == 0;
-    for (int64_t d = 0; d < 3; ++d) vectorized = vectorized && t4.stride(d) % 4 == 0;
-  }
+  const bool vectorized = p.head_dim % 4 == 0 && rows_aligned_to(out, 4) &&
+                          rows_aligned_to(block_out, 4) && rows_aligned_to(prev, 4);
   const c10::cuda::CUDAGuard guard(out.device());
   call_kernels([&] {
     cuda::merge_partial(p, vectorized, at::cuda::getCurrentCUDAStream().stream());
