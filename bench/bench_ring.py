@@ -9,9 +9,13 @@ world size and how much of the communication the compute leaves exposed.
 
 Each rank holds --seqlen tokens (default 8192; the sequence has world * seqlen), zig-zag
 causal, bf16, [batch, seqlen, heads, head_dim] with D = 128; one iteration is the forward
-and the backward (torch.autograd.grad) of ring_flash_attn_func. Per iteration every rank is
-timed from a barrier to the end of its backward (CUDA synchronised); the slowest rank counts,
-and the median over --iters iterations is reported. Columns:
+and the backward (torch.autograd.grad) of ring_flash_attn_func. The ranks start together
+after a barrier and run --iters iterations back to back, as a training loop does (the host
+queues ahead of the GPU); every iteration is timed by CUDA events around it on every rank,
+the slowest rank counts, and the median over iterations is reported. --sync-each instead
+times every iteration from a barrier to the end of its backward (CUDA synchronised), which
+adds the host's time to queue the iteration's first kernels and any time the GPU waits for
+the host. Columns:
 
   ring ms      one iteration
   no-comm ms   the same iteration with the ring's communication left out: every rank runs the
@@ -77,6 +81,9 @@ def parse_args(argv=None):
                    help="default bf16 (CPU fp32)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sync-each", action="store_true",
+                   help="time every iteration from a barrier to its synchronised end (host "
+                        "latency included) instead of back-to-back iterations by CUDA events")
     p.add_argument("--csv", help="write the table to this CSV file")
     args = p.parse_args(argv)
     cpu = args.device == "cpu"
@@ -94,14 +101,30 @@ def _synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def _slowest_rank_median_ms(step, iters, warmup, device):
-    """Median over iterations of the slowest rank's time for step() (forward + backward),
-    each iteration started together after a barrier."""
+def _back_to_back(args):
+    return args.device == "cuda" and not args.sync_each
+
+
+def _slowest_rank_median_ms(step, iters, warmup, device, sync_each=False):
+    """Median over iterations of the slowest rank's time for step() (forward + backward):
+    iterations back to back, each timed by CUDA events (sync_each, or on the CPU: each
+    started together after a barrier and timed on the host to its synchronised end)."""
     for _ in range(warmup):
         step()
     _synchronize(device)
     times = []
-    for _ in range(iters):
+    if device.type == "cuda" and not sync_each:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(iters)]
+        dist.barrier()
+        _synchronize(device)
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        _synchronize(device)
+        times = [start.elapsed_time(end) * 1e-3 for start, end in events]
+    for _ in range(iters if not times else 0):
         dist.barrier()
         _synchronize(device)
         start = time.perf_counter()
@@ -145,7 +168,7 @@ def measure(args, device):
         q, k, v, silent_ring, same_blocks, None)[0])
     single = fwd_bwd(lambda q, k, v: flash_attn_ext.flash_attn_func(q, k, v, causal=True))
 
-    ms = {name: _slowest_rank_median_ms(fn, args.iters, args.warmup, device)
+    ms = {name: _slowest_rank_median_ms(fn, args.iters, args.warmup, device, args.sync_each)
           for name, fn in (("single_gpu_ms", single), ("ring_ms", ring), ("nocomm_ms", no_comm))}
     if rank != 0:
         return None
@@ -196,7 +219,7 @@ def print_table(rows, args):
     print(f"\nring attention, zig-zag causal, forward + backward: {args.seqlen} tokens per "
           f"rank, batch {args.batch}, heads {args.heads}/{args.kv_heads}, D={args.head_dim}, "
           f"{args.dtype}, {rows[0]['device'] if rows else args.device}; median of {args.iters} "
-          f"(slowest rank); NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}, "
+          f"(slowest rank, {'back to back' if _back_to_back(args) else 'synchronised each'}); NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}, "
           f"TORCH_NCCL_HIGH_PRIORITY={os.environ.get('TORCH_NCCL_HIGH_PRIORITY')}")
     header = ["world", "tokens", "ring ms", "no-comm ms", "exposed %", "1-GPU ms",
               "tokens/s", "TF/s/GPU", "scaling %"]

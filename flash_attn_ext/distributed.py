@@ -19,23 +19,28 @@ Sharding:
                 holds its first chunk of every sequence, then its second chunk of every
                 sequence (zigzag_shard_varlen), causal or not.
 
-Schedule (world W, rank r): the ranks form a ring (r sends to r + 1, receives from r - 1).
-The forward runs W steps; at step i this rank holds the K/V block of rank (r - i) mod W, starts
-passing it on (torch.distributed.batch_isend_irecv; asynchronous on gloo and NCCL, whose
-transfers run on NCCL's own stream, so they overlap the compute), computes its queries against
-the block with the forward operator, which returns (out, lse), and merges that partial result
-by the log-sum-exp (merge_partial_; a chunk of rows keeps its first result in q's dtype and
-sums later ones in fp32, its last merge writes out). The backward runs the blocks the other
-way round with the backward operator, given the global (merged) out and lse: FlashAttention's
-backward rebuilds P = exp(scale * Q K^T - lse) and dS = P * (dP - rowsum(dO * O)), which for a
-block of keys is the block's share of the whole-sequence gradient exactly when out and lse are
-the global ones. dQ sums locally; the dK/dV pieces of a block go straight to its owner, which
-sums them in fp32 as they arrive. Nothing is all-gathered: memory stays O(local shard) (two K/V
-blocks in flight, and one shard's K/V kept from the forward for the backward's first step).
+Schedule (world W, rank r): the forward runs W steps; at step i this rank computes its
+queries against the K/V block of rank (r - i) mod W with the forward operator, which returns
+(out, lse), and merges that partial result by the log-sum-exp (merge_partial_; a chunk of rows
+keeps its first result in q's dtype and sums later ones in fp32, its last merge writes out).
+Each block comes straight from its owner, fetched during the step before the one that needs
+it: on NCCL groups the owner's copy in symmetric memory is read by this GPU's copy engines
+(torch.distributed._symmetric_memory; no SMs taken, so the transfer runs beside the
+persistent forward kernel), otherwise by torch.distributed P2P (gloo, or
+FLASH_ATTN_EXT_RING_SYMMETRIC_MEMORY=0). The backward runs the blocks in the reverse order
+with the backward operator, given the global (merged) out and lse: FlashAttention's backward
+rebuilds P = exp(scale * Q K^T - lse) and dS = P * (dP - rowsum(dO * O)), which for a block
+of keys is the block's share of the whole-sequence gradient exactly when out and lse are the
+global ones. dQ sums locally; the dK/dV pieces of a block go straight to its owner (P2P),
+which sums them in fp32 as they arrive. Nothing is all-gathered: memory stays O(local shard)
+(two K/V blocks in flight, one shard's K/V kept from the forward for the backward's first
+step, and on NCCL one shard's K/V in symmetric memory, kept between calls).
 """
+import contextlib
 import itertools
 import math
 import numbers
+import os
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
@@ -137,23 +142,28 @@ def zigzag_unshard_varlen(shards: Sequence[torch.Tensor], cu_seqlens,
 
 # ---- the ring -----------------------------------------------------------------------------
 class _InFlight:
-    """Blocks on their way from the previous rank; wait() returns them (a tuple). Keeps the
-    tensors being sent alive until the transfer is done (gloo reads them asynchronously)."""
+    """Blocks on their way from another rank; wait() returns them (a tuple). Keeps the
+    tensors being sent alive until the transfer is done (gloo reads them asynchronously).
+    side: the blocks were allocated on our side stream (the caching allocator is told that
+    the current stream uses them too)."""
 
-    def __init__(self, works, received, sent=None):
-        self._works, self._received, self._sent = works, received, sent
+    def __init__(self, works, received, sent=None, side=False):
+        self._works, self._received, self._sent, self._side = works, received, sent, side
 
     def wait(self) -> torch.Tensor:
         # On CUDA, Work.wait() makes the current stream wait for NCCL's: no host sync.
         for work in self._works:
             work.wait()
         self._sent = None
+        if self._side:
+            for t in self._received:
+                t.record_stream(torch.cuda.current_stream())
         return self._received
 
 
 class _Ring:
-    """This rank's place in the ring of `group` and the one communication step of the ring:
-    send a block to the next rank while receiving the previous rank's.
+    """This rank's place in `group` and the one P2P communication step: send blocks to one
+    rank while receiving blocks from another.
 
     communicate=False (benchmarks only) keeps the same rank, world and block schedule but
     "receives" the block it sends, so a run computes exactly the same blocks without any
@@ -170,7 +180,8 @@ class _Ring:
         """Starts sending the tensors `blocks` (contiguous) to group rank `to` and receiving
         tensors of the (shape, dtype)s `received` from group rank `source`, in one batch of
         P2P operations (K and V go as two messages: no stacked copy of them). NCCL's stream
-        waits for the current stream, or with after (a CUDA event) for that event only."""
+        waits for the current stream, or with after (a CUDA event) for the side stream,
+        which waits for that event."""
         blocks = tuple(blocks)
         if self.world == 1 or not self.communicate:
             if [(tuple(b.shape), b.dtype) for b in blocks] == [(tuple(s), d) for s, d in received]:
@@ -178,25 +189,122 @@ class _Ring:
             # Without communication, the same amount of memory in the shapes expected.
             return _InFlight([], tuple(torch.empty(s, dtype=d, device=device) for s, d in received))
         to, source = (dist.get_global_rank(self.group, r) for r in (to, source))
-        received = tuple(torch.empty(s, dtype=d, device=device) for s, d in received)
-        p2p = [dist.P2POp(dist.isend, b, to, self.group) for b in blocks]
-        p2p += [dist.P2POp(dist.irecv, r, source, self.group) for r in received]
-        if not p2p:
-            return _InFlight([], received)
-        if after is None:
-            return _InFlight(dist.batch_isend_irecv(p2p), received, sent=blocks)
-        side = _side_stream(device)
-        side.wait_event(after)
-        with torch.cuda.stream(side):  # NCCL's stream waits for the side stream
-            works = dist.batch_isend_irecv(p2p)
-        return _InFlight(works, received, sent=blocks)
+        side = after is not None and device.type == "cuda"
+        with torch.cuda.stream(_side_stream(device, after)) if side else contextlib.nullcontext():
+            received = tuple(torch.empty(s, dtype=d, device=device) for s, d in received)
+            p2p = [dist.P2POp(dist.isend, b, to, self.group) for b in blocks]
+            p2p += [dist.P2POp(dist.irecv, r, source, self.group) for r in received]
+            works = dist.batch_isend_irecv(p2p) if p2p else []
+        return _InFlight(works, received, sent=blocks, side=side)
 
-    def pass_on(self, blocks, received, device, backwards=False, after=None) -> _InFlight:
-        """exchange with the ring's neighbours: to the next rank, from the previous one
-        (backwards=True: the other way round)."""
-        step = -1 if backwards else 1
-        return self.exchange(blocks, (self.rank + step) % self.world, received,
-                             (self.rank - step) % self.world, device, after)
+
+# "0" keeps the K/V transfers on NCCL (torch.distributed P2P) instead of copy engines
+# reading symmetric memory (README "Ring attention").
+_SYMMETRIC_MEMORY = os.environ.get("FLASH_ATTN_EXT_RING_SYMMETRIC_MEMORY", "1") != "0"
+_symmetric_buffers = {}  # (group, device, dtype) -> (buffer, handle, buffer's offset)
+
+
+def _symmetric_memory_available(ring, block):
+    if not (_SYMMETRIC_MEMORY and block.is_cuda and ring.communicate and ring.world > 1):
+        return False
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return dist.get_backend(ring.group) == "nccl"
+
+
+def _symmetric_buffer(ring, device, dtype, numel):
+    """A buffer of symmetric memory (torch.distributed._symmetric_memory) of at least numel
+    elements, the same on every rank of the ring (a collective when it is made or grown:
+    every rank asks for the same size), with its handle and where it starts in the
+    allocation that handle.get_buffer indexes (in elements: a pool may hold several)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+    key = (ring.group, device, dtype)
+    entry = _symmetric_buffers.get(key)
+    if entry is None or entry[0].numel() < numel:
+        if entry is not None:
+            torch.cuda.synchronize(device)  # every read of the old one is done
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # older torch needs it first
+            symm_mem.enable_symm_mem_for_group(ring.group.group_name)
+        buf = symm_mem.empty(numel, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(buf, ring.group)
+        offset = getattr(handle, "offset", None)
+        if offset is None:
+            offset = buf.data_ptr() - handle.buffer_ptrs[handle.rank]
+        entry = _symmetric_buffers[key] = (buf, handle, offset // buf.element_size())
+    return entry
+
+
+class _Copied:
+    """Blocks being copied from a peer on the side stream (allocated there); wait() makes
+    the current stream wait for the copy and returns them (a tuple)."""
+
+    def __init__(self, done, received):
+        self._done, self._received = done, received
+
+    def wait(self):
+        current = torch.cuda.current_stream()
+        current.wait_event(self._done)
+        for t in self._received:
+            t.record_stream(current)
+        return self._received
+
+
+class _KVFetches:
+    """Fetching other ranks' K/V blocks (own: this rank's (K, V), contiguous; seqlens:
+    every rank's length). start(source, to) starts fetching rank source's block while rank
+    `to` fetches ours (the ranks' (source, to) pairs of one call form a permutation). The
+    transfers are ordered on our side stream, after an event recorded at construction
+    (own is ready then) and after each other, not after what the current stream queues
+    later: a fetch can run while the compute queued before it still runs.
+
+    With NCCL (CUDA, torch.distributed._symmetric_memory available): every rank copies its
+    K/V into a buffer of symmetric memory, which the others read with their copy engines:
+    a transfer that takes no SMs, so it runs beside the persistent forward kernel, which
+    NCCL's kernels would have to wait for (4x H100: docs/PERFORMANCE.md). One device-side
+    barrier after the copies in, one at finish() after every read (the buffer is written
+    again by the next call). Otherwise (gloo, or FLASH_ATTN_EXT_RING_SYMMETRIC_MEMORY=0):
+    one batch of P2P operations per start."""
+
+    def __init__(self, ring, own, seqlens, dim):
+        self.ring, self.own, self.seqlens, self.dim = ring, own, seqlens, dim
+        self.device = own[0].device
+        self.after = None  # where the transfers may start: once own is ready
+        if own[0].is_cuda:
+            self.after = torch.cuda.Event()
+            self.after.record()
+        self.handle = None
+        if _symmetric_memory_available(ring, own[0]):
+            k, v = own
+            per_token = k.numel() // max(1, k.shape[dim])
+            buf, self.handle, self.base = _symmetric_buffer(ring, self.device, k.dtype,
+                                                            2 * per_token * max(seqlens))
+            # After the previous call's finish() barrier (the side stream's order).
+            with torch.cuda.stream(_side_stream(self.device, self.after)):
+                buf[:k.numel()].view(k.shape).copy_(k)
+                buf[k.numel():k.numel() + v.numel()].view(v.shape).copy_(v)
+                self.handle.barrier(channel=0)
+
+    def start(self, source, to):
+        shapes = [(_block_shape(t, self.dim, self.seqlens[source]), t.dtype) for t in self.own]
+        if self.handle is None:
+            return self.ring.exchange(self.own, to, shapes, source, self.device, self.after)
+        with torch.cuda.stream(_side_stream(self.device)):
+            # One allocation for K and V: the source's buffer holds them one after the other.
+            sizes = [math.prod(shape) for shape, _ in shapes]
+            flat = torch.empty(sum(sizes), dtype=shapes[0][1], device=self.device)
+            flat.copy_(self.handle.get_buffer(source, flat.shape, flat.dtype, self.base))
+            done = torch.cuda.Event()
+            done.record()
+        return _Copied(done, (flat[:sizes[0]].view(shapes[0][0]),
+                              flat[sizes[0]:].view(shapes[1][0])))
+
+    def finish(self):
+        """After the last start(): nobody reads our buffer once its barrier is passed."""
+        if self.handle is not None:
+            with torch.cuda.stream(_side_stream(self.device)):
+                self.handle.barrier(channel=0)
 
 
 class _Piece(NamedTuple):
@@ -446,23 +554,17 @@ class _ChunkMerges:
     """The forward's running result (out, lse) over the zig-zag chunks of the shard's rows,
     the counterpart of _ChunkSums: a chunk holds its first block's output as the operator
     returned it (q's dtype: exact, no copy), from the second block on an fp32 merge
-    (merge_partial_, one pass), and its last block merges straight into `out`. How many
-    blocks are left for each chunk is known only once every rank's length is (set_left,
-    after the first step); until then merges go to fp32."""
+    (merge_partial_, one pass), and its last block merges straight into `out`. touches:
+    how many blocks will cover each chunk; chunks that none covers are finished here (rows
+    without any key: zeros, lse -inf)."""
 
-    def __init__(self, chunks, dim, out, lse):
+    def __init__(self, chunks, touches, dim, out, lse):
         self.chunks, self.dim, self.out, self.lse = chunks, dim, out, lse
         self.held = [None] * len(chunks)
-        self.left = None
-
-    def set_left(self, touches):
-        """touches: the blocks each chunk gets after the ones seen so far. Chunks with none
-        left are finished here (rows without any key: zeros, lse -inf)."""
         self.left = list(touches)
-        for chunk, held, left in zip(self.chunks, self.held, self.left):
+        for chunk, left in zip(chunks, self.left):
             if left == 0:
-                dest = _narrow(self.out, self.dim, chunk)
-                dest.copy_(held) if held is not None else dest.zero_()
+                _narrow(out, dim, chunk).zero_()
 
     def add(self, span: slice, block_out, block_lse):
         merge = torch.ops.flash_attn_ext.merge_partial_
@@ -472,9 +574,8 @@ class _ChunkMerges:
             part = _part(block_out, self.dim, span, chunk)
             part_lse = _part(block_lse, block_lse.dim() - 1, span, chunk)
             lse, held = _narrow(self.lse, -1, chunk), self.held[i]
-            if self.left is not None:
-                self.left[i] -= 1
-            last = self.left is not None and self.left[i] == 0
+            self.left[i] -= 1
+            last = self.left[i] == 0
             if held is None:
                 lse.copy_(part_lse)
                 if last:
@@ -505,59 +606,54 @@ def _whole_shard_piece(q, k, ring, attention):
 
 def _ring_forward(q, k, v, ring, attention, check=None):
     """(out in q's dtype, lse float32, (K, V) of the block it ended with) of this rank's
-    queries against the whole sequence, merged per chunk of rows (_ChunkMerges); `check`
-    (_InputCheck) is finished once the first step's kernels are queued."""
+    queries against the whole sequence, merged per chunk of rows (_ChunkMerges).
+
+    At step i this rank computes against the K/V of rank r - i, fetched straight from its
+    owner (_KVFetches; ours goes to rank r + i), not relayed round the ring: a fetch needs
+    nothing but the owner's own K/V, so the first one starts before the first step's
+    compute is queued, and each later one during the step before the one that needs it.
+    `check` (_InputCheck) is finished first: nothing is sent before the inputs have passed
+    on every rank. (Finished after the first step instead, its all_gather would wait for
+    that step's persistent kernel to free SMs, and the first transfer for the host.)"""
     dim = attention.seq_dim
+    if check is not None:  # every rank's length
+        attention.seqlens = tuple(check.finish())
     whole = _whole_shard_piece(q, k, ring, attention)
     if whole is not None:
-        if check is not None:
-            check.finish()
         return (*attention.forward(whole, q, k, v), (k, v))
     world, rank = ring.world, ring.rank
     out = torch.empty_like(q)
     lse = torch.full(attention.lse_shape(q), float("-inf"), dtype=torch.float32,
                      device=q.device)
     chunks = attention.chunks(rank)
-    results = _ChunkMerges(chunks, dim, out, lse)
-    kv = (k.contiguous(), v.contiguous())  # the messages (no copy unless strided)
-    # Where the first transfer may start: before the first step's compute (queued before it).
-    kv_ready = torch.cuda.Event() if q.is_cuda else None
-    if kv_ready is not None:
-        kv_ready.record()
+    schedule = [attention.pieces(step, rank, world) for step in range(world)]
+    results = _ChunkMerges(chunks, _touches(chunks, [p.rows for ps in schedule for p in ps]),
+                           dim, out, lse)
+    fetches = _KVFetches(ring, (k.contiguous(), v.contiguous()), attention.seqlens, dim)
 
-    def pass_kv(step, after=None):  # the block held at step on, for step + 1
-        next_len = attention.seqlens[(rank - step - 1) % world]
-        return ring.pass_on(kv, [(_block_shape(t, dim, next_len), t.dtype) for t in kv],
-                            q.device, after=after)
+    def fetch(step):
+        return fetches.start((rank - step) % world, (rank + step) % world)
 
-    in_flight = None
+    kv = fetches.own
+    in_flight = fetch(1) if world > 1 else None
     for step in range(world):
-        if 0 < step < world - 1:
-            in_flight = pass_kv(step)
-        for p in attention.pieces(step, rank, world):
+        if step > 0:
+            kv, in_flight = in_flight.wait(), (fetch(step + 1) if step + 1 < world else None)
+        for p in schedule[step]:
             results.add(p.rows, *attention.forward(p, _narrow(q, dim, p.rows),
                                                    _narrow(kv[0], dim, p.keys),
                                                    _narrow(kv[1], dim, p.keys)))
-        if step == 0:
-            # Every rank's length once the check is done: the rest of the schedule, then the
-            # first transfer.
-            if check is not None:
-                attention.seqlens = tuple(check.finish())
-            results.set_left(_touches(chunks, [p.rows for s in range(1, world)
-                                               for p in attention.pieces(s, rank, world)]))
-            if world > 1:
-                in_flight = pass_kv(step, after=kv_ready)
-        if in_flight is not None:
-            kv, in_flight = in_flight.wait(), None
+    fetches.finish()
     return out, lse, kv
 
 
 def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
     """(dq, dk, dv) of this rank's shard, from the global out and lse of its rows.
 
-    The K/V blocks go round the other way, in the reverse order of the forward: first the
-    one the forward ended with (last_kv, the block of rank + 1: no transfer to wait for),
-    last this rank's own; K/V hop world - 2 times. The dK/dV pieces a rank computes for a
+    The K/V blocks come in the reverse order of the forward: first the one the forward
+    ended with (last_kv, the block of rank + 1: no transfer to wait for), then those of
+    rank + 2, ..., each from its owner (_KVFetches) one step ahead, last this rank's own.
+    The dK/dV pieces a rank computes for a
     block go straight to the block's owner (at step i rank r sends to r + 1 + i and receives
     from r - 1 - i: a permutation, one message each way), as the operator returned them
     (q's dtype); the owner sums its pieces in fp32 (_ChunkSums) as they arrive, under the
@@ -585,18 +681,19 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
             dk_sums.add(p.keys, dk_piece)
             dv_sums.add(p.keys, dv_piece)
 
+    # Blocks of other ranks at steps 1 .. world - 2, each from its owner (at step i rank r
+    # fetches r + 1 + i's, r - 1 - i fetches ours), one step ahead of the compute.
+    fetches = (_KVFetches(ring, (k.contiguous(), v.contiguous()), attention.seqlens, dim)
+               if world > 2 else None)
+
+    def fetch(step):
+        return fetches.start(sources[step], (rank - 1 - step) % world)
+
     kv = last_kv
     row_lse = {}  # the operators want a contiguous lse: one copy per row range used
     grads_in_flight = None
     for step, (source, pieces) in enumerate(zip(sources, schedule)):
-        # The next block, source + 1's, is held by the next rank now; the previous rank takes
-        # ours next, unless it owns it.
-        kv_in_flight = None
-        if step + 2 < world:
-            next_len = attention.seqlens[(source + 1) % world]
-            kv_in_flight = ring.pass_on(
-                kv, [(_block_shape(t, dim, next_len), t.dtype) for t in kv], q.device,
-                backwards=True)
+        kv_in_flight = fetch(step + 1) if step + 2 < world else None
         dk_pieces, dv_pieces = [], []
         for p in pieces:
             bounds = (p.rows.start, p.rows.stop)
@@ -626,6 +723,8 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
             kv = kv_in_flight.wait()
         elif step + 2 == world:
             kv = (k, v)  # the last step's block is our own
+    if fetches is not None:
+        fetches.finish()
     return dq_sums.finish(), dk_sums.finish(), dv_sums.finish()
 
 
@@ -724,12 +823,17 @@ def _describe(s: _Signature):
 _side_streams = {}
 
 
-def _side_stream(device):
-    """A stream of our own on `device`, for work that must not wait for the current
-    stream's queue (the input check's all_gather, the first K/V transfer)."""
+def _side_stream(device, after=None):
+    """A stream of our own on `device` (high priority: its small kernels get SMs as soon as
+    the attention kernels' CTAs retire), for work that runs beside the current stream's
+    queue: the input check's all_gather, the K/V transfers and their barriers. after: a
+    CUDA event it waits for first."""
     if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
+        _side_streams[device] = torch.cuda.Stream(device, priority=-1)
+    stream = _side_streams[device]
+    if after is not None:
+        stream.wait_event(after)
+    return stream
 
 
 class _InputCheck:
@@ -866,11 +970,15 @@ def ring_flash_attn_func(q, k, v, group: Optional["dist.ProcessGroup"] = None,
     the whole-sequence gradients).
 
     Communication per call: one all_gather of a few integers (checks; on CUDA one host sync),
-    then per step one K/V block passed to the next rank (world - 1 steps); the backward
-    passes K/V blocks world - 2 times the other way round the ring, and sends each block's
-    dK/dV pieces (q's dtype) to the block's owner, world - 1 times. The backward keeps the
-    last K/V block the forward received (one shard's K/V of memory) so that it starts
-    without waiting for a transfer.
+    then world - 1 K/V blocks fetched from their owners (on NCCL by copy engines from the
+    owners' symmetric memory, which every rank fills with its K/V: a buffer of one shard's
+    K and V per group and dtype, allocated on first use and kept; two device-side barriers
+    per pass); the backward fetches world - 2 blocks the same way and sends each block's
+    dK/dV pieces (q's dtype) to the block's owner (P2P), world - 1 times. The backward keeps
+    the last K/V block the forward received (one shard's K/V of memory) so that it starts
+    without waiting for a transfer. FLASH_ATTN_EXT_RING_SYMMETRIC_MEMORY=0 (read at import)
+    fetches the K/V blocks by NCCL P2P instead (where symmetric memory is not available or
+    its memory is not wanted; slower on 4x H100: docs/PERFORMANCE.md).
     """
     ring = _process_group_ring(group)
     check = _InputCheck(q, k, v, bool(causal), ring)

@@ -366,6 +366,18 @@ def test_ring_nccl_multi_gpu(tmp_path):
 
 
 @pytest.mark.gpu
+def test_ring_nccl_p2p_multi_gpu(tmp_path, monkeypatch):
+    """The K/V transfers by NCCL P2P (symmetric memory switched off), one causal case, one
+    not, one packed."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs at least 2 GPUs")
+    monkeypatch.setenv("FLASH_ATTN_EXT_RING_SYMMETRIC_MEMORY", "0")  # read by the children
+    world = min(4, torch.cuda.device_count())
+    results = _spawn(world, "nccl", "cuda", [GPU_CASES[i] for i in (0, 3, 5)], [], tmp_path)
+    _assert_passed(results, *results)
+
+
+@pytest.mark.gpu
 def test_ring_nccl_single_gpu(tmp_path):
     bf16_cases = [c for c in GPU_CASES if c.dtype == "bf16"]  # one causal, one not
     results = _spawn(1, "nccl", "cuda", bf16_cases, [], tmp_path)
