@@ -225,10 +225,16 @@ def _symmetric_buffer(ring, device, dtype, numel):
     if entry is None or entry[0].numel() < numel:
         if entry is not None:
             torch.cuda.synchronize(device)  # every read of the old one is done
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # older torch needs it first
-            symm_mem.enable_symm_mem_for_group(ring.group.group_name)
-        buf = symm_mem.empty(numel, dtype=dtype, device=device)
-        handle = symm_mem.rendezvous(buf, ring.group)
+        try:
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # older torch needs it first
+                symm_mem.enable_symm_mem_for_group(ring.group.group_name)
+            buf = symm_mem.empty(numel, dtype=dtype, device=device)
+            handle = symm_mem.rendezvous(buf, ring.group)
+        except Exception as e:  # noqa: BLE001  (torch raises several kinds here)
+            raise RuntimeError(
+                f"flash_attn_ext: ring attention could not set up symmetric memory for its K/V "
+                f"transfers ({type(e).__name__}: {e}); set FLASH_ATTN_EXT_RING_SYMMETRIC_MEMORY=0 "
+                f"on every rank to send them by NCCL P2P instead") from e
         offset = getattr(handle, "offset", None)
         if offset is None:
             offset = buf.data_ptr() - handle.buffer_ptrs[handle.rank]
