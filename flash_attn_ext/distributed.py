@@ -180,8 +180,9 @@ class _Ring:
         """Starts sending the tensors `blocks` (contiguous) to group rank `to` and receiving
         tensors of the (shape, dtype)s `received` from group rank `source`, in one batch of
         P2P operations (K and V go as two messages: no stacked copy of them). NCCL's stream
-        waits for the current stream, or with after (a CUDA event) for the side stream,
-        which waits for that event."""
+        waits for the current stream; with after (a CUDA event), for the side stream
+        instead, which waits for that event, and the received tensors are allocated on the
+        side stream (their memory's earlier users are then ordered before the receive)."""
         blocks = tuple(blocks)
         if self.world == 1 or not self.communicate:
             if [(tuple(b.shape), b.dtype) for b in blocks] == [(tuple(s), d) for s, d in received]:
@@ -659,11 +660,11 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, ring, attention):
     The K/V blocks come in the reverse order of the forward: first the one the forward
     ended with (last_kv, the block of rank + 1: no transfer to wait for), then those of
     rank + 2, ..., each from its owner (_KVFetches) one step ahead, last this rank's own.
-    The dK/dV pieces a rank computes for a
-    block go straight to the block's owner (at step i rank r sends to r + 1 + i and receives
-    from r - 1 - i: a permutation, one message each way), as the operator returned them
-    (q's dtype); the owner sums its pieces in fp32 (_ChunkSums) as they arrive, under the
-    next step's compute, and adds its own share at its last step."""
+    The dK/dV pieces a rank computes for a block go straight to the block's owner (at step
+    i rank r sends to r + 1 + i and receives from r - 1 - i: a permutation, one message each
+    way), as the operator returned them (q's dtype); the owner sums its pieces in fp32
+    (_ChunkSums) as they arrive, under the next step's compute, and adds its own share at
+    its last step."""
     dim = attention.seq_dim
     whole = _whole_shard_piece(q, k, ring, attention)
     if whole is not None:
