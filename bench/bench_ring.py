@@ -105,15 +105,15 @@ def _back_to_back(args):
     return args.device == "cuda" and not args.sync_each
 
 
-def _slowest_rank_median_ms(step, iters, warmup, device, sync_each=False):
+def _slowest_rank_median_ms(step, iters, warmup, device, back_to_back):
     """Median over iterations of the slowest rank's time for step() (forward + backward):
-    iterations back to back, each timed by CUDA events (sync_each, or on the CPU: each
-    started together after a barrier and timed on the host to its synchronised end)."""
+    back_to_back, iterations queued one after the other and each timed by CUDA events;
+    otherwise each started together after a barrier and timed on the host to its
+    synchronised end."""
     for _ in range(warmup):
         step()
     _synchronize(device)
-    times = []
-    if device.type == "cuda" and not sync_each:
+    if back_to_back:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(iters)]
         dist.barrier()
@@ -124,13 +124,15 @@ def _slowest_rank_median_ms(step, iters, warmup, device, sync_each=False):
             end.record()
         _synchronize(device)
         times = [start.elapsed_time(end) * 1e-3 for start, end in events]
-    for _ in range(iters if not times else 0):
-        dist.barrier()
-        _synchronize(device)
-        start = time.perf_counter()
-        step()
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
+    else:
+        times = []
+        for _ in range(iters):
+            dist.barrier()
+            _synchronize(device)
+            start = time.perf_counter()
+            step()
+            _synchronize(device)
+            times.append(time.perf_counter() - start)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return statistics.median(slowest.tolist()) * 1e3
@@ -168,7 +170,8 @@ def measure(args, device):
         q, k, v, silent_ring, same_blocks, None)[0])
     single = fwd_bwd(lambda q, k, v: flash_attn_ext.flash_attn_func(q, k, v, causal=True))
 
-    ms = {name: _slowest_rank_median_ms(fn, args.iters, args.warmup, device, args.sync_each)
+    ms = {name: _slowest_rank_median_ms(fn, args.iters, args.warmup, device,
+                                        _back_to_back(args))
           for name, fn in (("single_gpu_ms", single), ("ring_ms", ring), ("nocomm_ms", no_comm))}
     if rank != 0:
         return None
@@ -219,7 +222,8 @@ def print_table(rows, args):
     print(f"\nring attention, zig-zag causal, forward + backward: {args.seqlen} tokens per "
           f"rank, batch {args.batch}, heads {args.heads}/{args.kv_heads}, D={args.head_dim}, "
           f"{args.dtype}, {rows[0]['device'] if rows else args.device}; median of {args.iters} "
-          f"(slowest rank, {'back to back' if _back_to_back(args) else 'synchronised each'}); NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}, "
+          f"(slowest rank, {'back to back' if _back_to_back(args) else 'synchronised each'}); "
+          f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}, "
           f"TORCH_NCCL_HIGH_PRIORITY={os.environ.get('TORCH_NCCL_HIGH_PRIORITY')}")
     header = ["world", "tokens", "ring ms", "no-comm ms", "exposed %", "1-GPU ms",
               "tokens/s", "TF/s/GPU", "scaling %"]

@@ -190,7 +190,7 @@ class _Ring:
             # Without communication, the same amount of memory in the shapes expected.
             return _InFlight([], tuple(torch.empty(s, dtype=d, device=device) for s, d in received))
         to, source = (dist.get_global_rank(self.group, r) for r in (to, source))
-        side = after is not None and device.type == "cuda"
+        side = after is not None  # a CUDA event: CUDA tensors
         with torch.cuda.stream(_side_stream(device, after)) if side else contextlib.nullcontext():
             received = tuple(torch.empty(s, dtype=d, device=device) for s, d in received)
             p2p = [dist.P2POp(dist.isend, b, to, self.group) for b in blocks]
