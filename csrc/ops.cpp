@@ -34,6 +34,10 @@
 //       given, is read as the running output instead of out (out is then only written,
 //       e.g. a float32 accumulator filled from a 16-bit partial). Ring attention's merge
 //       (flash_attn_ext/distributed.py; the formula: params.h, MergePartialParams).
+//   flash_attn_ext::sum_partial_(out, pieces, prev=None) -> (): out = prev + pieces[0] + ...
+//       (1 to 8 pieces of one shape and dtype; out and prev float32 or the pieces' dtype),
+//       added in float32 in that order and rounded once; prev may be out itself. Ring
+//       attention's gradient sums (params.h, SumPartialParams).
 //
 // Padded: q/k/v/out/dout are [batch, seqlen, heads, head_dim] with any batch,
 // seqlen and head strides and a contiguous last dim; lse is [batch, heads,
@@ -227,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_fp8_cpu(
 }
 
 // merge_partial_ with ATen ops in float32 (the CUDA kernel does it in one pass:
-// cuda/merge_partial.cu). lerp with a tensor weight is the formula both follow.
+// cuda/partial_results.cu). lerp with a tensor weight is the formula both follow.
 void merge_partial_cpu(at::Tensor out, at::Tensor lse, const at::Tensor& block_out,
                        const at::Tensor& block_lse, const std::optional<at::Tensor>& prev_out) {
   make_merge_partial_params(out, lse, block_out, block_lse, prev_out);  // the checks
@@ -238,6 +242,16 @@ void merge_partial_cpu(at::Tensor out, at::Tensor lse, const at::Tensor& block_o
   const at::Tensor prev = (prev_out.has_value() ? *prev_out : out).to(at::kFloat);
   out.copy_(prev.lerp(block_out.to(at::kFloat), share.movedim(-1, seq_dim).unsqueeze(-1)));
   lse.copy_(merged);
+}
+
+// sum_partial_ with ATen ops: a float32 sum, added in the CUDA kernel's order.
+void sum_partial_cpu(at::Tensor out, const std::vector<at::Tensor>& pieces,
+                     const std::optional<at::Tensor>& prev) {
+  make_sum_partial_params(out, pieces, prev);  // the checks
+  at::Tensor sum = prev.has_value() ? prev->to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+                                    : at::zeros(out.sizes(), out.options().dtype(at::kFloat));
+  for (const at::Tensor& piece : pieces) sum.add_(piece);
+  out.copy_(sum);
 }
 
 // The attention variants (flash-attn's window_size, softcap, alibi_slopes,
@@ -291,6 +305,7 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "merge_partial_(Tensor(a!) out, Tensor(b!) lse, Tensor block_out, Tensor block_lse, "
       "Tensor? prev_out=None) -> ()");
+  m.def("sum_partial_(Tensor(a!) out, Tensor[] pieces, Tensor? prev=None) -> ()");
 }
 #undef FAE_VARIANT_ARGS
 
@@ -304,6 +319,7 @@ TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
   m.impl("varlen_fwd_fp8", &varlen_fwd_fp8_cpu);
   m.impl("sdpa_fwd", &sdpa_fwd_cpu);
   m.impl("merge_partial_", &merge_partial_cpu);
+  m.impl("sum_partial_", &sum_partial_cpu);
 }
 
 }  // namespace flash_attn_ext

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -757,6 +758,67 @@ inline MergePartialParams make_merge_partial_params(const at::Tensor& out, const
   for (int i = 0; i < 3; ++i) {
     p.lse_strides[i] = lse3.size(i) == 1 ? 0 : lse3.stride(i);
     p.block_lse_strides[i] = block_lse3.size(i) == 1 ? 0 : block_lse3.stride(i);
+  }
+  return p;
+}
+
+// flash_attn_ext::sum_partial_'s checks and params (params.h,
+// SumPartialParams): out, prev (when given) and 1..kMaxSumPieces pieces are
+// [batch, seqlen, heads, head_dim] or packed [total, heads, head_dim] of one
+// shape with a contiguous last dim; the pieces share one dtype (float32 or
+// 16-bit), out and prev are float32 or that dtype.
+inline SumPartialParams make_sum_partial_params(const at::Tensor& out,
+                                                const std::vector<at::Tensor>& pieces,
+                                                const std::optional<at::Tensor>& prev) {
+  TORCH_CHECK(!pieces.empty() && pieces.size() <= static_cast<size_t>(kMaxSumPieces),
+              "flash_attn_ext: sum_partial_ takes 1 to ", kMaxSumPieces, " pieces, got ",
+              pieces.size());
+  const at::ScalarType piece_dtype = pieces[0].scalar_type();
+  TORCH_CHECK(piece_dtype == at::kFloat || piece_dtype == at::kHalf || piece_dtype == at::kBFloat16,
+              "flash_attn_ext: sum_partial_: pieces must be float32, float16 or bfloat16, got ",
+              piece_dtype);
+  auto check = [&](const at::Tensor& t, const std::string& name, bool is_piece) {
+    TORCH_CHECK(t.dim() == 3 || t.dim() == 4, "flash_attn_ext: sum_partial_: ", name,
+                " must be [batch, seqlen, heads, head_dim] or [total, heads, head_dim], got "
+                "shape ", t.sizes());
+    TORCH_CHECK(t.sizes() == out.sizes(), "flash_attn_ext: sum_partial_: ", name,
+                " must have out's shape ", out.sizes(), ", got ", t.sizes());
+    TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, "flash_attn_ext: sum_partial_: ", name,
+                " must have a contiguous last dimension");
+    TORCH_CHECK(t.device() == out.device(), "flash_attn_ext: sum_partial_: every tensor must "
+                "be on out's device ", out.device(), ", ", name, " is on ", t.device());
+    const at::ScalarType dtype = t.scalar_type();
+    TORCH_CHECK(dtype == piece_dtype || (!is_piece && dtype == at::kFloat),
+                "flash_attn_ext: sum_partial_: ", name, " must be ",
+                is_piece ? "of the first piece's dtype " : "float32 or the pieces' dtype ",
+                piece_dtype, ", got ", dtype);
+  };
+  check(out, "out", false);
+  if (prev.has_value()) check(*prev, "prev", false);
+  for (size_t i = 0; i < pieces.size(); ++i) check(pieces[i], "pieces[" + std::to_string(i) + "]", true);
+  const at::Tensor out4 = as_4d(out);
+  for (int d = 0; d < 4; ++d) {
+    TORCH_CHECK(out4.size(d) <= std::numeric_limits<int>::max(),
+                "flash_attn_ext: sum_partial_: out has a dimension too large: ", out.sizes());
+  }
+  SumPartialParams p;
+  p.batch = static_cast<int>(out4.size(0));
+  p.seqlen = static_cast<int>(out4.size(1));
+  p.heads = static_cast<int>(out4.size(2));
+  p.head_dim = static_cast<int>(out4.size(3));
+  p.num_pieces = static_cast<int>(pieces.size());
+  p.out = out.data_ptr();
+  p.out_dtype = to_dtype(out.scalar_type());
+  p.out_strides = strides_of(out);
+  if (prev.has_value()) {
+    p.prev = prev->data_ptr();
+    p.prev_dtype = to_dtype(prev->scalar_type());
+    p.prev_strides = strides_of(*prev);
+  }
+  p.piece_dtype = to_dtype(piece_dtype);
+  for (int i = 0; i < p.num_pieces; ++i) {
+    p.pieces[i] = pieces[i].data_ptr();
+    p.piece_strides[i] = strides_of(pieces[i]);
   }
   return p;
 }

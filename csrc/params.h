@@ -463,4 +463,25 @@ struct MergePartialParams {
   int64_t block_lse_strides[3] = {0, 0, 0};  // batch, head, row
 };
 
+// Summing partial results (flash_attn_ext::sum_partial_, ring attention's
+// gradients): out = prev + pieces[0] + ... + pieces[num_pieces - 1], added in
+// float32 in that order and rounded once on the store; prev is optional
+// (nullptr: 0) and may be out itself. Addressed like MergePartialParams. A
+// fixed array of pieces keeps the params a kernel argument (no device copy of
+// the pointers).
+constexpr int kMaxSumPieces = 8;
+struct SumPartialParams {
+  int batch = 0;
+  int seqlen = 0;
+  int heads = 0;
+  int head_dim = 0;
+  int num_pieces = 0;
+  void* out = nullptr;
+  const void* prev = nullptr;
+  const void* pieces[kMaxSumPieces] = {};
+  DType out_dtype = DType::kFloat32, prev_dtype = DType::kFloat32, piece_dtype = DType::kFloat32;
+  TensorStrides out_strides, prev_strides;
+  TensorStrides piece_strides[kMaxSumPieces];
+};
+
 }  // namespace flash_attn_ext

@@ -36,6 +36,8 @@ torch.ops.flash_attn_ext.fwd_fp8(q, k, v, q_descale, k_descale, v_descale, softm
 torch.ops.flash_attn_ext.merge_partial_(out, lse, block_out, block_lse, prev_out=None): folds a
     block's partial result into the running (out, lse) in place by the log-sum-exp (ring
     attention's merge; prev_out: read the running output from there instead of out).
+torch.ops.flash_attn_ext.sum_partial_(out, pieces, prev=None): out = prev + the 1-8 pieces,
+    added in float32 in order and rounded once (ring attention's gradient sums).
 
 Padded tensors are [batch, seqlen, heads, head_dim] with a contiguous last dim and lse is
 float32 [batch, heads, seqlen_q]; varlen tensors are packed [total, heads, head_dim] and
@@ -192,6 +194,11 @@ _NO_VARIANTS = (-1, -1, 0.0, None, 0.0, None, None)
 
 @torch.library.register_fake("flash_attn_ext::merge_partial_")
 def _merge_partial_fake(out, lse, block_out, block_lse, prev_out=None):
+    return None
+
+
+@torch.library.register_fake("flash_attn_ext::sum_partial_")
+def _sum_partial_fake(out, pieces, prev=None):
     return None
 
 

@@ -344,6 +344,26 @@ def test_zigzag_shard_varlen_round_trip(world):
         zigzag_shard_varlen(x[:-1], [0, sum(lengths) - 1], 0, 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_chunk_sums_fold_past_the_held_pieces(dtype):
+    """The backward's gradient sums per chunk (_ChunkSums) with more pieces than it holds
+    (folded into an fp32 sum on the way, as 5+ ranks need): the fp32 sum in arrival order,
+    rounded once; a chunk no piece covers is zeroed."""
+    from flash_attn_ext import distributed as ring
+    chunks = [slice(0, 3), slice(3, 5), slice(5, 6)]
+    spans = [slice(0, 5)] * 6 + [slice(0, 3)] * 5 + [slice(3, 5)] * 3
+    gen = torch.Generator().manual_seed(1)
+    pieces = [torch.randn(2, s.stop - s.start, 3, 8, generator=gen).to(dtype) for s in spans]
+    result = torch.full((2, 6, 3, 8), float("nan"), dtype=dtype)
+    sums = ring._ChunkSums(chunks, ring._touches(chunks, spans), 1, result)
+    expect = torch.zeros(2, 6, 3, 8)
+    for span, piece in zip(spans, pieces):
+        sums.add(span, piece)
+        expect[:, span] += piece.float()
+    assert sums.finish() is result
+    torch.testing.assert_close(result, expect.to(dtype), atol=0, rtol=0)
+
+
 def test_zigzag_shard_bad_arguments():
     x = torch.zeros(1, 10)
     with pytest.raises(ValueError, match="divisible"):

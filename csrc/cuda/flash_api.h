@@ -70,11 +70,12 @@ void set_attn_mask_blocks(AttentionFwdParams& params, uint8_t* blocks);
 // so that a varlen call needs no host copy (and can be captured).
 void finish_rows_past_sequences(const AttentionFwdParams& params, int cols, cudaStream_t stream);
 
-// ---- ring attention: merging a block's partial result (merge_partial.cu) ----
-// One pass over the rows of params (MergePartialParams, params.h). vectorized:
-// head_dim % 4 == 0 and every tensor's base and strides aligned to 4 elements
-// (the op layer decides); else one element per thread.
+// ---- ring attention: partial results (partial_results.cu) ----
+// One pass over the rows of params (MergePartialParams / SumPartialParams,
+// params.h). vectorized: head_dim % 4 == 0 and every tensor's base and strides
+// aligned to 4 elements (the op layer decides); else one element per thread.
 void merge_partial(const MergePartialParams& params, bool vectorized, cudaStream_t stream);
+void sum_partial(const SumPartialParams& params, bool vectorized, cudaStream_t stream);
 
 // ---- backward ------------------------------------------------------------
 // fp32 scratch (in floats) for D = rowsum(dO*O), the dQ accumulator(s), etc.

@@ -362,6 +362,20 @@ void merge_partial_cuda(at::Tensor out, at::Tensor lse, const at::Tensor& block_
   });
 }
 
+void sum_partial_cuda(at::Tensor out, const std::vector<at::Tensor>& pieces,
+                      const std::optional<at::Tensor>& prev) {
+  TORCH_CHECK(out.is_cuda(), "flash_attn_ext: sum_partial_: expected CUDA tensors, out is on ",
+              out.device());
+  const SumPartialParams p = make_sum_partial_params(out, pieces, prev);
+  bool vectorized = p.head_dim % 4 == 0 && rows_aligned_to(out, 4) &&
+                    (!prev.has_value() || rows_aligned_to(*prev, 4));
+  for (const at::Tensor& piece : pieces) vectorized = vectorized && rows_aligned_to(piece, 4);
+  const c10::cuda::CUDAGuard guard(out.device());
+  call_kernels([&] {
+    cuda::sum_partial(p, vectorized, at::cuda::getCurrentCUDAStream().stream());
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
@@ -372,6 +386,7 @@ TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
   m.impl("varlen_bwd", &varlen_bwd_cuda);
   m.impl("dropout_mask", &dropout_mask_cuda);
   m.impl("merge_partial_", &merge_partial_cuda);
+  m.impl("sum_partial_", &sum_partial_cuda);
 }
 
 }  // namespace flash_attn_ext

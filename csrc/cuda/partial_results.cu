@@ -1,30 +1,35 @@
-// flash_attn_ext::merge_partial_ on CUDA: folds one block's partial attention
-// result (out, lse) into a running one, in one pass over the outputs. Ring
-// attention calls it once per step and chunk of rows; with torch ops the same
-// merge took five passes (an fp32 copy of the block, the lerp, logaddexp, ...)
-// and a final cast, all memory-bound over the shard's whole output.
+// Ring attention's partial results on CUDA, each in one pass over the rows:
+//   merge_partial_  folds one block's partial attention result (out, lse) into a
+//                   running one (the forward; once per step and chunk of rows);
+//                   with torch ops the same merge took five passes (an fp32 copy
+//                   of the block, the lerp, logaddexp, ...) and a final cast.
+//   sum_partial_    adds up to kMaxSumPieces gradient pieces (and a running fp32
+//                   sum) into one tensor (the backward's dQ / dK / dV per chunk of
+//                   rows): the pieces are read once, instead of one fp32
+//                   read-modify-write pass per piece.
 //
-// The formula (params.h, MergePartialParams) is torch.lerp's, so that the CPU
-// implementation (ops.cpp, ATen's lerp) and this one round alike:
+// merge_partial_'s formula (params.h, MergePartialParams) is torch.lerp's, so
+// that the CPU implementation (ops.cpp, ATen's lerp) and this one round alike:
 //   share = exp(block_lse - lse')            0 where lse' = -inf (no key yet)
 //   out   = share < 0.5 ? prev + share * (block - prev)
 //                       : block - (block - prev) * (1 - share)
 //
-// Thread map: a row (b, s, h) of head_dim elements is kVec-element vectors,
-// one per thread along x; y picks the row within the block.
+// Thread map (both kernels): a row (b, s, h) of head_dim elements is
+// kVec-element vectors, one per thread along x; y picks the row within the block.
 //
 //      threadIdx.x ->   0        1      ...   head_dim / kVec - 1
 //   y = 0  row r0    [d0..d3] [d4..d7]  ...
 //   y = 1  row r0+1  ...
 //
-// Every thread reads its row's two lse values; after a barrier, x = 0 writes
-// the merged one (lse is updated in place, and another warp of the same row
-// may not have read it yet).
+// merge_partial_: every thread reads its row's two lse values; after a
+// barrier, x = 0 writes the merged one (lse is updated in place, and another
+// warp of the same row may not have read it yet).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cmath>
 #include <stdexcept>
+#include <string>
 
 #include "flash_api.h"
 
@@ -116,19 +121,25 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   store<Out, kVec>(p.out, row_offset(p.out_strides, b, h, s) + d, out);
 }
 
-template <typename Out, typename Prev, typename Block>
-void launch(const MergePartialParams& p, bool vectorized, cudaStream_t stream) {
-  const int vec = vectorized ? 4 : 1;
+// Rows of threads_per_row threads, as many as fit a block of kThreadsPerBlock.
+template <typename Params>
+void row_grid(const Params& p, int vec, const char* op, dim3& grid, dim3& block) {
   const int threads_per_row = (p.head_dim + vec - 1) / vec;
   if (threads_per_row > kThreadsPerBlock) {
-    throw std::runtime_error(
-        "flash_attn_ext: merge_partial_ supports head_dim <= 256, or <= 1024 when every row "
-        "starts 4-element aligned");
+    throw std::runtime_error(std::string("flash_attn_ext: ") + op +
+                             " supports head_dim <= 256, or <= 1024 when every row starts "
+                             "4-element aligned");
   }
   const int rows_per_block = kThreadsPerBlock / threads_per_row;
   const int64_t rows = int64_t(p.batch) * p.seqlen * p.heads;
-  const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
-  const dim3 block(threads_per_row, rows_per_block);
+  grid = dim3(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
+  block = dim3(threads_per_row, rows_per_block);
+}
+
+template <typename Out, typename Prev, typename Block>
+void launch(const MergePartialParams& p, bool vectorized, cudaStream_t stream) {
+  dim3 grid, block;
+  row_grid(p, vectorized ? 4 : 1, "merge_partial_", grid, block);
   if (vectorized) {
     merge_partial_kernel<Out, Prev, Block, 4><<<grid, block, 0, stream>>>(p);
   } else {
@@ -148,6 +159,54 @@ void launch_for_block(const MergePartialParams& p, bool vectorized, cudaStream_t
   return launch<Block, Block, Block>(p, vectorized, stream);
 }
 
+template <typename Out, typename Prev, typename Piece, int kVec>
+__global__ void __launch_bounds__(kThreadsPerBlock) sum_partial_kernel(SumPartialParams p) {
+  static_assert(kVec == 1 || kVec == 4, "vectors of 1 or 4 elements");
+  const int64_t rows = int64_t(p.batch) * p.seqlen * p.heads;
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int d = threadIdx.x * kVec;
+  if (row >= rows || d >= p.head_dim) return;
+  const int h = int(row % p.heads);
+  const int s = int((row / p.heads) % p.seqlen);
+  const int b = int(row / (int64_t(p.heads) * p.seqlen));
+  float sum[kVec], piece[kVec];
+  if (p.prev != nullptr) {
+    load<Prev, kVec>(p.prev, row_offset(p.prev_strides, b, h, s) + d, sum);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) sum[i] = 0.f;
+  }
+  // In the pieces' order: the same rounding as adding them one by one in fp32.
+  for (int j = 0; j < p.num_pieces; ++j) {
+    load<Piece, kVec>(p.pieces[j], row_offset(p.piece_strides[j], b, h, s) + d, piece);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) sum[i] += piece[i];
+  }
+  store<Out, kVec>(p.out, row_offset(p.out_strides, b, h, s) + d, sum);
+}
+
+template <typename Out, typename Prev, typename Piece>
+void launch_sum(const SumPartialParams& p, bool vectorized, cudaStream_t stream) {
+  dim3 grid, block;
+  row_grid(p, vectorized ? 4 : 1, "sum_partial_", grid, block);
+  if (vectorized) {
+    sum_partial_kernel<Out, Prev, Piece, 4><<<grid, block, 0, stream>>>(p);
+  } else {
+    sum_partial_kernel<Out, Prev, Piece, 1><<<grid, block, 0, stream>>>(p);
+  }
+}
+
+// out and prev are float32 or the pieces' dtype (the op layer checks).
+template <typename Piece>
+void launch_sum_for_piece(const SumPartialParams& p, bool vectorized, cudaStream_t stream) {
+  const bool out_fp32 = p.out_dtype == DType::kFloat32;
+  const bool prev_fp32 = p.prev == nullptr || p.prev_dtype == DType::kFloat32;
+  if (out_fp32 && prev_fp32) return launch_sum<float, float, Piece>(p, vectorized, stream);
+  if (out_fp32) return launch_sum<float, Piece, Piece>(p, vectorized, stream);
+  if (prev_fp32) return launch_sum<Piece, float, Piece>(p, vectorized, stream);
+  return launch_sum<Piece, Piece, Piece>(p, vectorized, stream);
+}
+
 }  // namespace
 
 void merge_partial(const MergePartialParams& p, bool vectorized, cudaStream_t stream) {
@@ -157,6 +216,16 @@ void merge_partial(const MergePartialParams& p, bool vectorized, cudaStream_t st
     case DType::kFloat16: return launch_for_block<__half>(p, vectorized, stream);
     case DType::kBFloat16: return launch_for_block<__nv_bfloat16>(p, vectorized, stream);
     default: throw std::runtime_error("flash_attn_ext: merge_partial_: unsupported dtype");
+  }
+}
+
+void sum_partial(const SumPartialParams& p, bool vectorized, cudaStream_t stream) {
+  if (int64_t(p.batch) * p.seqlen * p.heads == 0 || p.head_dim == 0) return;
+  switch (p.piece_dtype) {
+    case DType::kFloat32: return launch_sum<float, float, float>(p, vectorized, stream);
+    case DType::kFloat16: return launch_sum_for_piece<__half>(p, vectorized, stream);
+    case DType::kBFloat16: return launch_sum_for_piece<__nv_bfloat16>(p, vectorized, stream);
+    default: throw std::runtime_error("flash_attn_ext: sum_partial_: unsupported dtype");
   }
 }
 
