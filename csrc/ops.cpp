@@ -28,11 +28,12 @@
 //                                  max_seqlen_k, q_descale, k_descale, v_descale,
 //                                  softmax_scale, causal, out_dtype) -> (out, lse): the same
 //       for packed sequences (varlen_fwd's layout; descales per sequence and kv head).
-//   flash_attn_ext::merge_partial_(out, lse, block_out, block_lse, prev_out=None) -> ():
-//       folds a block's partial result (block_out, block_lse: a forward over some of the
-//       keys) into the running (out, lse), in place, by the log-sum-exp; prev_out, when
-//       given, is read as the running output instead of out (out is then only written,
-//       e.g. a float32 accumulator filled from a 16-bit partial). Ring attention's merge
+//   flash_attn_ext::merge_partial_(out, lse, block_outs, block_lses, prev_out=None) -> ():
+//       folds 1 to 8 blocks' partial results (block_outs[j], block_lses[j]: forwards over
+//       some of the keys) into the running (out, lse), in place, by the log-sum-exp;
+//       prev_out, when given, is read as the running output instead of out (out is then
+//       only written, e.g. a 16-bit result from a float32 accumulator). A running result
+//       with lse -inf is not read (a fresh one may hold anything). Ring attention's merge
 //       (flash_attn_ext/distributed.py; the formula: params.h, MergePartialParams).
 //   flash_attn_ext::sum_partial_(out, pieces, prev=None) -> (): out = prev + pieces[0] + ...
 //       (1 to 8 pieces of one shape and dtype; out and prev float32 or the pieces' dtype),
@@ -231,16 +232,28 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_fp8_cpu(
 }
 
 // merge_partial_ with ATen ops in float32 (the CUDA kernel does it in one pass:
-// cuda/partial_results.cu). lerp with a tensor weight is the formula both follow.
-void merge_partial_cpu(at::Tensor out, at::Tensor lse, const at::Tensor& block_out,
-                       const at::Tensor& block_lse, const std::optional<at::Tensor>& prev_out) {
-  make_merge_partial_params(out, lse, block_out, block_lse, prev_out);  // the checks
-  const at::Tensor merged = at::logaddexp(lse, block_lse);
-  // -inf - -inf would be NaN: a row that still has no key gets share 0.
-  const at::Tensor share = at::exp(block_lse - merged.masked_fill(at::isneginf(merged), 0.0));
+// cuda/partial_results.cu), the same formula: weights exp(lse_j - lse'), terms
+// of weight 0 skipped.
+void merge_partial_cpu(at::Tensor out, at::Tensor lse, const std::vector<at::Tensor>& block_outs,
+                       const std::vector<at::Tensor>& block_lses,
+                       const std::optional<at::Tensor>& prev_out) {
+  make_merge_partial_params(out, lse, block_outs, block_lses, prev_out);  // the checks
+  std::vector<at::Tensor> lses{lse};
+  lses.insert(lses.end(), block_lses.begin(), block_lses.end());
+  const at::Tensor all = at::stack(lses);
+  const at::Tensor merged = at::logsumexp(all, 0);
+  // Rows without any key: every weight 0 (exp(-inf - 0)), out 0.
+  const at::Tensor weights = at::exp(all - merged.masked_fill(at::isneginf(merged), 0.0));
   const int64_t seq_dim = out.dim() - 3;
-  const at::Tensor prev = (prev_out.has_value() ? *prev_out : out).to(at::kFloat);
-  out.copy_(prev.lerp(block_out.to(at::kFloat), share.movedim(-1, seq_dim).unsqueeze(-1)));
+  std::vector<at::Tensor> terms{prev_out.has_value() ? *prev_out : out};
+  terms.insert(terms.end(), block_outs.begin(), block_outs.end());
+  at::Tensor sum = at::zeros(out.sizes(), out.options().dtype(at::kFloat));
+  for (size_t j = 0; j < terms.size(); ++j) {
+    const at::Tensor w = weights[static_cast<int64_t>(j)].movedim(-1, seq_dim).unsqueeze(-1);
+    // where(): a term of weight 0 is not read (a fresh result may hold NaNs).
+    sum.add_(at::where(w > 0, w * terms[j].to(at::kFloat), at::zeros_like(w)));
+  }
+  out.copy_(sum);
   lse.copy_(merged);
 }
 
@@ -303,8 +316,8 @@ TORCH_LIBRARY(flash_attn_ext, m) {
       "Tensor v_descale, float softmax_scale, bool causal, ScalarType out_dtype) "
       "-> (Tensor out, Tensor lse)");
   m.def(
-      "merge_partial_(Tensor(a!) out, Tensor(b!) lse, Tensor block_out, Tensor block_lse, "
-      "Tensor? prev_out=None) -> ()");
+      "merge_partial_(Tensor(a!) out, Tensor(b!) lse, Tensor[] block_outs, "
+      "Tensor[] block_lses, Tensor? prev_out=None) -> ()");
   m.def("sum_partial_(Tensor(a!) out, Tensor[] pieces, Tensor? prev=None) -> ()");
 }
 #undef FAE_VARIANT_ARGS

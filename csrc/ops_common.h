@@ -692,72 +692,92 @@ inline AttentionBwdParams make_varlen_bwd_params(const at::Tensor& dout, const a
 }
 
 // flash_attn_ext::merge_partial_'s checks and params (params.h,
-// MergePartialParams): out, block_out and prev_out (when given; else out
-// itself) are [batch, seqlen, heads, head_dim] or packed [total, heads,
-// head_dim] of one shape, lse and block_lse float32 [batch, heads, seqlen] or
-// [heads, total]; out and prev_out are float32 or block_out's dtype.
+// MergePartialParams): out, prev_out (when given; else out itself) and 1 ..
+// kMaxMergeBlocks block_outs are [batch, seqlen, heads, head_dim] or packed
+// [total, heads, head_dim] of one shape with a contiguous last dim, the blocks
+// of one dtype, out and prev_out float32 or that dtype; lse and every block_lse
+// float32 [batch, heads, seqlen] or [heads, total].
 inline MergePartialParams make_merge_partial_params(const at::Tensor& out, const at::Tensor& lse,
-                                                    const at::Tensor& block_out,
-                                                    const at::Tensor& block_lse,
+                                                    const std::vector<at::Tensor>& block_outs,
+                                                    const std::vector<at::Tensor>& block_lses,
                                                     const std::optional<at::Tensor>& prev_out) {
+  TORCH_CHECK(!block_outs.empty() && block_outs.size() <= static_cast<size_t>(kMaxMergeBlocks),
+              "flash_attn_ext: merge_partial_ takes 1 to ", kMaxMergeBlocks, " blocks, got ",
+              block_outs.size());
+  TORCH_CHECK(block_lses.size() == block_outs.size(), "flash_attn_ext: merge_partial_: ",
+              block_outs.size(), " block_outs but ", block_lses.size(), " block_lses");
   const at::Tensor& prev = prev_out.has_value() ? *prev_out : out;
-  const char* names[] = {"out", "block_out", "prev_out"};
-  const at::Tensor* outs[] = {&out, &block_out, &prev};
-  for (int i = 0; i < 3; ++i) {
-    const at::Tensor& t = *outs[i];
-    TORCH_CHECK(t.dim() == 3 || t.dim() == 4, "flash_attn_ext: merge_partial_: ", names[i],
+  const at::ScalarType block_dtype = block_outs[0].scalar_type();
+  auto check_out = [&](const at::Tensor& t, const std::string& name, bool is_block) {
+    TORCH_CHECK(t.dim() == 3 || t.dim() == 4, "flash_attn_ext: merge_partial_: ", name,
                 " must be [batch, seqlen, heads, head_dim] or [total, heads, head_dim], got "
                 "shape ", t.sizes());
-    TORCH_CHECK(t.sizes() == out.sizes(), "flash_attn_ext: merge_partial_: ", names[i],
+    TORCH_CHECK(t.sizes() == out.sizes(), "flash_attn_ext: merge_partial_: ", name,
                 " must have out's shape ", out.sizes(), ", got ", t.sizes());
     TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, "flash_attn_ext: merge_partial_: ",
-                names[i], " must have a contiguous last dimension");
+                name, " must have a contiguous last dimension");
     TORCH_CHECK(t.device() == out.device(), "flash_attn_ext: merge_partial_: every tensor must "
-                "be on out's device ", out.device(), ", ", names[i], " is on ", t.device());
+                "be on out's device ", out.device(), ", ", name, " is on ", t.device());
     const at::ScalarType dtype = t.scalar_type();
-    TORCH_CHECK(dtype == block_out.scalar_type() || (i != 1 && dtype == at::kFloat),
-                "flash_attn_ext: merge_partial_: ", names[i], " must be float32 or block_out's "
-                "dtype ", block_out.scalar_type(), ", got ", dtype);
+    TORCH_CHECK(dtype == block_dtype || (!is_block && dtype == at::kFloat),
+                "flash_attn_ext: merge_partial_: ", name, " must be ",
+                is_block ? "of block_outs[0]'s dtype " : "float32 or the blocks' dtype ",
+                block_dtype, ", got ", dtype);
+  };
+  TORCH_CHECK(block_dtype == at::kFloat || block_dtype == at::kHalf || block_dtype == at::kBFloat16,
+              "flash_attn_ext: merge_partial_: block_outs must be float32, float16 or bfloat16, "
+              "got ", block_dtype);
+  check_out(out, "out", false);
+  check_out(prev, "prev_out", false);
+  for (size_t i = 0; i < block_outs.size(); ++i) {
+    check_out(block_outs[i], "block_outs[" + std::to_string(i) + "]", true);
   }
   const bool packed = out.dim() == 3;
-  const at::Tensor out4 = as_4d(out);
   const std::vector<int64_t> lse_shape =
       packed ? std::vector<int64_t>{out.size(1), out.size(0)}
              : std::vector<int64_t>{out.size(0), out.size(2), out.size(1)};
-  for (const auto& [t, name] : {std::pair{&lse, "lse"}, std::pair{&block_lse, "block_lse"}}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->sizes() == lse_shape,
+  auto check_lse = [&](const at::Tensor& t, const std::string& name) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.sizes() == lse_shape,
                 "flash_attn_ext: merge_partial_: ", name, " must be float32 of shape ",
                 at::IntArrayRef(lse_shape), " (", packed ? "[heads, total]" : "[batch, heads, seqlen]",
-                "), got ", t->scalar_type(), " of shape ", t->sizes());
-    TORCH_CHECK(t->device() == out.device(), "flash_attn_ext: merge_partial_: ", name,
+                "), got ", t.scalar_type(), " of shape ", t.sizes());
+    TORCH_CHECK(t.device() == out.device(), "flash_attn_ext: merge_partial_: ", name,
                 " must be on out's device ", out.device());
+  };
+  check_lse(lse, "lse");
+  for (size_t i = 0; i < block_lses.size(); ++i) {
+    check_lse(block_lses[i], "block_lses[" + std::to_string(i) + "]");
   }
-  TORCH_CHECK(out4.size(0) <= std::numeric_limits<int>::max() &&
-                  out4.size(1) <= std::numeric_limits<int>::max() &&
-                  out4.size(2) <= std::numeric_limits<int>::max() &&
-                  out4.size(3) <= std::numeric_limits<int>::max(),
-              "flash_attn_ext: merge_partial_: out has a dimension too large: ", out.sizes());
+  const at::Tensor out4 = as_4d(out);
+  for (int d = 0; d < 4; ++d) {
+    TORCH_CHECK(out4.size(d) <= std::numeric_limits<int>::max(),
+                "flash_attn_ext: merge_partial_: out has a dimension too large: ", out.sizes());
+  }
+  // lse strides as [batch, heads, seqlen] (a packed [heads, total] one as batch 1).
+  auto lse_strides = [&](const at::Tensor& t, int64_t (&strides)[3]) {
+    const at::Tensor t3 = packed ? t.unsqueeze(0) : t;
+    for (int i = 0; i < 3; ++i) strides[i] = t3.size(i) == 1 ? 0 : t3.stride(i);
+  };
   MergePartialParams p;
   p.batch = static_cast<int>(out4.size(0));
   p.seqlen = static_cast<int>(out4.size(1));
   p.heads = static_cast<int>(out4.size(2));
   p.head_dim = static_cast<int>(out4.size(3));
+  p.num_blocks = static_cast<int>(block_outs.size());
   p.out = out.data_ptr();
   p.prev_out = prev.data_ptr();
-  p.block_out = block_out.data_ptr();
   p.out_dtype = to_dtype(out.scalar_type());
   p.prev_dtype = to_dtype(prev.scalar_type());
-  p.block_dtype = to_dtype(block_out.scalar_type());
+  p.block_dtype = to_dtype(block_dtype);
   p.out_strides = strides_of(out);
   p.prev_strides = strides_of(prev);
-  p.block_strides = strides_of(block_out);
   p.lse = lse.data_ptr<float>();
-  p.block_lse = block_lse.data_ptr<float>();
-  const at::Tensor lse3 = packed ? lse.unsqueeze(0) : lse;
-  const at::Tensor block_lse3 = packed ? block_lse.unsqueeze(0) : block_lse;
-  for (int i = 0; i < 3; ++i) {
-    p.lse_strides[i] = lse3.size(i) == 1 ? 0 : lse3.stride(i);
-    p.block_lse_strides[i] = block_lse3.size(i) == 1 ? 0 : block_lse3.stride(i);
+  lse_strides(lse, p.lse_strides);
+  for (int i = 0; i < p.num_blocks; ++i) {
+    p.block_outs[i] = block_outs[i].data_ptr();
+    p.block_strides[i] = strides_of(block_outs[i]);
+    p.block_lses[i] = block_lses[i].data_ptr<float>();
+    lse_strides(block_lses[i], p.block_lse_strides[i]);
   }
   return p;
 }

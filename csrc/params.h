@@ -440,27 +440,35 @@ struct AttentionBwdParams : AttentionFwdParams {
   int* dq_semaphore = nullptr;
 };
 
-// Merging one block's partial attention result into a running one by their
-// log-sum-exps (flash_attn_ext::merge_partial_, ring attention's forward):
-//   lse' = logaddexp(lse, block_lse),  out = lerp(prev, block_out, exp(block_lse - lse'))
-// where prev is prev_out when given, else out itself (in place). Every output
+// Merging blocks' partial attention results into a running one by their
+// log-sum-exps (flash_attn_ext::merge_partial_, ring attention's forward): with
+// the running (prev, lse) and the blocks j = 0 .. num_blocks - 1,
+//   lse' = log(exp(lse) + sum_j exp(block_lse_j))
+//   out  = exp(lse - lse') * prev + sum_j exp(block_lse_j - lse') * block_out_j
+// where prev is prev_out when given, else out itself (in place), and a term of
+// weight 0 is skipped (prev is not read where lse = -inf: a fresh result may
+// hold anything); rows without any key get out = 0, lse' = -inf. Every output
 // tensor is addressed as [batch, seqlen, heads, head_dim] with element strides
 // (a packed [total, heads, head_dim] one as batch 1), every lse as [batch,
-// heads, seqlen] fp32.
+// heads, seqlen] fp32. A fixed array of blocks keeps the params a kernel
+// argument (no device copy of the pointers).
+constexpr int kMaxMergeBlocks = 8;
 struct MergePartialParams {
   int batch = 0;
   int seqlen = 0;
   int heads = 0;
   int head_dim = 0;
+  int num_blocks = 0;
   void* out = nullptr;
   const void* prev_out = nullptr;  // == out when merging in place
-  const void* block_out = nullptr;
   DType out_dtype = DType::kFloat32, prev_dtype = DType::kFloat32, block_dtype = DType::kFloat32;
-  TensorStrides out_strides, prev_strides, block_strides;
+  TensorStrides out_strides, prev_strides;
   float* lse = nullptr;
-  const float* block_lse = nullptr;
-  int64_t lse_strides[3] = {0, 0, 0};        // batch, head, row
-  int64_t block_lse_strides[3] = {0, 0, 0};  // batch, head, row
+  int64_t lse_strides[3] = {0, 0, 0};  // batch, head, row
+  const void* block_outs[kMaxMergeBlocks] = {};
+  TensorStrides block_strides[kMaxMergeBlocks];
+  const float* block_lses[kMaxMergeBlocks] = {};
+  int64_t block_lse_strides[kMaxMergeBlocks][3] = {};  // batch, head, row
 };
 
 // Summing partial results (flash_attn_ext::sum_partial_, ring attention's

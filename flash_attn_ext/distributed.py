@@ -530,9 +530,10 @@ def _part(t, dim, span: slice, chunk: slice):
     return t.narrow(dim, chunk.start - span.start, chunk.stop - chunk.start)
 
 
-# Pieces a chunk holds before they are folded into an fp32 sum: a chunk's pieces are added in
-# one pass (sum_partial_) when its last one arrives, up to this many of them held meanwhile
-# (in q's dtype: with 16-bit pieces the memory of two fp32 sums).
+# Partial results a chunk holds before they are folded into an fp32 one: a chunk's gradient
+# pieces (_ChunkSums) or block outputs (_ChunkMerges) are added up in one pass when its last
+# one arrives, up to this many of them held meanwhile (in q's dtype: with 16-bit ones the
+# memory of two fp32 sums).
 _MAX_HELD_PIECES = 4
 
 
@@ -588,16 +589,18 @@ def _touches(chunks, spans):
 
 
 class _ChunkMerges:
-    """The forward's running result (out, lse) over the zig-zag chunks of the shard's rows,
-    the counterpart of _ChunkSums: a chunk holds its first block's output as the operator
-    returned it (q's dtype: exact, no copy), from the second block on an fp32 merge
-    (merge_partial_, one pass), and its last block merges straight into `out`. touches:
-    how many blocks will cover each chunk; chunks that none covers are finished here (rows
-    without any key: zeros, lse -inf)."""
+    """The forward's result (out, lse) over the zig-zag chunks of the shard's rows, the
+    counterpart of _ChunkSums: a chunk holds its blocks' outputs as the operator returned
+    them (q's dtype: no copy) and merges them straight into `out` in one pass at its last
+    block (merge_partial_, in fp32, rounded once), after folding every _MAX_HELD_PIECES of
+    them into an fp32 running result on the way. touches: how many blocks will cover each
+    chunk; chunks that none covers are finished here (rows without any key: zeros, lse
+    -inf)."""
 
     def __init__(self, chunks, touches, dim, out, lse):
-        self.chunks, self.dim, self.out, self.lse = chunks, dim, out, lse
-        self.held = [None] * len(chunks)
+        self.chunks, self.dim, self.out, self.lse = chunks, dim, out, lse  # lse: all -inf
+        self.held = [[] for _ in chunks]
+        self.running = [None] * len(chunks)  # fp32 merge of the blocks folded so far
         self.left = list(touches)
         for chunk, left in zip(chunks, self.left):
             if left == 0:
@@ -608,24 +611,25 @@ class _ChunkMerges:
         for i, chunk in enumerate(self.chunks):
             if not _covers(span, chunk):
                 continue
-            part = _part(block_out, self.dim, span, chunk)
-            part_lse = _part(block_lse, block_lse.dim() - 1, span, chunk)
-            lse, held = _narrow(self.lse, -1, chunk), self.held[i]
+            held, running = self.held[i], self.running[i]
+            held.append((_part(block_out, self.dim, span, chunk),
+                         _part(block_lse, block_lse.dim() - 1, span, chunk)))
+            lse = _narrow(self.lse, -1, chunk)
             self.left[i] -= 1
-            last = self.left[i] == 0
-            if held is None:
-                lse.copy_(part_lse)
-                if last:
-                    _narrow(self.out, self.dim, chunk).copy_(part)
-                else:
-                    self.held[i] = part
-            elif last:
-                merge(_narrow(self.out, self.dim, chunk), lse, part, part_lse, held)
-            elif held.dtype == torch.float32:  # our accumulator, or an fp32 block output
-                merge(held, lse, part, part_lse)
-            else:
-                self.held[i] = torch.empty_like(held, dtype=torch.float32)
-                merge(self.held[i], lse, part, part_lse, held)
+            if self.left[i] == 0:
+                dest = _narrow(self.out, self.dim, chunk)
+                if running is None and len(held) == 1:
+                    dest.copy_(held[0][0])
+                    lse.copy_(held[0][1])
+                else:  # lse is -inf until the first fold: out is not read then
+                    merge(dest, lse, [o for o, _ in held], [s for _, s in held], running)
+                self.held[i], self.running[i] = [], None
+            elif len(held) == _MAX_HELD_PIECES:
+                if running is None:
+                    self.running[i] = torch.empty(held[0][0].shape, dtype=torch.float32,
+                                                  device=held[0][0].device)
+                merge(self.running[i], lse, [o for o, _ in held], [s for _, s in held])
+                self.held[i] = []
 
 
 def _whole_shard_piece(q, k, ring, attention):

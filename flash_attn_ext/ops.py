@@ -33,9 +33,10 @@ torch.ops.flash_attn_ext.sdpa_fwd(query, key, value, softmax_scale, causal, drop
 torch.ops.flash_attn_ext.fwd_fp8(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
                                  causal_bottom_right, out_dtype) -> (out, lse): e4m3 q / k / v
     (flash_attn_ext/fp8.py; Hopper only, forward only).
-torch.ops.flash_attn_ext.merge_partial_(out, lse, block_out, block_lse, prev_out=None): folds a
-    block's partial result into the running (out, lse) in place by the log-sum-exp (ring
-    attention's merge; prev_out: read the running output from there instead of out).
+torch.ops.flash_attn_ext.merge_partial_(out, lse, block_outs, block_lses, prev_out=None): folds
+    1-8 blocks' partial results into the running (out, lse) in place by the log-sum-exp
+    (ring attention's merge; prev_out: read the running output from there instead of out;
+    a running result with lse -inf is not read).
 torch.ops.flash_attn_ext.sum_partial_(out, pieces, prev=None): out = prev + the 1-8 pieces,
     added in float32 in order and rounded once (ring attention's gradient sums).
 
@@ -193,7 +194,7 @@ _NO_VARIANTS = (-1, -1, 0.0, None, 0.0, None, None)
 
 
 @torch.library.register_fake("flash_attn_ext::merge_partial_")
-def _merge_partial_fake(out, lse, block_out, block_lse, prev_out=None):
+def _merge_partial_fake(out, lse, block_outs, block_lses, prev_out=None):
     return None
 
 

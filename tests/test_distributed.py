@@ -364,6 +364,37 @@ def test_chunk_sums_fold_past_the_held_pieces(dtype):
     torch.testing.assert_close(result, expect.to(dtype), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_chunk_merges_fold_past_the_held_blocks(dtype):
+    """The forward's merges per chunk (_ChunkMerges) with more blocks than it holds (folded
+    into an fp32 running result on the way): the log-sum-exp merge of every block (float64
+    reference); a chunk no block covers gets zeros and lse -inf."""
+    from flash_attn_ext import distributed as ring
+    chunks = [slice(0, 3), slice(3, 5), slice(5, 6)]
+    spans = [slice(0, 5)] * 6 + [slice(0, 3)] * 5 + [slice(3, 5)] * 3
+    gen = torch.Generator().manual_seed(2)
+    outs = [torch.randn(2, s.stop - s.start, 3, 8, generator=gen).to(dtype) for s in spans]
+    lses = [torch.randn(2, 3, s.stop - s.start, generator=gen) * 2 for s in spans]
+    out = torch.full((2, 6, 3, 8), float("nan"), dtype=dtype)
+    lse = torch.full((2, 3, 6), float("-inf"))
+    merges = ring._ChunkMerges(chunks, ring._touches(chunks, spans), 1, out, lse)
+    num = torch.zeros(2, 6, 3, 8, dtype=torch.float64)
+    all_lse = [[] for _ in range(6)]
+    for span, o, s in zip(spans, outs, lses):
+        merges.add(span, o, s)
+        for row in range(span.start, span.stop):
+            all_lse[row].append((o[:, row - span.start].double(), s[..., row - span.start]))
+    expect_lse = torch.full((2, 3, 6), float("-inf"), dtype=torch.float64)
+    for row, terms in enumerate(all_lse):
+        if terms:
+            expect_lse[..., row] = torch.logsumexp(torch.stack([t[1].double() for t in terms]), 0)
+            for o, s in terms:
+                num[:, row] += torch.exp(s.double() - expect_lse[..., row]).unsqueeze(-1) * o
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.double(), num, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), expect_lse, atol=1e-5, rtol=1e-6)
+
+
 def test_zigzag_shard_bad_arguments():
     x = torch.zeros(1, 10)
     with pytest.raises(ValueError, match="divisible"):

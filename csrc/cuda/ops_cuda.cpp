@@ -347,15 +347,16 @@ at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, int64_t batch, int64_t
 }
 
 
-void merge_partial_cuda(at::Tensor out, at::Tensor lse, const at::Tensor& block_out,
-                        const at::Tensor& block_lse, const std::optional<at::Tensor>& prev_out) {
+void merge_partial_cuda(at::Tensor out, at::Tensor lse, const std::vector<at::Tensor>& block_outs,
+                        const std::vector<at::Tensor>& block_lses,
+                        const std::optional<at::Tensor>& prev_out) {
   TORCH_CHECK(out.is_cuda(), "flash_attn_ext: merge_partial_: expected CUDA tensors, out is on ",
               out.device());
-  const MergePartialParams p = make_merge_partial_params(out, lse, block_out, block_lse, prev_out);
+  const MergePartialParams p = make_merge_partial_params(out, lse, block_outs, block_lses, prev_out);
   // 4-element vectors when every row start is aligned to them.
-  const at::Tensor& prev = prev_out.has_value() ? *prev_out : out;
-  const bool vectorized = p.head_dim % 4 == 0 && rows_aligned_to(out, 4) &&
-                          rows_aligned_to(block_out, 4) && rows_aligned_to(prev, 4);
+  bool vectorized = p.head_dim % 4 == 0 && rows_aligned_to(out, 4) &&
+                    rows_aligned_to(prev_out.has_value() ? *prev_out : out, 4);
+  for (const at::Tensor& block : block_outs) vectorized = vectorized && rows_aligned_to(block, 4);
   const c10::cuda::CUDAGuard guard(out.device());
   call_kernels([&] {
     cuda::merge_partial(p, vectorized, at::cuda::getCurrentCUDAStream().stream());

@@ -1,18 +1,17 @@
 // Ring attention's partial results on CUDA, each in one pass over the rows:
-//   merge_partial_  folds one block's partial attention result (out, lse) into a
-//                   running one (the forward; once per step and chunk of rows);
-//                   with torch ops the same merge took five passes (an fp32 copy
-//                   of the block, the lerp, logaddexp, ...) and a final cast.
+//   merge_partial_  folds up to kMaxMergeBlocks blocks' partial attention
+//                   results (out, lse) into a running one (the forward's, per
+//                   chunk of rows); with torch ops one merge took five passes
+//                   (an fp32 copy of the block, the lerp, logaddexp, ...) and a
+//                   final cast, and one block at a time an fp32 pass per block.
 //   sum_partial_    adds up to kMaxSumPieces gradient pieces (and a running fp32
 //                   sum) into one tensor (the backward's dQ / dK / dV per chunk of
 //                   rows): the pieces are read once, instead of one fp32
 //                   read-modify-write pass per piece.
 //
-// merge_partial_'s formula (params.h, MergePartialParams) is torch.lerp's, so
-// that the CPU implementation (ops.cpp, ATen's lerp) and this one round alike:
-//   share = exp(block_lse - lse')            0 where lse' = -inf (no key yet)
-//   out   = share < 0.5 ? prev + share * (block - prev)
-//                       : block - (block - prev) * (1 - share)
+// merge_partial_'s formula (params.h, MergePartialParams): with every lse
+// read, lse' = max + log(sum of exp(lse_j - max)), and out the sum of the
+// inputs weighted by exp(lse_j - lse'), in fp32, rounded once on the store.
 //
 // Thread map (both kernels): a row (b, s, h) of head_dim elements is
 // kVec-element vectors, one per thread along x; y picks the row within the block.
@@ -21,8 +20,8 @@
 //   y = 0  row r0    [d0..d3] [d4..d7]  ...
 //   y = 1  row r0+1  ...
 //
-// merge_partial_: every thread reads its row's two lse values; after a
-// barrier, x = 0 writes the merged one (lse is updated in place, and another
+// merge_partial_: every thread reads its row's lse values; after a barrier,
+// x = 0 writes the merged one (lse is updated in place, and another
 // warp of the same row may not have read it yet).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -76,13 +75,6 @@ __device__ __forceinline__ void store(void* base, int64_t offset, const float (&
   *reinterpret_cast<Vec<T, kVec>*>(static_cast<T*>(base) + offset) = v;
 }
 
-// torch.logaddexp's value, -inf when both are.
-__device__ __forceinline__ float log_add_exp(float a, float b) {
-  const float hi = fmaxf(a, b), lo = fminf(a, b);
-  if (hi == -INFINITY) return -INFINITY;
-  return hi + log1pf(expf(lo - hi));
-}
-
 template <typename Out, typename Prev, typename Block, int kVec>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     merge_partial_kernel(MergePartialParams p) {
@@ -95,14 +87,31 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   const int s = int((row / p.heads) % p.seqlen);
   const int b = int(row / (int64_t(p.heads) * p.seqlen));
 
-  float merged = -INFINITY, share = 0.f;
+  // The weights of the running result and of every block: exp(lse_j - lse').
+  // Loops over kMaxMergeBlocks with a guard keep the arrays in registers.
+  float merged = -INFINITY, prev_weight = 0.f, weights[kMaxMergeBlocks];
   float* lse = nullptr;
   if (active) {
     lse = p.lse + b * p.lse_strides[0] + h * p.lse_strides[1] + s * p.lse_strides[2];
-    const float block_lse = p.block_lse[b * p.block_lse_strides[0] + h * p.block_lse_strides[1] +
-                                        s * p.block_lse_strides[2]];
-    merged = log_add_exp(*lse, block_lse);
-    share = merged == -INFINITY ? 0.f : expf(block_lse - merged);
+    const float running = *lse;
+    float hi = running;
+#pragma unroll
+    for (int j = 0; j < kMaxMergeBlocks; ++j) {
+      const int64_t* st = p.block_lse_strides[j];
+      weights[j] = j < p.num_blocks ? p.block_lses[j][b * st[0] + h * st[1] + s * st[2]] : -INFINITY;
+      hi = fmaxf(hi, weights[j]);
+    }
+    if (hi != -INFINITY) {  // else no key anywhere: every weight 0, out 0
+      float total = expf(running - hi);
+#pragma unroll
+      for (int j = 0; j < kMaxMergeBlocks; ++j) total += expf(weights[j] - hi);
+      merged = hi + logf(total);
+      prev_weight = expf(running - merged);
+    }
+#pragma unroll
+    for (int j = 0; j < kMaxMergeBlocks; ++j) {
+      weights[j] = merged == -INFINITY ? 0.f : expf(weights[j] - merged);
+    }
   }
   __syncthreads();  // every thread of the row has read *lse before it changes
   if (!active) return;
@@ -110,13 +119,22 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 
   const int d = threadIdx.x * kVec;
   if (d >= p.head_dim) return;
-  float prev[kVec], block[kVec], out[kVec];
-  load<Prev, kVec>(p.prev_out, row_offset(p.prev_strides, b, h, s) + d, prev);
-  load<Block, kVec>(p.block_out, row_offset(p.block_strides, b, h, s) + d, block);
+  float out[kVec], x[kVec];
 #pragma unroll
-  for (int i = 0; i < kVec; ++i) {
-    const float diff = block[i] - prev[i];
-    out[i] = share < 0.5f ? prev[i] + share * diff : block[i] - diff * (1.f - share);
+  for (int i = 0; i < kVec; ++i) out[i] = 0.f;
+  // Terms of weight 0 are not read: a fresh running result (lse -inf) may hold NaNs.
+  if (prev_weight > 0.f) {
+    load<Prev, kVec>(p.prev_out, row_offset(p.prev_strides, b, h, s) + d, x);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) out[i] = prev_weight * x[i];
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxMergeBlocks; ++j) {
+    if (j < p.num_blocks && weights[j] > 0.f) {
+      load<Block, kVec>(p.block_outs[j], row_offset(p.block_strides[j], b, h, s) + d, x);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) out[i] += weights[j] * x[i];
+    }
   }
   store<Out, kVec>(p.out, row_offset(p.out_strides, b, h, s) + d, out);
 }
