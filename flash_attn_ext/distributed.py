@@ -879,10 +879,10 @@ def _side_stream(device, after=None):
 class _InputCheck:
     """The inputs checked on every rank at once (one all_gather of a few integers), so that
     a bad input raises the same error on every rank instead of leaving the others waiting in
-    the ring. Started before the forward's first step and finished (finish(): on CUDA the
-    one host sync) once that step's kernels are queued: the first step needs nothing from
-    the other ranks, so the GPU computes it while the host waits, and nothing is sent before
-    the check has passed. With bad inputs on this rank, the error is shared and raised at
+    the ring. Started when the call begins and finished (finish(): on CUDA the one host
+    sync, for the all_gather alone, on our side stream) before the forward's first step:
+    nothing is sent before the check has passed, and the GPU still has earlier work queued
+    while the host waits. With bad inputs on this rank, the error is shared and raised at
     once."""
 
     def __init__(self, q, k, v, causal, ring, packed=False, cu_seqlens=None):
@@ -1022,8 +1022,8 @@ def ring_flash_attn_func(q, k, v, group: Optional["dist.ProcessGroup"] = None,
     """
     ring = _process_group_ring(group)
     check = _InputCheck(q, k, v, bool(causal), ring)
-    # Every rank's length is known once the check is finished (_ring_forward, after its
-    # first step, which needs only this rank's).
+    # Every rank's length is known once the check is finished (_ring_forward, before its
+    # first step).
     attention = _PaddedAttention((q.shape[1],) * ring.world, bool(causal),
                                  *_scalar_args(q, softmax_scale, softcap, deterministic))
     return _run(q, k, v, ring, attention, return_lse, check)
