@@ -739,8 +739,9 @@ inline MergePartialParams make_merge_partial_params(const at::Tensor& out, const
   auto check_lse = [&](const at::Tensor& t, const std::string& name) {
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.sizes() == lse_shape,
                 "flash_attn_ext: merge_partial_: ", name, " must be float32 of shape ",
-                at::IntArrayRef(lse_shape), " (", packed ? "[heads, total]" : "[batch, heads, seqlen]",
-                "), got ", t.scalar_type(), " of shape ", t.sizes());
+                at::IntArrayRef(lse_shape), " (",
+                packed ? "[heads, total]" : "[batch, heads, seqlen]", "), got ",
+                t.scalar_type(), " of shape ", t.sizes());
     TORCH_CHECK(t.device() == out.device(), "flash_attn_ext: merge_partial_: ", name,
                 " must be on out's device ", out.device());
   };
@@ -815,7 +816,9 @@ inline SumPartialParams make_sum_partial_params(const at::Tensor& out,
   };
   check(out, "out", false);
   if (prev.has_value()) check(*prev, "prev", false);
-  for (size_t i = 0; i < pieces.size(); ++i) check(pieces[i], "pieces[" + std::to_string(i) + "]", true);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    check(pieces[i], "pieces[" + std::to_string(i) + "]", true);
+  }
   const at::Tensor out4 = as_4d(out);
   for (int d = 0; d < 4; ++d) {
     TORCH_CHECK(out4.size(d) <= std::numeric_limits<int>::max(),

@@ -32,9 +32,10 @@ with the backward operator, given the global (merged) out and lse: FlashAttentio
 rebuilds P = exp(scale * Q K^T - lse) and dS = P * (dP - rowsum(dO * O)), which for a block
 of keys is the block's share of the whole-sequence gradient exactly when out and lse are the
 global ones. dQ sums locally; the dK/dV pieces of a block go straight to its owner (P2P),
-which sums them in fp32 (one pass over them, at the last). Nothing is all-gathered: memory stays O(local shard)
-(two K/V blocks in flight, one shard's K/V kept from the forward for the backward's first
-step, and on NCCL one shard's K/V in symmetric memory, kept between calls).
+which adds them up in fp32 (one pass, at the last one). Nothing is all-gathered: memory
+stays O(local shard) (two K/V blocks in flight, one shard's K/V kept from the forward for
+the backward's first step, up to four partial results per half shard held until they are
+added up, and on NCCL one shard's K/V in symmetric memory, kept between calls).
 """
 import contextlib
 import itertools

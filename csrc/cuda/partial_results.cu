@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 #pragma unroll
     for (int j = 0; j < kMaxMergeBlocks; ++j) {
       const int64_t* st = p.block_lse_strides[j];
-      weights[j] = j < p.num_blocks ? p.block_lses[j][b * st[0] + h * st[1] + s * st[2]] : -INFINITY;
+      weights[j] =
+          j < p.num_blocks ? p.block_lses[j][b * st[0] + h * st[1] + s * st[2]] : -INFINITY;
       hi = fmaxf(hi, weights[j]);
     }
     if (hi != -INFINITY) {  // else no key anywhere: every weight 0, out 0
