@@ -21,8 +21,8 @@ Sharding:
 
 Schedule (world W, rank r): the forward runs W steps; at step i this rank computes its
 queries against the K/V block of rank (r - i) mod W with the forward operator, which returns
-(out, lse), and merges that partial result by the log-sum-exp (merge_partial_; a chunk of rows
-keeps its first result in q's dtype and sums later ones in fp32, its last merge writes out).
+(out, lse), and merges the partial results by their log-sum-exps (merge_partial_: a chunk of
+rows keeps its blocks' results in q's dtype and merges them in fp32 in one pass at the last).
 Each block comes straight from its owner, fetched during the step before the one that needs
 it: on NCCL groups the owner's copy in symmetric memory is read by this GPU's copy engines
 (torch.distributed._symmetric_memory; no SMs taken, so the transfer runs beside the
