@@ -691,47 +691,66 @@ inline AttentionBwdParams make_varlen_bwd_params(const at::Tensor& dout, const a
   return p;
 }
 
+// The tensors of merge_partial_ / sum_partial_ (`op`): 1 .. max_inputs
+// `inputs` of one dtype (float32 or 16-bit), out and the running result (when
+// given) float32 or that dtype, all of one shape, [batch, seqlen, heads,
+// head_dim] or packed [total, heads, head_dim], with a contiguous last dim, on
+// out's device, each dimension an int. noun: what the inputs are ("blocks");
+// first: the first input, possessive ("block_outs[0]'s").
+inline void check_partial_tensors(const char* op, const at::Tensor& out,
+                                  const std::optional<at::Tensor>& running,
+                                  const char* running_name, const std::vector<at::Tensor>& inputs,
+                                  const char* inputs_name, int max_inputs, const char* noun,
+                                  const char* first) {
+  TORCH_CHECK(!inputs.empty() && inputs.size() <= static_cast<size_t>(max_inputs),
+              "flash_attn_ext: ", op, " takes 1 to ", max_inputs, " ", noun, ", got ",
+              inputs.size());
+  const at::ScalarType in_dtype = inputs[0].scalar_type();
+  TORCH_CHECK(in_dtype == at::kFloat || in_dtype == at::kHalf || in_dtype == at::kBFloat16,
+              "flash_attn_ext: ", op, ": ", inputs_name,
+              " must be float32, float16 or bfloat16, got ", in_dtype);
+  auto check = [&](const at::Tensor& t, const std::string& name, bool is_input) {
+    TORCH_CHECK(t.dim() == 3 || t.dim() == 4, "flash_attn_ext: ", op, ": ", name,
+                " must be [batch, seqlen, heads, head_dim] or [total, heads, head_dim], got "
+                "shape ", t.sizes());
+    TORCH_CHECK(t.sizes() == out.sizes(), "flash_attn_ext: ", op, ": ", name,
+                " must have out's shape ", out.sizes(), ", got ", t.sizes());
+    TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, "flash_attn_ext: ", op, ": ", name,
+                " must have a contiguous last dimension");
+    TORCH_CHECK(t.device() == out.device(), "flash_attn_ext: ", op, ": every tensor must be on "
+                "out's device ", out.device(), ", ", name, " is on ", t.device());
+    const at::ScalarType dtype = t.scalar_type();
+    TORCH_CHECK(dtype == in_dtype || (!is_input && dtype == at::kFloat), "flash_attn_ext: ", op,
+                ": ", name, " must be ", is_input ? "of " : "float32 or ",
+                is_input ? std::string(first) : std::string("the ") + noun + "'", " dtype ",
+                in_dtype, ", got ", dtype);
+  };
+  check(out, "out", false);
+  if (running.has_value()) check(*running, running_name, false);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check(inputs[i], std::string(inputs_name) + "[" + std::to_string(i) + "]", true);
+  }
+  const at::Tensor out4 = as_4d(out);
+  for (int d = 0; d < 4; ++d) {
+    TORCH_CHECK(out4.size(d) <= std::numeric_limits<int>::max(), "flash_attn_ext: ", op,
+                ": out has a dimension too large: ", out.sizes());
+  }
+}
+
 // flash_attn_ext::merge_partial_'s checks and params (params.h,
-// MergePartialParams): out, prev_out (when given; else out itself) and 1 ..
-// kMaxMergeBlocks block_outs are [batch, seqlen, heads, head_dim] or packed
-// [total, heads, head_dim] of one shape with a contiguous last dim, the blocks
-// of one dtype, out and prev_out float32 or that dtype; lse and every block_lse
-// float32 [batch, heads, seqlen] or [heads, total].
+// MergePartialParams): check_partial_tensors' for out, prev_out and the
+// block_outs, and lse and every block_lse float32 [batch, heads, seqlen] or
+// [heads, total].
 inline MergePartialParams make_merge_partial_params(const at::Tensor& out, const at::Tensor& lse,
                                                     const std::vector<at::Tensor>& block_outs,
                                                     const std::vector<at::Tensor>& block_lses,
                                                     const std::optional<at::Tensor>& prev_out) {
-  TORCH_CHECK(!block_outs.empty() && block_outs.size() <= static_cast<size_t>(kMaxMergeBlocks),
-              "flash_attn_ext: merge_partial_ takes 1 to ", kMaxMergeBlocks, " blocks, got ",
-              block_outs.size());
+  check_partial_tensors("merge_partial_", out, prev_out, "prev_out", block_outs, "block_outs",
+                        kMaxMergeBlocks, "blocks", "block_outs[0]'s");
   TORCH_CHECK(block_lses.size() == block_outs.size(), "flash_attn_ext: merge_partial_: ",
               block_outs.size(), " block_outs but ", block_lses.size(), " block_lses");
   const at::Tensor& prev = prev_out.has_value() ? *prev_out : out;
   const at::ScalarType block_dtype = block_outs[0].scalar_type();
-  auto check_out = [&](const at::Tensor& t, const std::string& name, bool is_block) {
-    TORCH_CHECK(t.dim() == 3 || t.dim() == 4, "flash_attn_ext: merge_partial_: ", name,
-                " must be [batch, seqlen, heads, head_dim] or [total, heads, head_dim], got "
-                "shape ", t.sizes());
-    TORCH_CHECK(t.sizes() == out.sizes(), "flash_attn_ext: merge_partial_: ", name,
-                " must have out's shape ", out.sizes(), ", got ", t.sizes());
-    TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, "flash_attn_ext: merge_partial_: ",
-                name, " must have a contiguous last dimension");
-    TORCH_CHECK(t.device() == out.device(), "flash_attn_ext: merge_partial_: every tensor must "
-                "be on out's device ", out.device(), ", ", name, " is on ", t.device());
-    const at::ScalarType dtype = t.scalar_type();
-    TORCH_CHECK(dtype == block_dtype || (!is_block && dtype == at::kFloat),
-                "flash_attn_ext: merge_partial_: ", name, " must be ",
-                is_block ? "of block_outs[0]'s dtype " : "float32 or the blocks' dtype ",
-                block_dtype, ", got ", dtype);
-  };
-  TORCH_CHECK(block_dtype == at::kFloat || block_dtype == at::kHalf || block_dtype == at::kBFloat16,
-              "flash_attn_ext: merge_partial_: block_outs must be float32, float16 or bfloat16, "
-              "got ", block_dtype);
-  check_out(out, "out", false);
-  check_out(prev, "prev_out", false);
-  for (size_t i = 0; i < block_outs.size(); ++i) {
-    check_out(block_outs[i], "block_outs[" + std::to_string(i) + "]", true);
-  }
   const bool packed = out.dim() == 3;
   const std::vector<int64_t> lse_shape =
       packed ? std::vector<int64_t>{out.size(1), out.size(0)}
@@ -750,10 +769,6 @@ inline MergePartialParams make_merge_partial_params(const at::Tensor& out, const
     check_lse(block_lses[i], "block_lses[" + std::to_string(i) + "]");
   }
   const at::Tensor out4 = as_4d(out);
-  for (int d = 0; d < 4; ++d) {
-    TORCH_CHECK(out4.size(d) <= std::numeric_limits<int>::max(),
-                "flash_attn_ext: merge_partial_: out has a dimension too large: ", out.sizes());
-  }
   // lse strides as [batch, heads, seqlen] (a packed [heads, total] one as batch 1).
   auto lse_strides = [&](const at::Tensor& t, int64_t (&strides)[3]) {
     const at::Tensor t3 = packed ? t.unsqueeze(0) : t;
@@ -783,47 +798,15 @@ inline MergePartialParams make_merge_partial_params(const at::Tensor& out, const
   return p;
 }
 
-// flash_attn_ext::sum_partial_'s checks and params (params.h,
-// SumPartialParams): out, prev (when given) and 1..kMaxSumPieces pieces are
-// [batch, seqlen, heads, head_dim] or packed [total, heads, head_dim] of one
-// shape with a contiguous last dim; the pieces share one dtype (float32 or
-// 16-bit), out and prev are float32 or that dtype.
+// flash_attn_ext::sum_partial_'s checks (check_partial_tensors') and params
+// (params.h, SumPartialParams).
 inline SumPartialParams make_sum_partial_params(const at::Tensor& out,
                                                 const std::vector<at::Tensor>& pieces,
                                                 const std::optional<at::Tensor>& prev) {
-  TORCH_CHECK(!pieces.empty() && pieces.size() <= static_cast<size_t>(kMaxSumPieces),
-              "flash_attn_ext: sum_partial_ takes 1 to ", kMaxSumPieces, " pieces, got ",
-              pieces.size());
+  check_partial_tensors("sum_partial_", out, prev, "prev", pieces, "pieces", kMaxSumPieces,
+                        "pieces", "the first piece's");
   const at::ScalarType piece_dtype = pieces[0].scalar_type();
-  TORCH_CHECK(piece_dtype == at::kFloat || piece_dtype == at::kHalf || piece_dtype == at::kBFloat16,
-              "flash_attn_ext: sum_partial_: pieces must be float32, float16 or bfloat16, got ",
-              piece_dtype);
-  auto check = [&](const at::Tensor& t, const std::string& name, bool is_piece) {
-    TORCH_CHECK(t.dim() == 3 || t.dim() == 4, "flash_attn_ext: sum_partial_: ", name,
-                " must be [batch, seqlen, heads, head_dim] or [total, heads, head_dim], got "
-                "shape ", t.sizes());
-    TORCH_CHECK(t.sizes() == out.sizes(), "flash_attn_ext: sum_partial_: ", name,
-                " must have out's shape ", out.sizes(), ", got ", t.sizes());
-    TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, "flash_attn_ext: sum_partial_: ", name,
-                " must have a contiguous last dimension");
-    TORCH_CHECK(t.device() == out.device(), "flash_attn_ext: sum_partial_: every tensor must "
-                "be on out's device ", out.device(), ", ", name, " is on ", t.device());
-    const at::ScalarType dtype = t.scalar_type();
-    TORCH_CHECK(dtype == piece_dtype || (!is_piece && dtype == at::kFloat),
-                "flash_attn_ext: sum_partial_: ", name, " must be ",
-                is_piece ? "of the first piece's dtype " : "float32 or the pieces' dtype ",
-                piece_dtype, ", got ", dtype);
-  };
-  check(out, "out", false);
-  if (prev.has_value()) check(*prev, "prev", false);
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    check(pieces[i], "pieces[" + std::to_string(i) + "]", true);
-  }
   const at::Tensor out4 = as_4d(out);
-  for (int d = 0; d < 4; ++d) {
-    TORCH_CHECK(out4.size(d) <= std::numeric_limits<int>::max(),
-                "flash_attn_ext: sum_partial_: out has a dimension too large: ", out.sizes());
-  }
   SumPartialParams p;
   p.batch = static_cast<int>(out4.size(0));
   p.seqlen = static_cast<int>(out4.size(1));

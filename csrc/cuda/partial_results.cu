@@ -140,44 +140,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   store<Out, kVec>(p.out, row_offset(p.out_strides, b, h, s) + d, out);
 }
 
-// Rows of threads_per_row threads, as many as fit a block of kThreadsPerBlock.
-template <typename Params>
-void row_grid(const Params& p, int vec, const char* op, dim3& grid, dim3& block) {
-  const int threads_per_row = (p.head_dim + vec - 1) / vec;
-  if (threads_per_row > kThreadsPerBlock) {
-    throw std::runtime_error(std::string("flash_attn_ext: ") + op +
-                             " supports head_dim <= 256, or <= 1024 when every row starts "
-                             "4-element aligned");
-  }
-  const int rows_per_block = kThreadsPerBlock / threads_per_row;
-  const int64_t rows = int64_t(p.batch) * p.seqlen * p.heads;
-  grid = dim3(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
-  block = dim3(threads_per_row, rows_per_block);
-}
-
-template <typename Out, typename Prev, typename Block>
-void launch(const MergePartialParams& p, bool vectorized, cudaStream_t stream) {
-  dim3 grid, block;
-  row_grid(p, vectorized ? 4 : 1, "merge_partial_", grid, block);
-  if (vectorized) {
-    merge_partial_kernel<Out, Prev, Block, 4><<<grid, block, 0, stream>>>(p);
-  } else {
-    merge_partial_kernel<Out, Prev, Block, 1><<<grid, block, 0, stream>>>(p);
-  }
-}
-
-// The running output and prev_out are float32 or the block's dtype (the op
-// layer checks): the combinations instantiated here.
-template <typename Block>
-void launch_for_block(const MergePartialParams& p, bool vectorized, cudaStream_t stream) {
-  const bool out_fp32 = p.out_dtype == DType::kFloat32;
-  const bool prev_fp32 = p.prev_dtype == DType::kFloat32;
-  if (out_fp32 && prev_fp32) return launch<float, float, Block>(p, vectorized, stream);
-  if (out_fp32) return launch<float, Block, Block>(p, vectorized, stream);
-  if (prev_fp32) return launch<Block, float, Block>(p, vectorized, stream);
-  return launch<Block, Block, Block>(p, vectorized, stream);
-}
-
 template <typename Out, typename Prev, typename Piece, int kVec>
 __global__ void __launch_bounds__(kThreadsPerBlock) sum_partial_kernel(SumPartialParams p) {
   static_assert(kVec == 1 || kVec == 4, "vectors of 1 or 4 elements");
@@ -204,48 +166,74 @@ __global__ void __launch_bounds__(kThreadsPerBlock) sum_partial_kernel(SumPartia
   store<Out, kVec>(p.out, row_offset(p.out_strides, b, h, s) + d, sum);
 }
 
-template <typename Out, typename Prev, typename Piece>
-void launch_sum(const SumPartialParams& p, bool vectorized, cudaStream_t stream) {
-  dim3 grid, block;
-  row_grid(p, vectorized ? 4 : 1, "sum_partial_", grid, block);
-  if (vectorized) {
-    sum_partial_kernel<Out, Prev, Piece, 4><<<grid, block, 0, stream>>>(p);
-  } else {
-    sum_partial_kernel<Out, Prev, Piece, 1><<<grid, block, 0, stream>>>(p);
+// One launch of a row-mapped kernel (the thread map above): kVec = 4 or 1.
+template <typename Params>
+void launch_rows(const Params& p, bool vectorized, const char* op, void (*kernel_vec4)(Params),
+                 void (*kernel_vec1)(Params), cudaStream_t stream) {
+  const int vec = vectorized ? 4 : 1;
+  const int threads_per_row = (p.head_dim + vec - 1) / vec;
+  if (threads_per_row > kThreadsPerBlock) {
+    throw std::runtime_error(std::string("flash_attn_ext: ") + op +
+                             " supports head_dim <= 256, or <= 1024 when every row starts "
+                             "4-element aligned");
   }
+  const int rows_per_block = kThreadsPerBlock / threads_per_row;
+  const int64_t rows = int64_t(p.batch) * p.seqlen * p.heads;
+  const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
+  const dim3 block(threads_per_row, rows_per_block);
+  (vectorized ? kernel_vec4 : kernel_vec1)<<<grid, block, 0, stream>>>(p);
 }
 
-// out and prev are float32 or the pieces' dtype (the op layer checks).
-template <typename Piece>
-void launch_sum_for_piece(const SumPartialParams& p, bool vectorized, cudaStream_t stream) {
-  const bool out_fp32 = p.out_dtype == DType::kFloat32;
-  const bool prev_fp32 = p.prev == nullptr || p.prev_dtype == DType::kFloat32;
-  if (out_fp32 && prev_fp32) return launch_sum<float, float, Piece>(p, vectorized, stream);
-  if (out_fp32) return launch_sum<float, Piece, Piece>(p, vectorized, stream);
-  if (prev_fp32) return launch_sum<Piece, float, Piece>(p, vectorized, stream);
-  return launch_sum<Piece, Piece, Piece>(p, vectorized, stream);
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+// Calls launch(Type<Out>, Type<Prev>, Type<In>) for the inputs' dtype In and
+// the output / running result Out, Prev: float32 or In (the op layer checks),
+// the combinations instantiated here.
+template <typename Launch>
+void with_types(DType in, bool out_fp32, bool prev_fp32, const char* op, Launch&& launch) {
+  auto with_in = [&](auto in_tag) {
+    using In = typename decltype(in_tag)::type;
+    if (out_fp32 && prev_fp32) return launch(Type<float>{}, Type<float>{}, in_tag);
+    if (out_fp32) return launch(Type<float>{}, Type<In>{}, in_tag);
+    if (prev_fp32) return launch(Type<In>{}, Type<float>{}, in_tag);
+    return launch(Type<In>{}, Type<In>{}, in_tag);
+  };
+  switch (in) {
+    case DType::kFloat32: return with_in(Type<float>{});
+    case DType::kFloat16: return with_in(Type<__half>{});
+    case DType::kBFloat16: return with_in(Type<__nv_bfloat16>{});
+    default: throw std::runtime_error(std::string("flash_attn_ext: ") + op + ": unsupported dtype");
+  }
 }
 
 }  // namespace
 
 void merge_partial(const MergePartialParams& p, bool vectorized, cudaStream_t stream) {
   if (int64_t(p.batch) * p.seqlen * p.heads == 0 || p.head_dim == 0) return;
-  switch (p.block_dtype) {
-    case DType::kFloat32: return launch<float, float, float>(p, vectorized, stream);
-    case DType::kFloat16: return launch_for_block<__half>(p, vectorized, stream);
-    case DType::kBFloat16: return launch_for_block<__nv_bfloat16>(p, vectorized, stream);
-    default: throw std::runtime_error("flash_attn_ext: merge_partial_: unsupported dtype");
-  }
+  with_types(p.block_dtype, p.out_dtype == DType::kFloat32, p.prev_dtype == DType::kFloat32,
+             "merge_partial_", [&](auto out, auto prev, auto in) {
+               using Out = typename decltype(out)::type;
+               using Prev = typename decltype(prev)::type;
+               using In = typename decltype(in)::type;
+               launch_rows(p, vectorized, "merge_partial_", merge_partial_kernel<Out, Prev, In, 4>,
+                           merge_partial_kernel<Out, Prev, In, 1>, stream);
+             });
 }
 
 void sum_partial(const SumPartialParams& p, bool vectorized, cudaStream_t stream) {
   if (int64_t(p.batch) * p.seqlen * p.heads == 0 || p.head_dim == 0) return;
-  switch (p.piece_dtype) {
-    case DType::kFloat32: return launch_sum<float, float, float>(p, vectorized, stream);
-    case DType::kFloat16: return launch_sum_for_piece<__half>(p, vectorized, stream);
-    case DType::kBFloat16: return launch_sum_for_piece<__nv_bfloat16>(p, vectorized, stream);
-    default: throw std::runtime_error("flash_attn_ext: sum_partial_: unsupported dtype");
-  }
+  const bool prev_fp32 = p.prev == nullptr || p.prev_dtype == DType::kFloat32;
+  with_types(p.piece_dtype, p.out_dtype == DType::kFloat32, prev_fp32, "sum_partial_",
+             [&](auto out, auto prev, auto in) {
+               using Out = typename decltype(out)::type;
+               using Prev = typename decltype(prev)::type;
+               using In = typename decltype(in)::type;
+               launch_rows(p, vectorized, "sum_partial_", sum_partial_kernel<Out, Prev, In, 4>,
+                           sum_partial_kernel<Out, Prev, In, 1>, stream);
+             });
 }
 
 }  // namespace cuda
