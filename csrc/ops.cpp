@@ -3,8 +3,13 @@
 //   flash_attn_ext::fwd(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits, tile,
 //                       seqused_k, *variants) -> (out, lse)
 //   flash_attn_ext::bwd(dout, q, k, v, out, lse, softmax_scale, causal,
-//                       causal_bottom_right, deterministic, seqused_k, *variants)
-//                       -> (dq, dk, dv)
+//                       causal_bottom_right, deterministic, seqused_k, *variants,
+//                       dq_accum=None) -> (dq, dk, dv)
+//       dq_accum (float32 [batch, heads, seqlen_q, head_dim], varlen_bwd [heads,
+//       total_q, head_dim]): dQ / softmax_scale is added into it instead of
+//       returned (dq comes back empty), so that a caller with many calls over the
+//       same rows (ring attention) converts once; the Hopper backward adds into it
+//       in its kernel, other paths add the computed dq (ops_common.h check_dq_accum).
 //   with *variants = window_left, window_right, softcap, alibi_slopes, dropout_p,
 //                    rng_state, attn_mask
 //   fwd also takes block_table, cache_batch_idx, cache_leftpad, then k_descale,
@@ -104,6 +109,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cpu(AttentionBwdParams p,
   return {dq, dk, dv};
 }
 
+// The bwd operators' dq_accum on the CPU: dQ / softmax_scale added into it,
+// dq returned empty (check_dq_accum).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> accumulate_dq(
+    std::tuple<at::Tensor, at::Tensor, at::Tensor> grads,
+    const std::optional<at::Tensor>& dq_accum, double softmax_scale, bool packed) {
+  if (!dq_accum.has_value()) return grads;
+  auto& [dq, dk, dv] = grads;
+  add_into_dq_accum(*dq_accum, dq, softmax_scale, packed);
+  return {at::empty({0}, dq.options()), dk, dv};
+}
+
 }  // namespace
 
 static std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k,
@@ -161,12 +177,13 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& attn_mask) {
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& dq_accum) {
   const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
                          dropout_p,   rng_state,    attn_mask};
   const AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
                                                causal_bottom_right, deterministic, seqused_k, &var);
-  return run_bwd_cpu(p, q, k, v);
+  check_dq_accum(dq_accum, q, /*packed=*/false, softmax_scale);
+  return accumulate_dq(run_bwd_cpu(p, q, k, v), dq_accum, softmax_scale, /*packed=*/false);
 }
 
 static std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
@@ -175,13 +192,16 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double softmax_scale, bool causal, bool deterministic,
     const std::optional<at::Tensor>& seqused_k, int64_t window_left, int64_t window_right,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p, const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& attn_mask) {
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& dq_accum) {
   const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
                          dropout_p,   rng_state,    attn_mask};
   const AttentionBwdParams p = make_varlen_bwd_params(
       dout, q, k, v, out, lse, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k},
       softmax_scale, causal, deterministic, seqused_k, &var);
-  return run_bwd_cpu(p, q, k, v);
+  check_dq_accum(dq_accum, q, /*packed=*/true, softmax_scale);
+  return accumulate_dq(run_bwd_cpu(p, q, k, v), dq_accum, softmax_scale, /*packed=*/true);
 }
 
 // The dropout keep-mask (csrc/dropout.h) as bool [batch, heads, seqlen_q,
@@ -288,7 +308,8 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float softmax_scale, bool causal, bool causal_bottom_right, bool deterministic=False, "
-      "Tensor? seqused_k=None, " FAE_VARIANT_ARGS ") -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? seqused_k=None, " FAE_VARIANT_ARGS ", Tensor(a!)? dq_accum=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
@@ -298,7 +319,7 @@ TORCH_LIBRARY(flash_attn_ext, m) {
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
       "float softmax_scale, bool causal, bool deterministic=False, Tensor? seqused_k=None, "
-      FAE_VARIANT_ARGS ") -> (Tensor dq, Tensor dk, Tensor dv)");
+      FAE_VARIANT_ARGS ", Tensor(a!)? dq_accum=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "dropout_mask(Tensor rng_state, int batch, int heads, int seqlen_q, int seqlen_k, "
       "float dropout_p) -> Tensor");

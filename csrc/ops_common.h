@@ -621,10 +621,11 @@ inline at::Tensor empty_lse(const at::Tensor& q) {
 // Points the backward params at the gradient outputs.
 inline void set_grad_outputs(AttentionBwdParams& p, const at::Tensor& dq, const at::Tensor& dk,
                              const at::Tensor& dv) {
-  p.dq = dq.data_ptr();
+  // dq undefined: the kernels add dQ into the caller's accumulator instead.
+  p.dq = dq.defined() ? dq.data_ptr() : nullptr;
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
-  p.dq_strides = strides_of(dq);
+  p.dq_strides = dq.defined() ? strides_of(dq) : TensorStrides{};
   p.dk_strides = strides_of(dk);
   p.dv_strides = strides_of(dv);
 }
@@ -689,6 +690,37 @@ inline AttentionBwdParams make_varlen_bwd_params(const at::Tensor& dout, const a
   AttentionBwdParams p = add_bwd_inputs(fwd, q.unsqueeze(0), dout.unsqueeze(0), out.unsqueeze(0),
                                         lse, {q.size(1), q.size(0)}, deterministic);
   return p;
+}
+
+// The bwd operators' dq_accum argument: float32 with q's rows in lse's layout
+// and head_dim last, [batch, heads, seqlen_q, head_dim] (varlen_bwd: [heads,
+// total_q, head_dim]), on q's device, with a contiguous last dim. It is added
+// into (dQ / softmax_scale, the kernels' unscaled accumulator: a caller that
+// accumulates many calls multiplies by softmax_scale once), so the scale must
+// not be 0.
+inline void check_dq_accum(const std::optional<at::Tensor>& acc, const at::Tensor& q,
+                           bool packed, double softmax_scale) {
+  if (!acc.has_value()) return;
+  const std::vector<int64_t> shape =
+      packed ? std::vector<int64_t>{q.size(1), q.size(0), q.size(2)}
+             : std::vector<int64_t>{q.size(0), q.size(2), q.size(1), q.size(3)};
+  TORCH_CHECK(acc->scalar_type() == at::kFloat && acc->sizes() == shape,
+              "flash_attn_ext: bwd: dq_accum must be float32 of shape ", at::IntArrayRef(shape),
+              packed ? " ([heads, total_q, head_dim])" : " ([batch, heads, seqlen_q, head_dim])",
+              ", got ", acc->scalar_type(), " of shape ", acc->sizes());
+  TORCH_CHECK(acc->device() == q.device(), "flash_attn_ext: bwd: dq_accum must be on q's device ",
+              q.device(), ", got ", acc->device());
+  TORCH_CHECK(acc->stride(-1) == 1 || acc->size(-1) == 1,
+              "flash_attn_ext: bwd: dq_accum must have a contiguous last dimension");
+  TORCH_CHECK(softmax_scale != 0.0, "flash_attn_ext: bwd: dq_accum holds dQ / softmax_scale, "
+              "so softmax_scale must not be 0");
+}
+
+// dq_accum += dq / softmax_scale, dq in q's layout: what the paths whose kernels
+// do not add into the caller's accumulator do after computing dq.
+inline void add_into_dq_accum(const at::Tensor& acc, const at::Tensor& dq, double softmax_scale,
+                              bool packed) {
+  acc.add_(packed ? dq.transpose(0, 1) : dq.transpose(1, 2), 1.0 / softmax_scale);
 }
 
 // The tensors of merge_partial_ / sum_partial_ (`op`): 1 .. max_inputs

@@ -422,6 +422,13 @@ struct AttentionBwdParams : AttentionFwdParams {
   // fp32 dQ accumulator(s) (CUDA) [splits][q_rows_total][accum dim], rows
   // indexed like lse.
   float* dq_accum = nullptr;
+  // dq_accum is the caller's (the bwd operators' dq_accum argument), not the
+  // workspace's: the Hopper backward adds this call's unscaled dQ into it
+  // (not zeroed first) and writes no dq. Its layout in floats: [slices][rows]
+  // [head_dim] with these pitches (slices = batch * heads padded, heads packed,
+  // as the workspace's; rows = seqlen_q padded, total_q packed).
+  bool dq_accum_external = false;
+  int64_t dq_accum_row_pitch = 0, dq_accum_slice_pitch = 0;
   bool deterministic = false;
   // Padded-batch row statistics for the Hopper backward, [batch * heads]
   // [seqlen_q_padded] each (seqlen_q rounded up to 128, the longest query

@@ -6,18 +6,21 @@ torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right
                              v_descale=None) -> (out, lse)
 torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, softmax_scale, causal,
                              causal_bottom_right, deterministic=False, seqused_k=None,
-                             *variants) -> (dq, dk, dv)
+                             *variants, dq_accum=None) -> (dq, dk, dv)
 torch.ops.flash_attn_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, softmax_scale, causal, seqused_k=None,
                                     *variants, block_table=None) -> (out, lse)
 torch.ops.flash_attn_ext.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                                    deterministic=False, seqused_k=None, *variants)
-                                    -> (dq, dk, dv)
+                                    deterministic=False, seqused_k=None, *variants,
+                                    dq_accum=None) -> (dq, dk, dv)
 with *variants = window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
 dropout_p=0.0, rng_state=None, attn_mask=None (flash-attn's window_size, softcap, alibi_slopes
 and dropout_p, whose rng_state is an int64 [2] {seed, offset} on q's device, and torch SDPA's
-attn_mask; the defaults turn them off). The forward operators also take flash-attn's KV cache
+attn_mask; the defaults turn them off). The backward operators' dq_accum (float32 [batch,
+heads, seqlen_q, head_dim], varlen [heads, total_q, head_dim]) is added into, dQ /
+softmax_scale, instead of dq being returned (dq comes back empty): ring attention's steps add
+into one accumulator and convert once. The forward operators also take flash-attn's KV cache
 addressing (forward only): block_table int32 [batch, max_pages] with k / v page pools
 [num_pages, page_size, heads_k, head_dim] (page_size a multiple of 16), cache_batch_idx and
 cache_leftpad int32 [batch] (csrc/params.h). fwd's k_descale / v_descale (float32 [] / [1] or
@@ -132,9 +135,10 @@ def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0,
 @torch.library.register_fake("flash_attn_ext::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
               deterministic=False, seqused_k=None, window_left=-1, window_right=-1, softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, rng_state=None, attn_mask=None):
+              alibi_slopes=None, dropout_p=0.0, rng_state=None, attn_mask=None, dq_accum=None):
     _check_qkv(q, k, v)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q) if dq_accum is None else q.new_empty((0,))  # added into dq_accum
+    return dq, torch.empty_like(k), torch.empty_like(v)
 
 
 @torch.library.register_fake("flash_attn_ext::varlen_fwd")
@@ -152,9 +156,10 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale, causal, deterministic=False, seqused_k=None,
                      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                     dropout_p=0.0, rng_state=None, attn_mask=None):
+                     dropout_p=0.0, rng_state=None, attn_mask=None, dq_accum=None):
     _check_qkv(q, k, v, varlen=True)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q) if dq_accum is None else q.new_empty((0,))  # added into dq_accum
+    return dq, torch.empty_like(k), torch.empty_like(v)
 
 
 @torch.library.register_fake("flash_attn_ext::sdpa_fwd")

@@ -395,6 +395,46 @@ def test_chunk_merges_fold_past_the_held_blocks(dtype):
     torch.testing.assert_close(lse.double(), expect_lse, atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("device, head_dim, seqlen_local", [
+    ("cpu", 16, 24), pytest.param("cuda", 64, 384, marks=pytest.mark.gpu),
+    pytest.param("cuda", 128, 384, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_ring_schedule_without_communication(device, head_dim, seqlen_local, world, batch):
+    """Every rank's multi-step schedule on one device (the benchmarks' communicate=False
+    ring, whose fetches return this rank's own K/V): the same as attention over the whole
+    sequence whose every shard is a copy of this one. Checks out and dq, which add up over
+    the steps in _ChunkMerges and _DqAccumulator (the backward operators' dq_accum, which
+    the Hopper kernel adds into), for batch 1 and 2 (the accumulator's slices), GQA."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from flash_attn_ext import distributed as ring_module
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(world * 10 + batch)
+    shape, shape_k = (batch, seqlen_local, 4, head_dim), (batch, seqlen_local, 2, head_dim)
+    q, k, v, dout = (torch.randn(s, generator=gen).to(device, dtype)
+                     for s in (shape, shape_k, shape_k, shape))
+    whole = [zigzag_unshard([t] * world) for t in (q, k, v, dout)]
+    refs = []
+    for ref_dtype in (torch.float64, dtype):
+        q_g, k_g, v_g = (t.to(ref_dtype).requires_grad_() for t in whole[:3])
+        out_g, _ = gqa_attention(q_g, k_g, v_g, causal=True)
+        dq_g, = torch.autograd.grad(out_g, q_g, whole[3].to(ref_dtype))
+        refs.append((out_g.detach(), dq_g))
+    scale = head_dim ** -0.5
+    for rank in range(world):
+        ring = object.__new__(ring_module._Ring)
+        ring.group, ring.rank, ring.world, ring.communicate = None, rank, world, False
+        attention = ring_module._PaddedAttention((seqlen_local,) * world, True, scale, 0.0, False)
+        q_r = q.clone().requires_grad_()
+        out, _ = ring_module._RingFlashAttnFunction.apply(q_r, k, v, ring, attention, None)
+        dq, = torch.autograd.grad(out, q_r, dout)
+        (out64, dq64), (out_base, dq_base) = (
+            [zigzag_shard(t, rank, world) for t in ref] for ref in refs)
+        assert_fa_rule(out, out64, out_base, 2, what=f"rank {rank} out")
+        assert_fa_rule(dq, dq64, dq_base, 3, atol=1e-4, what=f"rank {rank} dq")
+
+
 def test_zigzag_shard_bad_arguments():
     x = torch.zeros(1, 10)
     with pytest.raises(ValueError, match="divisible"):

@@ -5,7 +5,8 @@
 //
 // Workspace (fp32), in this order:
 //   dsoftmax_sum  [q_rows_total]  (lse-shaped, params.h; padded to 64 floats)
-//   dq_accum      [splits][q_rows_total][accum_dim]
+//   dq_accum      [splits][q_rows_total][accum_dim]  (none where the Hopper
+//                 backward adds into the caller's, params.dq_accum_external)
 //   lse_log2_padded, dsum_padded  [batch * heads][seqlen_q_padded] each, for
 //                 the calls the Hopper backward may take (params.h)
 // accum_dim = the instantiated head dim. splits = 1 unless deterministic; then
@@ -149,20 +150,37 @@ void run_head_dim_switch(const AttentionBwdParams& p, cudaStream_t stream) {
 
 }  // namespace
 
+bool bwd_adds_into_caller_dq_accum(const AttentionBwdParams& params) {
+#ifdef FAE_HAS_SM90A
+  return use_sm90_backward(params);
+#else
+  (void)params;
+  return false;
+#endif
+}
+
+namespace {
+int64_t dq_accum_floats(const AttentionBwdParams& params, int num_sms) {
+  if (params.dq_accum_external) return 0;
+  return static_cast<int64_t>(bwd_dq_splits(params, num_sms)) * params.q_rows_total *
+         accum_dim(params);
+}
+}  // namespace
+
 int64_t bwd_workspace_floats(const AttentionBwdParams& params, int num_sms) {
-  const int64_t dq =
-      static_cast<int64_t>(bwd_dq_splits(params, num_sms)) * params.q_rows_total * accum_dim(params);
-  return dsum_floats(params) + dq + row_stat_floats(params) + dq_semaphore_ints(params);
+  return dsum_floats(params) + dq_accum_floats(params, num_sms) + row_stat_floats(params) +
+         dq_semaphore_ints(params);
 }
 
 void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms) {
   params.dsoftmax_sum = workspace;
-  params.dq_accum = workspace + dsum_floats(params);
+  float* const after_dq = workspace + dsum_floats(params) + dq_accum_floats(params, num_sms);
+  if (!params.dq_accum_external) params.dq_accum = workspace + dsum_floats(params);
   params.num_splits = bwd_dq_splits(params, num_sms);
   const int64_t row_stats = row_stat_floats(params);
   if (row_stats > 0) {
     params.seqlen_q_padded = seqlen_q_padded(params);
-    params.lse_log2_padded = params.dq_accum + params.num_splits * params.q_rows_total * accum_dim(params);
+    params.lse_log2_padded = after_dq;
     params.dsum_padded = params.lse_log2_padded + row_stats / 2;
     if (dq_semaphore_ints(params) > 0) {
       params.dq_semaphore = reinterpret_cast<int*>(params.dsum_padded + row_stats / 2);
@@ -178,6 +196,10 @@ void run_bwd(AttentionBwdParams& params, int num_sms, cudaStream_t stream) {
   // The number of dQ accumulators the workspace was sized for (flash_api.h:
   // bwd_workspace_floats and run_bwd see the same num_sms).
   params.num_splits = bwd_dq_splits(params, num_sms);
+  if (params.dq_accum_external && !bwd_adds_into_caller_dq_accum(params)) {
+    throw std::runtime_error("flash_attn_ext: internal error: a caller's dQ accumulator reached "
+                             "a backward that does not add into it");
+  }
   switch (params.dtype) {
     case DType::kFloat32: return run_bwd_fp32(params, stream);
     case DType::kFloat16:

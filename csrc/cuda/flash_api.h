@@ -78,11 +78,16 @@ void merge_partial(const MergePartialParams& params, bool vectorized, cudaStream
 void sum_partial(const SumPartialParams& params, bool vectorized, cudaStream_t stream);
 
 // ---- backward ------------------------------------------------------------
+// Whether the backward that takes this call adds its dQ into a caller's fp32
+// accumulator (params.dq_accum_external; the Hopper backward), so that the op
+// layer may hand it one; other calls get dq and the op layer adds it.
+bool bwd_adds_into_caller_dq_accum(const AttentionBwdParams& params);
 // fp32 scratch (in floats) for D = rowsum(dO*O), the dQ accumulator(s), etc.
 int64_t bwd_workspace_floats(const AttentionBwdParams& params, int num_sms);
-// Points params.dsoftmax_sum / params.dq_accum into `workspace`.
+// Points params.dsoftmax_sum / params.dq_accum (unless the caller's) into `workspace`.
 void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms);
-// Launches preprocess, main kernel and dQ conversion. Zeroes what it accumulates.
+// Launches preprocess, main kernel and dQ conversion. Zeroes what it accumulates
+// (but the caller's dQ accumulator, which it adds into, converting nothing).
 void run_bwd(AttentionBwdParams& params, int num_sms, cudaStream_t stream);
 
 }  // namespace cuda

@@ -229,13 +229,39 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   return run_fwd_cuda(p, q, k, v, /*num_splits=*/1, /*tile=*/0);
 }
 
+// Points the Hopper backward at the caller's dQ accumulator (check_dq_accum's
+// layout) when TMA can describe it: 16-byte aligned rows and slices (slices
+// as in params.h: batch * heads padded, heads packed, one pitch for all).
+// Returns false (nothing set) otherwise.
+bool point_at_caller_dq_accum(AttentionBwdParams& p, const at::Tensor& acc, bool packed) {
+  const at::Tensor acc4 = packed ? acc.unsqueeze(0) : acc;  // [batch, heads, rows, head_dim]
+  const int64_t batch = acc4.size(0), heads = acc4.size(1), rows = acc4.size(2);
+  // Pitches of dimensions of one element are free: pick the dense ones.
+  const int64_t row_pitch = rows > 1 ? acc4.stride(2) : (acc4.size(3) + 3) / 4 * 4;
+  const int64_t slice_pitch =
+      heads > 1 ? acc4.stride(1) : batch > 1 ? acc4.stride(0) : rows * row_pitch;
+  if (batch > 1 && heads > 1 && acc4.stride(0) != heads * slice_pitch) return false;
+  if (row_pitch <= 0 || slice_pitch <= 0 || row_pitch % 4 != 0 || slice_pitch % 4 != 0 ||
+      reinterpret_cast<uintptr_t>(acc.data_ptr()) % 16 != 0) {
+    return false;
+  }
+  p.dq_accum_external = true;
+  p.dq_accum = acc.data_ptr<float>();
+  p.dq_accum_row_pitch = row_pitch;
+  p.dq_accum_slice_pitch = slice_pitch;
+  return true;
+}
+
 // Shared by bwd and varlen_bwd. GQA: the kernels write dK / dV per query head
 // (expanded [.., heads, D] buffers) and the group sum happens here, as
 // FlashAttention-2 does. Varlen / seqused_k: keys or rows outside every
-// sequence get zero gradients (buffers are zero-filled first).
+// sequence get zero gradients (buffers are zero-filled first). dq_accum
+// (checked, check_dq_accum): dQ / softmax_scale is added into it, by the
+// Hopper kernel where it takes the call, else here, and dq is returned empty.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     AttentionBwdParams p, const at::Tensor& dout_in, const at::Tensor& q_in,
-    const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in) {
+    const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
+    const std::optional<at::Tensor>& dq_accum, double softmax_scale) {
   check_cuda_inputs(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool partial = has_var_seqs(p);
@@ -258,17 +284,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
   // promises) and written directly unless a padded / aligned / expanded
   // scratch is needed.
   const bool same_head_dim = head_dim_padded == head_dim;
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const bool adds_into_caller_accum = dq_accum.has_value() && same_head_dim &&
+                                      cuda::bwd_adds_into_caller_dq_accum(p) &&
+                                      point_at_caller_dq_accum(p, *dq_accum, packed);
   auto alloc = [&](const at::Tensor& like) {
     return partial ? at::zeros_like(like) : at::empty_like(like);
   };
-  at::Tensor dq_user = alloc(q_in), dk_user = alloc(k_in), dv_user = alloc(v_in);
+  at::Tensor dq_user = adds_into_caller_accum ? at::Tensor() : alloc(q_in);
+  at::Tensor dk_user = alloc(k_in), dv_user = alloc(v_in);
   auto kernel_grad = [&](const at::Tensor& user, const at::Tensor& kernel_in, bool per_query_head) {
     if (!per_query_head && same_head_dim && is_aligned_16(user)) return user;
     std::vector<int64_t> sizes = kernel_in.sizes().vec();
     if (per_query_head) sizes[sizes.size() - 2] = p.heads;
     return partial ? at::zeros(sizes, kernel_in.options()) : at::empty(sizes, kernel_in.options());
   };
-  at::Tensor dq = kernel_grad(dq_user, q, false);
+  at::Tensor dq = adds_into_caller_accum ? at::Tensor() : kernel_grad(dq_user, q, false);
   at::Tensor dk = kernel_grad(dk_user, k, group > 1);
   at::Tensor dv = kernel_grad(dv_user, v, group > 1);
   set_grad_outputs(p, dq, dk, dv);
@@ -295,10 +326,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     }
     user.copy_(grad);
   };
-  to_user(dq_user, dq);
   to_user(dk_user, dk);
   to_user(dv_user, dv);
-  return {dq_user, dk_user, dv_user};
+  if (!dq_accum.has_value()) {
+    to_user(dq_user, dq);
+    return {dq_user, dk_user, dv_user};
+  }
+  if (!adds_into_caller_accum) {
+    to_user(dq_user, dq);
+    add_into_dq_accum(*dq_accum, dq_user, softmax_scale, packed);
+  }
+  return {at::empty({0}, q_in.options()), dk_user, dv_user};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
@@ -308,12 +346,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& attn_mask) {
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& dq_accum) {
   const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
                          dropout_p,   rng_state,    attn_mask};
   const AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
                                                causal_bottom_right, deterministic, seqused_k, &var);
-  return run_bwd_cuda(p, dout, q, k, v, out);
+  check_dq_accum(dq_accum, q, /*packed=*/false, softmax_scale);
+  return run_bwd_cuda(p, dout, q, k, v, out, dq_accum, softmax_scale);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
@@ -322,14 +361,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double softmax_scale, bool causal, bool deterministic,
     const std::optional<at::Tensor>& seqused_k, int64_t window_left, int64_t window_right,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p, const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& attn_mask) {
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& dq_accum) {
   check_cuda_inputs(q);
   const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
                          dropout_p,   rng_state,    attn_mask};
   const AttentionBwdParams p = make_varlen_bwd_params(
       dout, q, k, v, out, lse, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k},
       softmax_scale, causal, deterministic, seqused_k, &var);
-  return run_bwd_cuda(p, dout, q, k, v, out);
+  check_dq_accum(dq_accum, q, /*packed=*/true, softmax_scale);
+  return run_bwd_cuda(p, dout, q, k, v, out, dq_accum, softmax_scale);
 }
 
 at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, int64_t batch, int64_t heads,

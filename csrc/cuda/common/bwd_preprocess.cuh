@@ -167,7 +167,8 @@ __global__ void __launch_bounds__(256)
 }
 
 // Host helpers: launch both with the shapes above. accum_dim and num_splits
-// describe the dQ accumulator(s) (the main kernel's row pitch and count);
+// describe the dQ accumulator(s) (the main kernel's row pitch and count; the
+// preprocess zeroes num_splits of them, none for the caller's accumulator);
 // padded_row_stats also writes params.lse_log2_padded / dsum_padded (Hopper).
 template <typename T>
 inline void launch_bwd_preprocess(const AttentionBwdParams& params, int accum_dim, int num_splits,

@@ -6,6 +6,8 @@
 //   2. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added into the
 //      accumulator by TMA reduce-adds; deterministic: in a fixed order),
 //   3. dq = softmax_scale * dQ accumulator (bwd_preprocess.cuh).
+// With the caller's accumulator (params.dq_accum_external) step 1 leaves it
+// as it is and step 3 is skipped: the caller converts once after many calls.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -36,7 +38,10 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
     throw std::runtime_error("flash_attn_ext: internal error: no row-statistics workspace for the "
                              "Hopper backward");
   }
-  launch_bwd_preprocess<T>(params, kHeadDim, 1, stream, /*padded_row_stats=*/true);
+  // The caller's accumulator (params.dq_accum_external) is added into as it
+  // is: no zeroing here, no conversion at the end.
+  const bool external = params.dq_accum_external;
+  launch_bwd_preprocess<T>(params, kHeadDim, external ? 0 : 1, stream, /*padded_row_stats=*/true);
 
   // Packed (varlen) tensors are mapped as one batch entry of all their rows;
   // the kernel offsets each sequence's tiles by its first row.
@@ -58,7 +63,11 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // [heads][total_q] packed.
   const int slices = (packed ? 1 : params.batch) * params.heads;
   const CUtensorMap tmap_dq_accum =
-      make_dq_accum_tensor_map(params.dq_accum, kHeadDim, rows_q, slices, Traits::kDqRows);
+      external ? make_dq_accum_tensor_map(params.dq_accum, params.head_dim, rows_q, slices,
+                                          params.dq_accum_row_pitch, params.dq_accum_slice_pitch,
+                                          Traits::kDqRows)
+               : make_dq_accum_tensor_map(params.dq_accum, kHeadDim, rows_q, slices, kHeadDim,
+                                          int64_t{rows_q} * kHeadDim, Traits::kDqRows);
 
   // One CTA per key tile. blockIdx.x = 0 holds the first keys, which under
   // causal masking see the most queries, so the longest CTAs start first;
@@ -100,7 +109,7 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
       }
     }
   }
-  launch_bwd_convert_dq<T>(params, kHeadDim, 1, stream);
+  if (!external) launch_bwd_convert_dq<T>(params, kHeadDim, 1, stream);
 }
 
 template <typename T, int kHeadDim, bool kIsCausal>

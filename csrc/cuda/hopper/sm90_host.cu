@@ -150,13 +150,13 @@ CUtensorMap make_transposed_v_tensor_map_e4m3(const void* base, int head_dim,
                    {128, static_cast<uint32_t>(box_rows), 1, 1}, "the transposed e4m3 V");
 }
 
-CUtensorMap make_dq_accum_tensor_map(float* base, int accum_dim, int seqlen_q, int heads_total,
-                                     int box_rows) {
+CUtensorMap make_dq_accum_tensor_map(float* base, int cols, int rows, int slices,
+                                     int64_t row_pitch, int64_t slice_pitch, int box_rows) {
   constexpr uint64_t kElem = 4;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(accum_dim), static_cast<cuuint64_t>(seqlen_q),
-                              static_cast<cuuint64_t>(heads_total)};
-  const cuuint64_t byte_strides[2] = {static_cast<cuuint64_t>(accum_dim) * kElem,
-                                      static_cast<cuuint64_t>(seqlen_q) * accum_dim * kElem};
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(slices)};
+  const cuuint64_t byte_strides[2] = {static_cast<cuuint64_t>(row_pitch) * kElem,
+                                      static_cast<cuuint64_t>(slice_pitch) * kElem};
   const cuuint32_t box[3] = {32, static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   CUtensorMap map;
@@ -165,8 +165,8 @@ CUtensorMap make_dq_accum_tensor_map(float* base, int accum_dim, int seqlen_q, i
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) {
-    tensor_map_failed(res, "the dQ accumulator [" + std::to_string(heads_total) + ", " +
-                               std::to_string(seqlen_q) + ", " + std::to_string(accum_dim) + "]");
+    tensor_map_failed(res, "the dQ accumulator [" + std::to_string(slices) + ", " +
+                               std::to_string(rows) + ", " + std::to_string(cols) + "]");
   }
   return map;
 }

@@ -44,13 +44,15 @@ CUtensorMap make_attention_tensor_map_e4m3(const void* base, int head_dim, int s
 CUtensorMap make_transposed_v_tensor_map_e4m3(const void* base, int head_dim,
                                               int64_t seqlen_padded, int heads_k, int batch,
                                               int box_rows);
-// A 3-D TMA descriptor over the backward's fp32 dQ accumulator of a padded
-// batch, [batch * heads][seqlen_q][accum_dim] (params.h: rows indexed like lse),
-// boxes of [box_rows x 32 columns] (128 bytes) stored with the 128-byte swizzle.
-// The kernel adds tiles into it (tma_reduce_add_3d); rows past seqlen_q are
-// skipped.
-CUtensorMap make_dq_accum_tensor_map(float* base, int accum_dim, int seqlen_q, int heads_total,
-                                     int box_rows);
+// A 3-D TMA descriptor over the backward's fp32 dQ accumulator, [slices][rows]
+// [cols] with row and slice pitches in floats (multiples of 4): the workspace's
+// [batch * heads][seqlen_q][accum_dim] (params.h: rows indexed like lse;
+// packed: [heads][total_q]) or the caller's (params.dq_accum_external), boxes
+// of [box_rows x 32 columns] (128 bytes) stored with the 128-byte swizzle. The
+// kernel adds tiles into it (tma_reduce_add_3d); rows past `rows` and columns
+// past `cols` are skipped.
+CUtensorMap make_dq_accum_tensor_map(float* base, int cols, int rows, int slices,
+                                     int64_t row_pitch, int64_t slice_pitch, int box_rows);
 
 // Whether TMA can describe a tensor with these strides: every dimension longer
 // than 1 needs a positive stride (a broadcast, stride-0 dimension, e.g. from
