@@ -15,7 +15,14 @@ queues ahead of the GPU); every iteration is timed by CUDA events around it on e
 the slowest rank counts, and the median over iterations is reported. --sync-each instead
 times every iteration from a barrier to the end of its backward (CUDA synchronised), which
 adds the host's time to queue the iteration's first kernels and any time the GPU waits for
-the host. Columns:
+the host.
+
+The three steps below (1-GPU, ring, no-comm) are timed in --rounds rounds, in a rotated
+order, each after --warmup iterations and at least --warmup-ms of them back to back, and the
+median is taken over all rounds' iterations: a GPU's clocks fall from their idle boost as it
+heats under load, within a few hundred ms, so a step timed first on a cold GPU would look
+faster than one timed after it (one H100: the same 1-GPU step 3.45 ms first, 3.65 ms after
+the ring's steps; docs/PERFORMANCE.md). Columns:
 
   ring ms      one iteration
   no-comm ms   the same iteration with the ring's communication left out: every rank runs the
@@ -37,6 +44,7 @@ import argparse
 import csv
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -79,7 +87,12 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=None, help="default 128 (CPU 32)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="default bf16 (CPU fp32)")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed iterations before each timed run (at least)")
+    p.add_argument("--warmup-ms", type=float, default=None,
+                   help="and at least this many ms of them (default 500 on CUDA, 0 on the CPU)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the three timed steps, in rotated order")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sync-each", action="store_true",
                    help="time every iteration from a barrier to its synchronised end (host "
@@ -92,6 +105,8 @@ def parse_args(argv=None):
     args.kv_heads = args.kv_heads or args.heads
     args.head_dim = args.head_dim or (32 if cpu else 128)
     args.dtype = args.dtype or ("fp32" if cpu else "bf16")
+    if args.warmup_ms is None:
+        args.warmup_ms = 0.0 if cpu else 500.0
     return args
 
 
@@ -105,14 +120,28 @@ def _back_to_back(args):
     return args.device == "cuda" and not args.sync_each
 
 
-def _slowest_rank_median_ms(step, iters, warmup, device, back_to_back):
-    """Median over iterations of the slowest rank's time for step() (forward + backward):
-    back_to_back, iterations queued one after the other and each timed by CUDA events;
-    otherwise each started together after a barrier and timed on the host to its
-    synchronised end."""
+def _warm_up(step, warmup, warmup_ms, device):
+    """At least `warmup` steps and about warmup_ms of them, back to back (every rank runs as
+    many: the ring's steps communicate)."""
+    _synchronize(device)
+    start = time.perf_counter()
     for _ in range(warmup):
         step()
     _synchronize(device)
+    per_step = (time.perf_counter() - start) / max(1, warmup)
+    more = math.ceil(max(0.0, warmup_ms * 1e-3 - warmup * per_step) / max(per_step, 1e-6))
+    more = torch.tensor([more], dtype=torch.int64, device=device)
+    dist.all_reduce(more, op=dist.ReduceOp.MAX)
+    for _ in range(int(more.item())):
+        step()
+    _synchronize(device)
+
+
+def _slowest_rank_times(step, iters, device, back_to_back):
+    """The slowest rank's time (s) of each of `iters` runs of step() (forward + backward):
+    back_to_back, iterations queued one after the other and each timed by CUDA events;
+    otherwise each started together after a barrier and timed on the host to its
+    synchronised end."""
     if back_to_back:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(iters)]
@@ -135,7 +164,19 @@ def _slowest_rank_median_ms(step, iters, warmup, device, back_to_back):
             times.append(time.perf_counter() - start)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist()) * 1e3
+    return slowest.tolist()
+
+
+def _median_ms_in_rounds(steps, args, device):
+    """{name: median ms} of the (name, step) pairs, timed in args.rounds rounds whose order
+    rotates, each run after its warm-up."""
+    times = {name: [] for name, _ in steps}
+    for r in range(args.rounds):
+        shift = r % len(steps)
+        for name, step in steps[shift:] + steps[:shift]:
+            _warm_up(step, args.warmup, args.warmup_ms, device)
+            times[name] += _slowest_rank_times(step, args.iters, device, _back_to_back(args))
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def _causal_flops(args, seqlen):
@@ -170,9 +211,8 @@ def measure(args, device):
         q, k, v, silent_ring, same_blocks, None)[0])
     single = fwd_bwd(lambda q, k, v: flash_attn_ext.flash_attn_func(q, k, v, causal=True))
 
-    ms = {name: _slowest_rank_median_ms(fn, args.iters, args.warmup, device,
-                                        _back_to_back(args))
-          for name, fn in (("single_gpu_ms", single), ("ring_ms", ring), ("nocomm_ms", no_comm))}
+    ms = _median_ms_in_rounds([("single_gpu_ms", single), ("ring_ms", ring),
+                               ("nocomm_ms", no_comm)], args, device)
     if rank != 0:
         return None
     total = world * args.seqlen
@@ -221,8 +261,10 @@ def _spawned_rank(rank, world, args, store_path, result_path):
 def print_table(rows, args):
     print(f"\nring attention, zig-zag causal, forward + backward: {args.seqlen} tokens per "
           f"rank, batch {args.batch}, heads {args.heads}/{args.kv_heads}, D={args.head_dim}, "
-          f"{args.dtype}, {rows[0]['device'] if rows else args.device}; median of {args.iters} "
-          f"(slowest rank, {'back to back' if _back_to_back(args) else 'synchronised each'}); "
+          f"{args.dtype}, {rows[0]['device'] if rows else args.device}; median of {args.rounds} "
+          f"rounds x {args.iters} (slowest rank, "
+          f"{'back to back' if _back_to_back(args) else 'synchronised each'}, warm-up "
+          f"{args.warmup} iterations and {args.warmup_ms:g} ms); "
           f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}, "
           f"TORCH_NCCL_HIGH_PRIORITY={os.environ.get('TORCH_NCCL_HIGH_PRIORITY')}")
     header = ["world", "tokens", "ring ms", "no-comm ms", "exposed %", "1-GPU ms",
