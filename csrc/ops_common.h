@@ -769,6 +769,15 @@ inline void check_partial_tensors(const char* op, const at::Tensor& out,
   }
 }
 
+// The rows of out (checked by check_partial_tensors) into the params.
+inline void set_partial_rows(PartialRows& p, const at::Tensor& out) {
+  const at::Tensor out4 = as_4d(out);
+  p.batch = static_cast<int>(out4.size(0));
+  p.seqlen = static_cast<int>(out4.size(1));
+  p.heads = static_cast<int>(out4.size(2));
+  p.head_dim = static_cast<int>(out4.size(3));
+}
+
 // flash_attn_ext::merge_partial_'s checks and params (params.h,
 // MergePartialParams): check_partial_tensors' for out, prev_out and the
 // block_outs, and lse and every block_lse float32 [batch, heads, seqlen] or
@@ -800,17 +809,13 @@ inline MergePartialParams make_merge_partial_params(const at::Tensor& out, const
   for (size_t i = 0; i < block_lses.size(); ++i) {
     check_lse(block_lses[i], "block_lses[" + std::to_string(i) + "]");
   }
-  const at::Tensor out4 = as_4d(out);
   // lse strides as [batch, heads, seqlen] (a packed [heads, total] one as batch 1).
   auto lse_strides = [&](const at::Tensor& t, int64_t (&strides)[3]) {
     const at::Tensor t3 = packed ? t.unsqueeze(0) : t;
     for (int i = 0; i < 3; ++i) strides[i] = t3.size(i) == 1 ? 0 : t3.stride(i);
   };
   MergePartialParams p;
-  p.batch = static_cast<int>(out4.size(0));
-  p.seqlen = static_cast<int>(out4.size(1));
-  p.heads = static_cast<int>(out4.size(2));
-  p.head_dim = static_cast<int>(out4.size(3));
+  set_partial_rows(p, out);
   p.num_blocks = static_cast<int>(block_outs.size());
   p.out = out.data_ptr();
   p.prev_out = prev.data_ptr();
@@ -838,12 +843,8 @@ inline SumPartialParams make_sum_partial_params(const at::Tensor& out,
   check_partial_tensors("sum_partial_", out, prev, "prev", pieces, "pieces", kMaxSumPieces,
                         "pieces", "the first piece's");
   const at::ScalarType piece_dtype = pieces[0].scalar_type();
-  const at::Tensor out4 = as_4d(out);
   SumPartialParams p;
-  p.batch = static_cast<int>(out4.size(0));
-  p.seqlen = static_cast<int>(out4.size(1));
-  p.heads = static_cast<int>(out4.size(2));
-  p.head_dim = static_cast<int>(out4.size(3));
+  set_partial_rows(p, out);
   p.num_pieces = static_cast<int>(pieces.size());
   p.out = out.data_ptr();
   p.out_dtype = to_dtype(out.scalar_type());

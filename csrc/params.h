@@ -460,11 +460,16 @@ struct AttentionBwdParams : AttentionFwdParams {
 // heads, seqlen] fp32. A fixed array of blocks keeps the params a kernel
 // argument (no device copy of the pointers).
 constexpr int kMaxMergeBlocks = 8;
-struct MergePartialParams {
+// The rows both partial-result operators walk: [batch, seqlen, heads] of their
+// [batch, seqlen, heads, head_dim] tensors, heads fastest like the tensors.
+struct PartialRows {
   int batch = 0;
   int seqlen = 0;
   int heads = 0;
   int head_dim = 0;
+  FAE_HOST_DEVICE int64_t rows() const { return int64_t(batch) * seqlen * heads; }
+};
+struct MergePartialParams : PartialRows {
   int num_blocks = 0;
   void* out = nullptr;
   const void* prev_out = nullptr;  // == out when merging in place
@@ -485,11 +490,7 @@ struct MergePartialParams {
 // fixed array of pieces keeps the params a kernel argument (no device copy of
 // the pointers).
 constexpr int kMaxSumPieces = 8;
-struct SumPartialParams {
-  int batch = 0;
-  int seqlen = 0;
-  int heads = 0;
-  int head_dim = 0;
+struct SumPartialParams : PartialRows {
   int num_pieces = 0;
   void* out = nullptr;
   const void* prev = nullptr;

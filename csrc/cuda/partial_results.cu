@@ -75,17 +75,23 @@ __device__ __forceinline__ void store(void* base, int64_t offset, const float (&
   *reinterpret_cast<Vec<T, kVec>*>(static_cast<T*>(base) + offset) = v;
 }
 
+// (batch, head, position) of a row; rows run heads fastest, like the
+// [batch, seqlen, heads, head_dim] tensors.
+struct RowCoords {
+  int b, h, s;
+};
+__device__ __forceinline__ RowCoords row_coords(const PartialRows& p, int64_t row) {
+  return {int(row / (int64_t(p.heads) * p.seqlen)), int(row % p.heads),
+          int((row / p.heads) % p.seqlen)};
+}
+
 template <typename Out, typename Prev, typename Block, int kVec>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     merge_partial_kernel(MergePartialParams p) {
   static_assert(kVec == 1 || kVec == 4, "vectors of 1 or 4 elements");
-  const int64_t rows = int64_t(p.batch) * p.seqlen * p.heads;
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  const bool active = row < rows;
-  // Rows run heads fastest, like the [batch, seqlen, heads, head_dim] outputs.
-  const int h = int(row % p.heads);
-  const int s = int((row / p.heads) % p.seqlen);
-  const int b = int(row / (int64_t(p.heads) * p.seqlen));
+  const bool active = row < p.rows();
+  const auto [b, h, s] = row_coords(p, row);
 
   // The weights of the running result and of every block: exp(lse_j - lse').
   // Loops over kMaxMergeBlocks with a guard keep the arrays in registers.
@@ -143,13 +149,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 template <typename Out, typename Prev, typename Piece, int kVec>
 __global__ void __launch_bounds__(kThreadsPerBlock) sum_partial_kernel(SumPartialParams p) {
   static_assert(kVec == 1 || kVec == 4, "vectors of 1 or 4 elements");
-  const int64_t rows = int64_t(p.batch) * p.seqlen * p.heads;
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   const int d = threadIdx.x * kVec;
-  if (row >= rows || d >= p.head_dim) return;
-  const int h = int(row % p.heads);
-  const int s = int((row / p.heads) % p.seqlen);
-  const int b = int(row / (int64_t(p.heads) * p.seqlen));
+  if (row >= p.rows() || d >= p.head_dim) return;
+  const auto [b, h, s] = row_coords(p, row);
   float sum[kVec], piece[kVec];
   if (p.prev != nullptr) {
     load<Prev, kVec>(p.prev, row_offset(p.prev_strides, b, h, s) + d, sum);
@@ -178,8 +181,7 @@ void launch_rows(const Params& p, bool vectorized, const char* op, void (*kernel
                              "4-element aligned");
   }
   const int rows_per_block = kThreadsPerBlock / threads_per_row;
-  const int64_t rows = int64_t(p.batch) * p.seqlen * p.heads;
-  const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
+  const dim3 grid(static_cast<unsigned>((p.rows() + rows_per_block - 1) / rows_per_block));
   const dim3 block(threads_per_row, rows_per_block);
   (vectorized ? kernel_vec4 : kernel_vec1)<<<grid, block, 0, stream>>>(p);
 }
@@ -212,7 +214,7 @@ void with_types(DType in, bool out_fp32, bool prev_fp32, const char* op, Launch&
 }  // namespace
 
 void merge_partial(const MergePartialParams& p, bool vectorized, cudaStream_t stream) {
-  if (int64_t(p.batch) * p.seqlen * p.heads == 0 || p.head_dim == 0) return;
+  if (p.rows() == 0 || p.head_dim == 0) return;
   with_types(p.block_dtype, p.out_dtype == DType::kFloat32, p.prev_dtype == DType::kFloat32,
              "merge_partial_", [&](auto out, auto prev, auto in) {
                using Out = typename decltype(out)::type;
@@ -224,7 +226,7 @@ void merge_partial(const MergePartialParams& p, bool vectorized, cudaStream_t st
 }
 
 void sum_partial(const SumPartialParams& p, bool vectorized, cudaStream_t stream) {
-  if (int64_t(p.batch) * p.seqlen * p.heads == 0 || p.head_dim == 0) return;
+  if (p.rows() == 0 || p.head_dim == 0) return;
   const bool prev_fp32 = p.prev == nullptr || p.prev_dtype == DType::kFloat32;
   with_types(p.piece_dtype, p.out_dtype == DType::kFloat32, prev_fp32, "sum_partial_",
              [&](auto out, auto prev, auto in) {
