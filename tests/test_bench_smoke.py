@@ -53,3 +53,18 @@ def test_bench_ring_cpu_smoke(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "scaling %" in out
     assert csv_path.read_text().count("\n") == 1 + 2  # header + worlds 1 and 2
+
+
+def test_bench_optional_backend_missing(monkeypatch, capsys):
+    """An optional backend whose package does not import (fa4 without flash-attn-4) is
+    dropped with a one-line notice; the others still run."""
+    from flash_attn_ext.bench import backends
+    monkeypatch.setitem(backends.OPTIONAL_BACKENDS, "fa4",
+                        ("flash_attn_ext_no_such_module", "pip install flash-attn-4"))
+    rows = bench_attention.main(["--device", "cpu", "--hdims", "16", "--seqlens", "32",
+                                 "--batch", "1", "--heads", "2", "--causal", "0", "--pass", "fwd",
+                                 "--backends", "ours,fa4", "--no-roofline"])
+    captured = capsys.readouterr()
+    notices = [line for line in captured.err.splitlines() if line.startswith("fa4 skipped")]
+    assert len(notices) == 1 and "pip install flash-attn-4" in notices[0]
+    assert {r["backend"] for r in rows} == {"ours"}

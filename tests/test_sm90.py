@@ -63,14 +63,15 @@ def test_dispatch(sm90, impl):
         fa.flash_attn_func(q, k, v)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_persistent_loop_matches_single_tiles(sm90, causal):
+def test_persistent_loop_matches_single_tiles(sm90, causal, head_dim):
     """The persistent grid (one CTA per SM: round-robin over equal non-causal tiles, an
     atomic tile counter for causal ones) with more tiles than SMs, so every CTA loops
     (unequal tiles when causal), against calls on slices of the same tensors small enough
     that each CTA runs one tile: each tile is computed by the same code, so the outputs
-    are bit-identical."""
-    q, k, v = make_qkv(2, 2000, 1500, 8, 128, torch.bfloat16, DEVICE, requires_grad=False)
+    are bit-identical. D = 64 runs three consumer warpgroups (192-row tiles), D = 128 two."""
+    q, k, v = make_qkv(2, 2000, 1500, 8, head_dim, torch.bfloat16, DEVICE, requires_grad=False)
     assert ran_sm90(lambda: fa.flash_attn_func(q, k, v, causal=causal, num_splits=1))
     out, lse = fa.flash_attn_func(q, k, v, causal=causal, return_lse=True, num_splits=1)
     for b in range(2):

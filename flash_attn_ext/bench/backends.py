@@ -1,5 +1,5 @@
 """Benchmark backends: the callables each backend runs (ours, naive, torch SDPA pinned to one
-backend, flex_attention), their inputs, FLOP and byte counts, and env helpers."""
+backend, flex_attention, FlashAttention-4), their inputs, FLOP and byte counts, and env helpers."""
 import contextlib
 import importlib
 import math
@@ -14,7 +14,24 @@ import flash_attn_ext as fa
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-ALL_BACKENDS = ("ours", "ours-mma", "ours-det", "naive", "sdpa", "math", "flash", "efficient", "cudnn", "flex")
+ALL_BACKENDS = ("ours", "ours-mma", "ours-det", "naive", "sdpa", "math", "flash", "efficient", "cudnn",
+                "flex", "fa4")
+
+
+# Backends from packages that may be missing: the module each needs and how to get it.
+OPTIONAL_BACKENDS = {"fa4": ("flash_attn.cute", "pip install flash-attn-4")}
+
+
+def missing_backend(backend):
+    """None when `backend` can run here, else a one-line reason (its package is missing)."""
+    if backend not in OPTIONAL_BACKENDS:
+        return None
+    module, install = OPTIONAL_BACKENDS[backend]
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # ImportError, or a package that fails at import (no CUDA, ...)
+        return f"{backend} skipped: {module} does not import ({type(e).__name__}; {install})"
+    return None
 
 
 SDPA_BACKENDS = ("math", "flash", "efficient", "cudnn")
@@ -123,6 +140,21 @@ def make_fn(backend, cfg, device, deterministic=False):
             block_mask = fx.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, Sq, Sk,
                                               device=device)
         return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+    if backend == "fa4":
+        # FlashAttention-4's CuTe DSL kernels, in their own layout [B, S, H, D]: the bshd
+        # layout's inputs are such views already (bhsd ones are copied by FA4 first). It
+        # compiles each shape on its first call, which the probe call and do_bench's first
+        # call absorb before any timed call.
+        if causal and Sq != Sk:  # FA4, like flash-attn, aligns causal masks bottom-right
+            raise NotImplementedError("fa4 with causal and seqlen_q != seqlen_k")
+        fa4_func = importlib.import_module("flash_attn.cute").flash_attn_func
+
+        def fa4(q, k, v):
+            out = fa4_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           softmax_scale=scale, causal=causal)
+            out = out[0] if isinstance(out, tuple) else out  # (out, lse) in FA4 4.0
+            return out.transpose(1, 2)
+        return fa4
     raise ValueError(f"unknown backend {backend!r}")
 
 

@@ -8,9 +8,11 @@ one process, and prints a table last.
 
 Backends: ours, ours-mma (both passes pinned to the mma.sync kernels), ours-det (ours with
 deterministic=True), naive (matmul-softmax-matmul in the input dtype), sdpa (torch's own choice),
-math, flash, efficient, cudnn (torch SDPA pinned to one backend with sdpa_kernel) and flex
-(torch.compile(flex_attention), CUDA only). A backend that refuses an input, or would not fit
-in memory, gets a note instead of a time.
+math, flash, efficient, cudnn (torch SDPA pinned to one backend with sdpa_kernel), flex
+(torch.compile(flex_attention), CUDA only) and fa4 (FlashAttention-4, `pip install
+flash-attn-4`, Hopper / Blackwell; skipped with a notice when it does not import; its native
+layout is --layout bshd). A backend that refuses an input, or would not fit in memory, gets a
+note instead of a time.
 
 FLOPs (FlashAttention convention): forward 4*B*H*Sq*Sk*D, halved when causal (and Sq == Sk);
 backward 2.5x the forward; fwd_bwd 3.5x. Times are medians after warm-up: on CUDA
@@ -32,7 +34,8 @@ import sys
 import torch
 
 import flash_attn_ext as fa
-from .backends import ALL_BACKENDS, DTYPES, PASS_FLOP_FACTOR, flops, make_inputs, min_bytes
+from .backends import (ALL_BACKENDS, DTYPES, PASS_FLOP_FACTOR, flops, make_inputs, min_bytes,
+                       missing_backend)
 from .report import FLOPS_NOTE, load_runs, print_table, write_csv, write_json, write_plots
 from .timing import Progress, bench_backend, measure_peaks, rotated_rounds, timer_name
 
@@ -103,6 +106,13 @@ def resolve(args):
     unknown = [b for b in backends if b not in ALL_BACKENDS]
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {','.join(ALL_BACKENDS)}")
+    for b in list(backends):
+        reason = missing_backend(b)
+        if reason:
+            print(reason, file=sys.stderr)
+            backends.remove(b)
+    if not backends:
+        raise SystemExit("no backend left to run")
     passes = args.passes.split(",")
     bad = [p for p in passes if p not in PASS_FLOP_FACTOR]
     if bad:

@@ -1,7 +1,8 @@
-// Hopper forward: TMA loads, wgmma, one producer warpgroup feeding two
-// consumer warpgroups through an mbarrier ring; a persistent grid.
+// Hopper forward: TMA loads, wgmma, one producer warpgroup feeding two or
+// three consumer warpgroups through an mbarrier ring; a persistent grid.
 //
-//   CTA = 3 warpgroups, one per SM, looping over (query tile, head, batch)
+//   CTA = 1 + W warpgroups (W = 2, or 3 at D = 64), one CTA per SM, looping
+//   over (query tile of 64 W rows, head, batch)
 //
 //   warpgroup 0 (producer, 24 registers): one thread picks the CTA's next
 //       tile (round-robin, or from a global atomic counter: the dynamic
@@ -12,12 +13,14 @@
 //       each once that warpgroup ran the previous tile's last Q K^T.
 //       (kVarSeq kernels: its first warp, lane 0 doing the above and every
 //       lane a share of a paged K/V tile's per-page copies.)
-//   warpgroups 1, 2 (consumers, 240 registers): rows [64w, 64w + 64) of the
-//       query tile each; per key tile j, software-pipelined:
+//   warpgroups 1 .. W (consumers, 240 registers, 160 with W = 3): rows
+//       [64w, 64w + 64) of the query tile each; per key tile j,
+//       software-pipelined:
 //       S_j = Q K_j^T            wgmma SS (Q, K both K-major in smem)
 //       O  += P_{j-1} V_{j-1}    wgmma RS (P from registers, V MN-major)
 //       mask, online softmax of S_j while that P V runs (fwd_softmax.cuh)
-//       and the two warpgroups alternate GEMM issue (ping-pong).
+//       and the warpgroups take turns issuing their GEMMs (ping-pong with
+//       two, round-robin with three).
 //   epilogue: O / rowsum and LSE straight from registers to global memory.
 //       The Q slices were released after the tile's last S = Q K^T, so the
 //       producer is already loading the next tile's Q, K and V meanwhile.
@@ -87,8 +90,18 @@ namespace cuda {
 // must fit 227 KB (D = 256, kBlockN = 80: 64 + 160 KB). FAE_SM90_BLOCK_N /
 // FAE_SM90_STAGES / FAE_SM90_Q_RING override every head dim at once
 // (bench/tune_tiles.sh "sm90 ...").
-template <int kHeadDim, bool kIsCausal>
+//
+// Consumer warpgroups: three at D = 64 (192-row query tiles, 160 registers
+// each), as FlashAttention 3 / 4 run it. There a warpgroup's GEMMs are short
+// (64 x 128 x 64 twice per key tile) against its softmax (one exp2 per 256
+// FLOPs, twice D = 128's share), so with two warpgroups the tensor cores wait
+// for the softmax; with three, two warpgroups' GEMMs cover one's softmax, and
+// a K / V tile feeds 192 rows instead of 128. The variant kernels keep two
+// (kHasVariants: their softmax state and score modifiers need the registers;
+// the attn_mask summary has two 64-row blocks per tile).
+template <int kHeadDim, bool kIsCausal, bool kHasVariants = false>
 struct FwdSm90TileConfig {
+  static constexpr int kConsumerWarpgroups = kHeadDim <= 64 && !kHasVariants ? 3 : 2;
 #ifdef FAE_SM90_BLOCK_N
   static constexpr int kBlockN = FAE_SM90_BLOCK_N;
 #else
@@ -102,13 +115,13 @@ struct FwdSm90TileConfig {
   // Key tile for short key sequences (seqlen_k <= kShortSeqlenK); 0 = none.
   static constexpr int kBlockNShort = kHeadDim == 256 ? 64 : 0;
   static constexpr int kShortSeqlenK = 512;
-  // Q ring slots (64-row slices, see FwdSm90Traits): 2, one per consumer
-  // warpgroup; deeper rings (3-4, where shared memory allows) measured no
-  // better.
+  // Q ring slots (64-row slices, see FwdSm90Traits): one per consumer
+  // warpgroup; deeper rings (3-4 with two warpgroups, where shared memory
+  // allows) measured no better.
 #ifdef FAE_SM90_Q_RING
   static constexpr int kQRing = FAE_SM90_Q_RING;
 #else
-  static constexpr int kQRing = 2;
+  static constexpr int kQRing = kConsumerWarpgroups;
 #endif
 };
 
@@ -121,17 +134,19 @@ struct FwdSm90Fp8TileConfig {
   static constexpr int kBlockNShort = 0;
   static constexpr int kShortSeqlenK = 0;
   static constexpr int kQRing = 2;
+  static constexpr int kConsumerWarpgroups = 2;
 };
 
 // T: the element type of q, k, v (16-bit, or e4m3); TOut: of out (T's,
-// or a 16-bit type for e4m3 inputs).
+// or a 16-bit type for e4m3 inputs). kConsumerWarpgroups_: 2 or 3 (see
+// FwdSm90TileConfig).
 template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, int kQRing_ = 2,
-          typename TOut_ = T_>
+          typename TOut_ = T_, int kConsumerWarpgroups_ = 2>
 struct FwdSm90Traits {
   using T = T_;
   using TOut = TOut_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;  // one wgmma M per consumer
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
@@ -164,8 +179,8 @@ struct FwdSm90Traits {
   // one); every slot beyond 2 lets one more slice load a whole tile ahead.
   static constexpr int kQRing = kQRing_;
   static constexpr int kQSliceRows = 64;
-  static_assert(kQSliceRows == kMaskBlock && kConsumerWarpgroups == 2,
-                "a warpgroup's rows are one row block of the attn_mask summary, two per tile");
+  static_assert(kQSliceRows == kMaskBlock,
+                "a warpgroup's rows are one row block of the attn_mask summary");
   static constexpr int kQSliceBytes = kQSliceRows * kHeadDim * kElemBytes;
   // mbarriers, then what the producer hands to the consumers: per Q slot the
   // tile index and its key-tile range (3 ints), per K stage which warpgroups
@@ -191,8 +206,11 @@ struct FwdSm90Traits {
   static constexpr int kSmemBytesAttnMask =
       kSmemBytes + (kStageAttnMask ? kMaskScratchBytes + 16 : 0);
 
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // setmaxnreg splits the 64K registers: 24 / 240 with two consumer
+  // warpgroups; 32 / 160 with three (24 would leave 162, and the counts
+  // must be multiples of 8).
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32 : 24;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 3 ? 160 : 240;
 
   static_assert(sizeof(T) == 2 || sizeof(T) == 1, "16-bit or e4m3 inputs");
   static_assert(sizeof(TOut) == 2, "16-bit outputs");
@@ -205,6 +223,8 @@ struct FwdSm90Traits {
   static_assert(kBlockN % 8 == 0, "swizzle atoms are 8 rows");
   static_assert(kHeadDim <= 256, "wgmma N (head dim) is at most 256");
   static_assert(kStages >= 2, "the ring needs at least two stages to overlap loads");
+  static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3,
+                "two or three consumer warpgroups (named barriers, register split)");
   static_assert(kQRing >= kConsumerWarpgroups, "one Q slot per consumer warpgroup at least");
   static_assert(kQSliceRows * kConsumerWarpgroups == kBlockM, "a Q slice per warpgroup's rows");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one CTA per SM");
@@ -247,6 +267,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr bool kFp8 = Traits::kFp8;
   static_assert(!(kFp8 && kHasVariants), "the FP8 forward has no variants");
   static_assert(!(kVarSeq && kAttnMask), "varlen calls have no attn_mask");
+  static_assert(!kAttnMask || Traits::kConsumerWarpgroups == 2,
+                "attn_mask kernels: the summary's two 64-row blocks per tile are the warpgroups'");
+  constexpr int kWarpgroups = Traits::kConsumerWarpgroups;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -287,7 +310,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return bar0 + 8 * (2 * kQRing + 4 * kStages) + 12 * kQRing + 4 * stage;
   };
   const uint32_t mask_scratch = (bar0 + Traits::kBarrierBytes + 15) & ~15u;  // kStageAttnMask
-  // Slice u (= 2 * tile_count + warpgroup) of the ring: slot and phase.
+  // Slice u (= kWarpgroups * tile_count + warpgroup) of the ring: slot and phase.
   auto q_slot_of = [&](int u) { return u % kQRing; };
   auto q_phase_of = [&](int u) { return static_cast<uint32_t>((u / kQRing) & 1); };
 
@@ -590,19 +613,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     wgmma_commit();
   };
-  // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs
-  // (barrier kPingPongBarrier + wg, 256 threads = own sync + other's arrive),
-  // so one warpgroup's softmax runs while the other's GEMMs occupy the tensor
-  // cores. The turn passes on across tiles too: both warpgroups take the same
-  // number of turns per tile (n_tiles + 1), so warpgroup 0 starts the next
-  // tile's first Q K^T while warpgroup 1 is still in its epilogue. Warpgroup
-  // 1 hands out the very first turn; warpgroup 0 takes the one left over
-  // after the last tile, so every barrier sees as many arrives as syncs.
-  constexpr int kPingPongBarrier = 3;  // and 4
-  constexpr int kZeroedBarrier = 5;    // kVarSeq: a V tile's rows past the sequence zeroed
+  // Ping-pong: the consumer warpgroups take turns issuing their GEMMs, in
+  // the order 0, 1 (, 2), 0, ... (barrier kPingPongBarrier + wg, 256 threads
+  // = own sync + the previous warpgroup's arrive), so one warpgroup's softmax
+  // runs while the others' GEMMs occupy the tensor cores. The turn passes on
+  // across tiles too: every warpgroup takes the same number of turns per tile
+  // (n_tiles + 1), so warpgroup 0 starts the next tile's first Q K^T while
+  // the last one is still in its epilogue. The last warpgroup hands out the
+  // very first turn; warpgroup 0 takes the one left over after the last
+  // tile, so every barrier sees as many arrives as syncs.
+  constexpr int kPingPongBarrier = 3;  // .. 3 + kWarpgroups - 1
+  // kVarSeq: a V tile's rows past the sequence zeroed by all consumers.
+  constexpr int kZeroedBarrier = kPingPongBarrier + kWarpgroups;
+  constexpr int kConsumerThreads = 128 * kWarpgroups;
   auto gemm_turn_begin = [&]() { named_barrier_sync(kPingPongBarrier + wg, 256); };
-  auto gemm_turn_end = [&]() { named_barrier_arrive(kPingPongBarrier + 1 - wg, 256); };
-  if (wg == 1) named_barrier_arrive(kPingPongBarrier, 256);
+  auto gemm_turn_end = [&]() {
+    named_barrier_arrive(kPingPongBarrier + (wg + 1) % kWarpgroups, 256);
+  };
+  if (wg == kWarpgroups - 1) named_barrier_arrive(kPingPongBarrier, 256);
 
   int kv_count = 0;  // K/V tiles consumed so far (same sequence as the producer)
   for (int tile_count = 0;; ++tile_count) {
@@ -789,15 +817,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // into rows that hold anything (NaN in a padded buffer's tail or in a
         // cache's rows past seqused_k): its
         // masked P is exactly 0, but 0 * NaN is not, so those V rows become
-        // zeros before either warpgroup's P V reads them. Both warpgroups get
+        // zeros before any warpgroup's P V reads them. All warpgroups get
         // here on the same tile (same key range), each past its first turn.
         const int valid_keys = seq.seqlen_k - (tile.keys.end - 1) * kBlockN;
         if (valid_keys < kBlockN) {
           mbar_wait(v_full(stage_of(0)), parity_of(0));
           zero_swizzled_tile_rows<kChunks>(v_smem(stage_of(0)), kBlockN, valid_keys,
-                                           wg * 128 + tid, 256);
+                                           wg * 128 + tid, kConsumerThreads);
           fence_proxy_async_smem();  // the wgmma reads through the async proxy
-          named_barrier_sync(kZeroedBarrier, 256);
+          named_barrier_sync(kZeroedBarrier, kConsumerThreads);
         }
       }
 

@@ -19,7 +19,8 @@ template <typename Traits, bool kIsCausal, bool kHasVariants>
 void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   using T = typename Traits::T;
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-  // Q goes in one 64-row slice per consumer warpgroup (see FwdSm90Traits).
+  // Q goes in one 64-row slice per consumer warpgroup (see FwdSm90Traits);
+  // query tiles are 64 rows per consumer warpgroup (Traits::kBlockM).
   // Varlen (fwd_sm90_takes_seqs): packed tensors are one batch entry of all
   // their rows (the kernel starts each sequence's tiles at its first row);
   // FP8's V^T is padded per sequence. Packed sequences and seqused_k take the
@@ -119,8 +120,9 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
 // One key tile size. Config: the tile configuration (FwdSm90TileConfig).
 template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, typename Config, int kBlockN>
 void launch_fwd_sm90_block_n(const AttentionFwdParams& params, cudaStream_t stream) {
-  launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, Config::kQRing>, kIsCausal,
-                  kHasVariants>(params, stream);
+  launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, Config::kQRing, T,
+                                Config::kConsumerWarpgroups>,
+                  kIsCausal, kHasVariants>(params, stream);
 }
 
 template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, typename Config>
@@ -168,7 +170,7 @@ void run_fwd_fp8_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream
 template <typename T, int kHeadDim>
 void run_fwd_sm90_variants_impl(const AttentionFwdParams& params, cudaStream_t stream) {
   run_fwd_sm90_config<T, kHeadDim, /*kIsCausal=*/false, /*kHasVariants=*/true,
-                      FwdSm90TileConfig<kHeadDim, true>>(params, stream);
+                      FwdSm90TileConfig<kHeadDim, true, true>>(params, stream);
 }
 
 }  // namespace cuda
