@@ -227,6 +227,13 @@ def test_varlen(sm90, impl, dtype, head_dim, causal):
     torch.testing.assert_close(lse[:, :rows][finite], lse_mma[:, :rows][finite], atol=2e-3, rtol=0)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_three_warpgroups(sm90, causal):
+    """D = 64 packed sequences longer than 1024 rows: the causal kernel with three consumer
+    warpgroups (192-row tiles; shorter causal calls take two), tiles across sequence ends."""
+    check_varlen_sm90(torch.bfloat16, 64, causal, [1100, 5, 0, 1300, 191], [1100, 7, 3, 1250, 400])
+
+
 def test_varlen_dispatch(sm90):
     """Varlen calls take the Hopper forward, with seqused_k and with a variant too."""
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([100, 300], [200, 300], 4, 2, 128,

@@ -117,11 +117,14 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   }
 }
 
-// One key tile size. Config: the tile configuration (FwdSm90TileConfig).
-template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, typename Config, int kBlockN>
+// One key tile size and consumer warpgroup count. Config: the tile
+// configuration (FwdSm90TileConfig); with fewer warpgroups than it has, one
+// Q slot per warpgroup.
+template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, typename Config, int kBlockN,
+          int kWarpgroups = Config::kConsumerWarpgroups>
 void launch_fwd_sm90_block_n(const AttentionFwdParams& params, cudaStream_t stream) {
-  launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, Config::kQRing, T,
-                                Config::kConsumerWarpgroups>,
+  constexpr int kQRing = kWarpgroups == Config::kConsumerWarpgroups ? Config::kQRing : kWarpgroups;
+  launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, kQRing, T, kWarpgroups>,
                   kIsCausal, kHasVariants>(params, stream);
 }
 
@@ -131,6 +134,13 @@ void run_fwd_sm90_config(const AttentionFwdParams& params, cudaStream_t stream) 
       has_variants(params) != kHasVariants) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "Hopper forward");
+  }
+  if constexpr (Config::kShortCausalRows > 0) {
+    if (params.seqlen_q <= Config::kShortCausalRows) {  // (varlen: the longest sequence)
+      launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, kHasVariants, Config, Config::kBlockN, 2>(
+          params, stream);
+      return;
+    }
   }
   if constexpr (Config::kBlockNShort > 0) {
     if (params.seqlen_k <= Config::kShortSeqlenK) {
