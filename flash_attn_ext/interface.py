@@ -5,6 +5,10 @@ flash_attn_func              flash-attn's API and layout: [batch, seqlen, heads,
 scaled_dot_product_attention torch SDPA's API and layout: [batch, heads, seqlen, head_dim],
                              causal aligned to the top-left corner (a drop-in replacement).
 flash_attn_varlen_func       packed variable-length sequences (cu_seqlens), flash-attn's API.
+flash_attn_qkvpacked_func, flash_attn_kvpacked_func, flash_attn_varlen_qkvpacked_func,
+flash_attn_varlen_kvpacked_func
+                             flash-attn's packed-input variants (q, k, v or k, v stacked in
+                             one tensor): views of it into the functions above.
 flash_attn_with_kvcache      decoding against a KV cache (in-place append; paged caches,
                              rotary embeddings, cache_batch_idx, left padding), forward only.
 
@@ -295,11 +299,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
 
     dropout_p as in flash_attn_func (rows and keys numbered within each sequence).
 
-    block_table (int32 [batch, max_pages], forward only): k and v are then the page pools of a
-    paged KV cache, [num_pages, page_size, heads_k, head_dim] with page_size a multiple of 16,
-    and sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] cache rows, row r
+    block_table (int32 [batch, max_pages]): k and v are then the page pools of a paged KV
+    cache, [num_pages, page_size, heads_k, head_dim] with page_size a multiple of 16, and
+    sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] cache rows, row r
     at slot r % page_size of page block_table[b, r // page_size] (chunked prefill against a
-    paged cache). Inputs that require grad raise NotImplementedError (no backward).
+    paged cache). Differentiable: the forward is the same paged kernel call as without grad;
+    the backward gathers each sequence's pages (max_seqlen_k rows per sequence, a temporary
+    copy) and gives dk / dv shaped like the pools, summed over the sequences that share a page.
 
     Returns out [total_q, heads, head_dim]; with return_lse also lse float32 [heads, total_q];
     with return_attn_probs (out, lse, keep), keep the dropout keep-mask [batch, heads,
@@ -335,16 +341,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     dropout = _dropout_args(dropout_p, q.device)
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if paged:
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            _not_implemented("the backward of attention over a paged KV cache (block_table); "
-                             "call it under torch.no_grad() or torch.inference_mode()")
         if not isinstance(block_table, torch.Tensor):
             raise TypeError("flash_attn_ext: block_table must be None or an int32 tensor "
                             f"[batch, max_pages], got {type(block_table).__name__}")
-        q, k, v = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
-        out, lse = torch.ops.flash_attn_ext.varlen_fwd(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
-            bool(causal), seqused_k, *variants, *dropout, None, block_table)
+        paged_args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                      scale, bool(causal), seqused_k, block_table, *variants, *dropout)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            out, lse = _PagedVarlenFunction.apply(*paged_args, bool(deterministic))
+        else:
+            out, lse = _paged_varlen_fwd(*paged_args)
     else:
         out, lse = _run(FlashAttnVarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k,
                         int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
@@ -355,6 +360,203 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     if return_lse:
         return out, lse
     return out
+
+
+# ---- packed inputs: flash-attn's *_qkvpacked_func / *_kvpacked_func ----------------------------
+_QKV_LAYOUT = "[batch, seqlen, 3, heads, head_dim]"
+_KV_LAYOUT = "[batch, seqlen_k, 2, heads_k, head_dim]"
+_VARLEN_QKV_LAYOUT = "[total, 3, heads, head_dim]"
+_VARLEN_KV_LAYOUT = "[total_k, 2, heads_k, head_dim]"
+
+
+def _unpack(packed, name, rank, count, layout):
+    """The `count` tensors stacked along dim -3 of `packed` (a `rank`-D tensor `layout`) as
+    strided views: nothing is copied (the kernels read them in place when the last dim is
+    contiguous), and autograd stacks their gradients back into one tensor shaped like
+    `packed` (unbind's backward)."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"flash_attn_ext: {name} must be a torch.Tensor {layout}, got "
+                        f"{type(packed).__name__}")
+    if packed.dim() != rank:
+        raise RuntimeError(f"flash_attn_ext: {name} must be a {rank}-D tensor {layout}, got "
+                           f"{packed.dim()}-D with shape {tuple(packed.shape)}")
+    if packed.shape[-3] != count:
+        raise RuntimeError(f"flash_attn_ext: {name} must stack {count} tensors in dim {rank - 3} "
+                           f"({layout}), got shape {tuple(packed.shape)}")
+    return packed.unbind(rank - 3)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                              causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                              softcap: float = 0.0, alibi_slopes=None,
+                              deterministic: bool = False, return_attn_probs: bool = False):
+    """flash_attn_func with q, k and v stacked in one tensor (flash-attn's API).
+
+    qkv: [batch, seqlen, 3, heads, head_dim]; q, k, v are qkv[:, :, 0], qkv[:, :, 1] and
+    qkv[:, :, 2], read in place (no copy while the last dim is contiguous). The other
+    arguments and the return values are flash_attn_func's: out [batch, seqlen, heads,
+    head_dim], and with return_attn_probs=True (out, lse, keep). The gradient is one tensor
+    shaped like qkv.
+    """
+    q, k, v = _unpack(qkv, "qkv", 5, 3, _QKV_LAYOUT)
+    return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                           causal=causal, window_size=window_size, softcap=softcap,
+                           alibi_slopes=alibi_slopes, deterministic=deterministic,
+                           return_attn_probs=return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                             causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                             softcap: float = 0.0, alibi_slopes=None,
+                             deterministic: bool = False, return_attn_probs: bool = False):
+    """flash_attn_func with k and v stacked in one tensor (flash-attn's API).
+
+    q: [batch, seqlen_q, heads, head_dim]; kv: [batch, seqlen_k, 2, heads_k, head_dim] with
+    heads % heads_k == 0 (GQA / MQA); k, v are kv[:, :, 0] and kv[:, :, 1], read in place.
+    The other arguments and the return values are flash_attn_func's. kv's gradient is one
+    tensor shaped like kv.
+    """
+    k, v = _unpack(kv, "kv", 5, 2, _KV_LAYOUT)
+    return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                           causal=causal, window_size=window_size, softcap=softcap,
+                           alibi_slopes=alibi_slopes, deterministic=deterministic,
+                           return_attn_probs=return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen: int, dropout_p: float = 0.0,
+                                     softmax_scale: Optional[float] = None, causal: bool = False,
+                                     window_size: Tuple[int, int] = (-1, -1),
+                                     softcap: float = 0.0, alibi_slopes=None,
+                                     deterministic: bool = False,
+                                     return_attn_probs: bool = False):
+    """flash_attn_varlen_func with q, k and v stacked in one tensor (flash-attn's API).
+
+    qkv: [total, 3, heads, head_dim] (q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2], read in
+    place); cu_seqlens (int32 [batch + 1]) and max_seqlen serve as both the query and the key
+    ones. The other arguments and the return values are flash_attn_varlen_func's: out [total,
+    heads, head_dim], and with return_attn_probs=True (out, lse, keep). The gradient is one
+    tensor shaped like qkv.
+    """
+    q, k, v = _unpack(qkv, "qkv", 4, 3, _VARLEN_QKV_LAYOUT)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p=dropout_p, softmax_scale=softmax_scale,
+                                  causal=causal, window_size=window_size, softcap=softcap,
+                                  alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                  return_attn_probs=return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                                    max_seqlen_k: int, dropout_p: float = 0.0,
+                                    softmax_scale: Optional[float] = None, causal: bool = False,
+                                    window_size: Tuple[int, int] = (-1, -1),
+                                    softcap: float = 0.0, alibi_slopes=None,
+                                    deterministic: bool = False,
+                                    return_attn_probs: bool = False):
+    """flash_attn_varlen_func with k and v stacked in one tensor (flash-attn's API).
+
+    q: [total_q, heads, head_dim]; kv: [total_k, 2, heads_k, head_dim] with heads % heads_k
+    == 0 (k, v = kv[:, 0], kv[:, 1], read in place). The other arguments and the return
+    values are flash_attn_varlen_func's. kv's gradient is one tensor shaped like kv.
+    """
+    k, v = _unpack(kv, "kv", 4, 2, _VARLEN_KV_LAYOUT)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                                  causal=causal, window_size=window_size, softcap=softcap,
+                                  alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                  return_attn_probs=return_attn_probs)
+
+
+# ---- paged KV cache under autograd (flash_attn_varlen_func with block_table) -----------------
+def _paged_varlen_fwd(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      softmax_scale, causal, seqused_k, block_table, window_left, window_right,
+                      softcap, alibi_slopes, dropout_p, rng_state):
+    """The paged varlen forward operator (with or without autograd, the same call): out
+    [total_q, heads, head_dim] and lse float32 [heads, total_q] of packed q against page pools
+    k_pages / v_pages [num_pages, page_size, heads_k, head_dim]."""
+    q, k_pages, v_pages = (_last_dim_contiguous(t) for t in (q, k_pages, v_pages))
+    return torch.ops.flash_attn_ext.varlen_fwd(
+        q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, causal, seqused_k, window_left, window_right, softcap, alibi_slopes,
+        dropout_p, rng_state, None, block_table)
+
+
+def _paged_key_counts(cu_seqlens_k, seqused_k, max_seqlen_k):
+    """int32 [batch]: the keys each sequence of the paged forward attended to, as the kernels
+    count them (csrc/params.h, packed_sequence and seq_bounds): cu_seqlens_k's length capped at
+    max_seqlen_k, then at seqused_k."""
+    begin = cu_seqlens_k[:-1].clamp(min=0)
+    counts = (torch.maximum(cu_seqlens_k[1:], begin) - begin).clamp(max=max_seqlen_k)
+    if seqused_k is not None:
+        counts = torch.minimum(counts, seqused_k.clamp(min=0))
+    return counts.to(torch.int32)
+
+
+def _pool_gradient(row_grads, rows_used, pool, pages, slots):
+    """The gradient of a page pool [num_pages, page_size, heads_k, head_dim] from that of the
+    rows gathered from it (row i = pool[pages[i], slots[i]]): filler rows (rows_used False)
+    add nothing, and a page read by several sequences gets the sum of their gradients."""
+    grad = torch.zeros(pool.shape, dtype=row_grads.dtype, device=row_grads.device)
+    # index_put_ with accumulate sums repeated indices (deterministically on CUDA too).
+    grad.index_put_((pages, slots), row_grads.masked_fill(~rows_used, 0), accumulate=True)
+    return grad
+
+
+class _PagedVarlenFunction(torch.autograd.Function):
+    """flash_attn_varlen_func over a paged KV cache (block_table) when autograd records: the
+    forward is the paged operator call itself (_paged_varlen_fwd, the values of a call without
+    grad). The backward copies each sequence's keys and values out of the pages into
+    max_seqlen_k rows per sequence (its keys, then filler rows that seqused_k hides: the row
+    count is known without reading cu_seqlens_k on the host), runs the varlen backward on them
+    with the forward's out, lse and dropout state, and adds dK / dV back into pool-shaped
+    gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, seqused_k, block_table, window_left, window_right, softcap,
+                alibi_slopes, dropout_p, rng_state, deterministic):
+        """(out [total_q, heads, head_dim], lse float32 [heads, total_q]) as
+        _paged_varlen_fwd; lse is not differentiable."""
+        out, lse = _paged_varlen_fwd(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                     seqused_k, block_table, window_left, window_right, softcap,
+                                     alibi_slopes, dropout_p, rng_state)
+        ctx.save_for_backward(q, k_pages, v_pages, out, lse, cu_seqlens_q, cu_seqlens_k,
+                              seqused_k, block_table, alibi_slopes, rng_state)
+        ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+        ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+        ctx.variants = (window_left, window_right, softcap)
+        ctx.dropout_p = dropout_p
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        """dout [total_q, heads, head_dim] -> dq shaped like q and dk / dv shaped like the
+        pools (None for the other inputs)."""
+        (q, k_pages, v_pages, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+         alibi_slopes, rng_state) = ctx.saved_tensors
+        batch = block_table.shape[0]
+        key_counts = _paged_key_counts(cu_seqlens_k, seqused_k, ctx.max_seqlen_k)
+        # Sequence b is rows b * rows_per_seq ... of the gathered k / v (at least one row:
+        # the operators take no empty k).
+        rows_per_seq = max(ctx.max_seqlen_k, 1)
+        pages, slots = _kvcache.paged_key_rows(block_table, k_pages.shape[0], k_pages.shape[1],
+                                               rows_per_seq)
+        pages, slots = pages.reshape(-1), slots.reshape(-1)
+        cu_rows = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * rows_per_seq
+        dq, dk_rows, dv_rows = torch.ops.flash_attn_ext.varlen_bwd(
+            _last_dim_contiguous(dout), _last_dim_contiguous(q), k_pages[pages, slots],
+            v_pages[pages, slots], out, lse, cu_seqlens_q, cu_rows, ctx.max_seqlen_q,
+            rows_per_seq, ctx.softmax_scale, ctx.causal, ctx.deterministic, key_counts,
+            *ctx.variants, alibi_slopes, ctx.dropout_p, rng_state)
+        rows_used = (torch.arange(rows_per_seq, device=q.device) < key_counts[:, None])
+        rows_used = rows_used.reshape(-1, 1, 1)
+        dk = (_pool_gradient(dk_rows, rows_used, k_pages, pages, slots)
+              if ctx.needs_input_grad[1] else None)
+        dv = (_pool_gradient(dv_rows, rows_used, v_pages, pages, slots)
+              if ctx.needs_input_grad[2] else None)
+        return (dq if ctx.needs_input_grad[0] else None, dk, dv) + (None,) * 15
 
 
 def _cache_lengths(cache_seqlens, batch, capacity, device):

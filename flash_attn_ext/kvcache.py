@@ -153,6 +153,17 @@ class CacheLayout:
                         f"{used.tolist()}")
 
 
+def paged_key_rows(block_table, num_pages, page_size, max_seqlen_k):
+    """Where keys 0 .. max_seqlen_k - 1 of each sequence of a paged cache live: (page, slot),
+    int64 [batch, max_seqlen_k] each; key r of sequence b is slot r % page_size of page
+    block_table[b, r // page_size], the page id clamped into [0, num_pages) as the kernels clamp
+    it (csrc/params.h, kv_row). Needs max_seqlen_k <= max_pages * page_size (the operators check
+    it). Device operations only (no host synchronisation)."""
+    rows = torch.arange(max_seqlen_k, device=block_table.device)
+    pages = block_table.long()[:, rows // page_size].clamp(0, num_pages - 1)
+    return pages, (rows % page_size).expand_as(pages)
+
+
 def check_rotary(rotary_cos, rotary_sin, q, k, capacity):
     """Validates flash-attn's rotary_cos / rotary_sin ([seqlen_ro, rotary_dim / 2]); returns
     rotary_dim (0: no rotary embedding)."""
