@@ -48,6 +48,26 @@ def _unpacked_grads(call, packed, dim, dout):
 
 
 # ---- values and gradients -----------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_views_in_hopper_kernels(head_dim, causal):
+    """Packed views (row pitch 3 * heads * head_dim, or 2 *) at the head dims of the Hopper
+    kernels (on sm_90 their TMA maps read the views in place; elsewhere the mma.sync
+    kernels): the same values and gradients as separate contiguous tensors."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    qkv = randn((2, 700, 3, 4, head_dim), torch.bfloat16, "cuda", 1, True)
+    out = fa.flash_attn_qkvpacked_func(qkv, causal=causal)
+    dout = randn(out.shape, torch.bfloat16, "cuda", 2)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    out_ref, dqkv_ref = _unpacked_grads(lambda q, k, v: fa.flash_attn_func(q, k, v,
+                                                                            causal=causal),
+                                        qkv, 2, dout)
+    _assert_same(out, out_ref)
+    _assert_same(dqkv, dqkv_ref)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_qkvpacked(device, dtype, causal):
