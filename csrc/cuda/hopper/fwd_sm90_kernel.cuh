@@ -4,9 +4,10 @@
 //   CTA = 1 + W warpgroups (W = 2, or 3 at D = 64), one CTA per SM, looping
 //   over (query tile of 64 W rows, head, batch)
 //
-//   warpgroup 0 (producer, 24 registers): one thread picks the CTA's next
-//       tile (round-robin, or from a global atomic counter: the dynamic
-//       scheduler of the causal grid) and issues TMA copies per tile:
+//   warpgroup 0 (producer, 24 registers, 32 with W = 3): one thread picks
+//       the CTA's next tile (round-robin, or from a global atomic counter:
+//       the dynamic scheduler of the causal grid) and issues TMA copies per
+//       tile:
 //       K_j, V_j for j = last .. first key tile into ring stage (running
 //       count % kStages) once the consumers released that stage, and after
 //       the first K the tile's Q, one 64-row slice per consumer warpgroup,
