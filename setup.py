@@ -3,7 +3,8 @@
 Build switches (all optional): FLASH_ATTN_EXT_CUDA_ARCHS, FLASH_ATTN_EXT_HEAD_DIMS,
 FLASH_ATTN_EXT_DTYPES, FLASH_ATTN_EXT_FORCE_CPU, FLASH_ATTN_EXT_NVCC_EXTRA, and torch's
 MAX_JOBS. What each does, with the run-time switches: the "Environment switches" table of
-README.md, the one place they are documented.
+docs/API.md, the one place they are documented. The build's first line says what it compiles
+(build_banner).
 
 Before compiling, the build checks the C++ compiler (CXX, default c++) against the libstdc++
 that torch loaded into this process, and stops when the compiler's libstdc++ is newer (see
@@ -43,17 +44,15 @@ def _env_list(name, default):
     return [x.strip() for x in re.split(r"[;,\s]+", raw) if x.strip()]
 
 
-def _cuda_wanted():
+def _cpu_only_reason():
+    """Why this build leaves the CUDA kernels out, or None when it builds them."""
     if os.environ.get("FLASH_ATTN_EXT_FORCE_CPU", "0") not in ("", "0"):
-        print("flash_attn_ext: FLASH_ATTN_EXT_FORCE_CPU is set: building the CPU-only extension.")
-        return False
+        return "FLASH_ATTN_EXT_FORCE_CPU is set"
     if torch.version.cuda is None:
-        print("flash_attn_ext: this torch is not a CUDA build: building the CPU-only extension.")
-        return False
+        return "this torch is not a CUDA build"
     if CUDA_HOME is None or shutil.which("nvcc", path=os.path.join(CUDA_HOME, "bin")) is None:
-        print("flash_attn_ext: no CUDA toolkit (nvcc) found: building the CPU-only extension.")
-        return False
-    return True
+        return "no CUDA toolkit (nvcc) found"
+    return None
 
 
 # ---- compiler vs run-time libstdc++ -------------------------------------------------------
@@ -198,17 +197,63 @@ def _selected_cuda_sources():
     return sources, defines
 
 
+# ---- the build's first line ------------------------------------------------------------------
+# The full CUDA build (80;90a, every head dim and dtype): ~25 min on 2 cores (a fresh install
+# took 1480 s there, torch's download included; issue 47), 5-10 min on 16. PTX-only targets
+# (compute_80;compute_90a, as CI builds) skip ptxas and take less.
+FULL_BUILD_TIME = "~25 min on 2 cores, 5-10 min on 16"
+_BUILD_COMMANDS = ("bdist_wheel", "build_ext", "build", "develop", "install", "editable_wheel")
+
+
+def build_banner(cpu_only_reason, units, full_units, archs, head_dims, dtypes):
+    """The one line the build prints first: what it compiles, how long that takes, how to
+    narrow it."""
+    jobs = os.environ.get("MAX_JOBS") or "unset (ninja's default)"
+    if cpu_only_reason:
+        return (f"flash_attn_ext: building the CPU-only extension ({cpu_only_reason}): {units} "
+                f"translation units, ~30 s on 2 cores; the CUDA kernels need nvcc and a CUDA "
+                f"build of torch.")
+    of_full = f" of the full build's {full_units}" if units != full_units else ""
+    return (f"flash_attn_ext: compiling {units} translation units{of_full} "
+            f"for CUDA archs {';'.join(archs)}, head dims {','.join(str(d) for d in head_dims)}, "
+            f"{'+'.join(dtypes)}, MAX_JOBS {jobs}, {os.cpu_count()} cores here; the full build takes "
+            f"{FULL_BUILD_TIME}; narrow it with FLASH_ATTN_EXT_CUDA_ARCHS (e.g. 90a) and "
+            f"FLASH_ATTN_EXT_HEAD_DIMS (e.g. 64,128).")
+
+
+def print_banner(line):
+    """Print the banner; during the build itself also on the terminal, which pip's default
+    (and -q) output would otherwise hide: pip shows a build's output only with -v or when it
+    fails."""
+    print(line, flush=True)
+    if not any(command in sys.argv[1:] for command in _BUILD_COMMANDS):
+        return  # pip's metadata steps run this file too: one terminal line per install
+    try:
+        with open("/dev/tty", "w") as tty:  # no terminal (CI, a pipe): nothing to do
+            tty.write("\n" + line + "\n")
+    except OSError:
+        pass
+
+
 def build_extension():
     os.chdir(HERE)
-    check_libstdcxx()
+    cpu_only_reason = _cpu_only_reason()
     common_sources = ["csrc/module.cpp", "csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    cuda_sources = [] if cpu_only_reason else _selected_cuda_sources()[0]
+    all_cuda = [p for p in glob.glob(os.path.join("csrc", "cuda", "**", "*.c*"), recursive=True)
+                if p.endswith((".cu", ".cpp"))]
+    full_units = len(common_sources) + len(all_cuda)
+    print_banner(build_banner(cpu_only_reason, len(common_sources) + len(cuda_sources), full_units,
+                              _cuda_archs(), _env_list("FLASH_ATTN_EXT_HEAD_DIMS", ALL_HEAD_DIMS),
+                              _env_list("FLASH_ATTN_EXT_DTYPES", ALL_DTYPES)))
+    check_libstdcxx()
     # No -std flag: torch.utils.cpp_extension picks the standard its headers need
     # (C++17 for torch <= 2.11, C++20 for newer releases).
     cxx_flags = ["-O3"]
     if sys.platform.startswith("linux"):
         cxx_flags.append("-fopenmp")
     include_dirs = [os.path.join(HERE, "csrc")]
-    if not _cuda_wanted():
+    if cpu_only_reason:
         return CppExtension("flash_attn_ext._C", common_sources, include_dirs=include_dirs,
                             extra_compile_args={"cxx": cxx_flags},
                             extra_link_args=["-fopenmp"] if "-fopenmp" in cxx_flags else [],
