@@ -142,8 +142,6 @@ struct FwdSm90Fp8TileConfig {
   static constexpr int kBlockNShort = 0;
   static constexpr int kShortSeqlenK = 0;
   static constexpr int kQRing = 2;
-  static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kShortCausalRows = 0;
 };
 
 // T: the element type of q, k, v (16-bit, or e4m3); TOut: of out (T's,
