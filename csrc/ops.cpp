@@ -39,7 +39,7 @@
 //       prev_out, when given, is read as the running output instead of out (out is then
 //       only written, e.g. a 16-bit result from a float32 accumulator). A running result
 //       with lse -inf is not read (a fresh one may hold anything). Ring attention's merge
-//       (flash_attn_ext/distributed.py; the formula: params.h, MergePartialParams).
+//       (flash_attn_ext/distributed/merge.py; the formula: params.h, MergePartialParams).
 //   flash_attn_ext::sum_partial_(out, pieces, prev=None) -> (): out = prev + pieces[0] + ...
 //       (1 to 8 pieces of one shape and dtype; out and prev float32 or the pieces' dtype),
 //       added in float32 in that order and rounded once; prev may be out itself. Ring
