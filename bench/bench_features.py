@@ -20,6 +20,8 @@ are the result: every reference runs in the same process, on the same inputs, ri
      varlen_cudnn the same under sdpa_kernel(CUDNN_ATTENTION)
                   (a torch whose varlen_attn does not follow sdpa_kernel gets one column,
                   `varlen`; a torch without varlen_attn gets a note; CUDA only)
+     fa4_varlen   FlashAttention-4's flash_attn_varlen_func on the packed q/k/v (CUDA, when
+                  flash-attn-4 imports; otherwise a one-line notice and no column)
    The padded backends attend to the zero padding too (no key mask): different results, a
    timing reference only. Every backend's TF/s counts the same useful FLOPs:
    sum over sequences of 4*H*len*len*D, halved when causal; bwd 2.5x. Their TF/s therefore
@@ -56,6 +58,7 @@ CUDA-only on the CPU, gets a note instead of a time.
 import argparse
 import csv
 import functools
+import importlib
 import inspect
 import itertools
 import json
@@ -70,6 +73,7 @@ import flash_attn_ext as fa
 from flash_attn_ext.bench import (DTYPES, PASS_FLOP_FACTOR, Progress, _fmt, _geomean,
                                   _sdpa_backend_enum, _short_error, _time_pass, measure_peaks,
                                   rotated_rounds, timer_name)
+from flash_attn_ext.bench.backends import missing_backend
 
 # Full sizes (the brief's), and --quick sizes per device.
 SIZES = {
@@ -217,6 +221,8 @@ def varlen_backends(device):
     f, pinnable = _torch_varlen()
     names = ["ours", "ours_padded", "sdpa_flash", "sdpa_cudnn"]
     names += ["varlen_flash", "varlen_cudnn"] if pinnable else ["varlen"]
+    if device == "cuda" and missing_backend("fa4") is None:
+        names.append("fa4_varlen")
     return names, f
 
 
@@ -232,6 +238,14 @@ def make_varlen_fn(name, causal, cu, max_len, device, torch_varlen):
         if name == "sdpa_cudnn" and device != "cuda":
             raise Skip("skipped: CUDA only")
         return _sdpa_pinned(name[len("sdpa_"):], is_causal=causal)
+    if name == "fa4_varlen":  # compiles each shape on its first call (the probe call)
+        fa4_varlen = importlib.import_module("flash_attn.cute").flash_attn_varlen_func
+
+        def fa4(q, k, v):
+            out = fa4_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                             max_seqlen_k=max_len, causal=causal)
+            return out[0] if isinstance(out, tuple) else out  # (out, lse) in FA4 4.0
+        return fa4
     if name.startswith("varlen"):
         if torch_varlen is None:
             raise Skip(f"no varlen_attn in torch {torch.__version__}")
@@ -281,8 +295,8 @@ def run_varlen(run, sizes, progress):
         for causal in (False, True):
             base = 4.0 * H * D * sum(n * n for n in lens) / (2 if causal else 1)
             def time_one(name, first_round):
-                layout = ("packed" if name == "ours" or name.startswith("varlen") else
-                          "bshd" if name == "ours_padded" else "bhsd")
+                packed = name in ("ours", "fa4_varlen") or name.startswith("varlen")
+                layout = "packed" if packed else "bshd" if name == "ours_padded" else "bhsd"
                 make = functools.partial(make_varlen_fn, name, causal, inp["cu"], inp["max_len"],
                                          device, torch_varlen)
                 res = run_backend(make, [inp[layout]], passes, device)
@@ -581,6 +595,8 @@ def main(argv=None):
         meta["peak_tflops"], meta["peak_gbps"] = run["peak_flops"] / 1e12, run["peak_bw"] / 1e9
 
     n_steps = 0
+    if "varlen" in parts and device == "cuda" and missing_backend("fa4"):
+        print(missing_backend("fa4"), file=sys.stderr)
     if "varlen" in parts:
         n_steps += len(sizes["varlen"]["hdims"]) * 2 * len(varlen_backends(device)[0])
     if "decode" in parts:
