@@ -19,8 +19,8 @@ template <typename Traits, bool kIsCausal, bool kHasVariants>
 void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   using T = typename Traits::T;
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-  // Q goes in one 64-row slice per consumer warpgroup (see FwdSm90Traits);
-  // query tiles are 64 rows per consumer warpgroup (Traits::kBlockM).
+  // A query tile (Traits::kBlockM rows) is one 64-row Q slice per consumer
+  // warpgroup (see FwdSm90Traits).
   // Varlen (fwd_sm90_takes_seqs): packed tensors are one batch entry of all
   // their rows (the kernel starts each sequence's tiles at its first row);
   // FP8's V^T is padded per sequence. Packed sequences and seqused_k take the
