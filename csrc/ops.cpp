@@ -9,13 +9,13 @@
 //       total_q, head_dim]): dQ / softmax_scale is added into it instead of
 //       returned (dq comes back empty), so that a caller with many calls over the
 //       same rows (ring attention) converts once; the Hopper backward adds into it
-//       in its kernel, other paths add the computed dq (ops_common.h check_dq_accum).
+//       in its kernel, other paths add the computed dq (ops_checks.h check_dq_accum).
 //   with *variants = window_left, window_right, softcap, alibi_slopes, dropout_p,
 //                    rng_state, attn_mask
 //   fwd also takes block_table, cache_batch_idx, cache_leftpad, then k_descale,
 //   v_descale last, varlen_fwd block_table (KV cache addressing, forward only;
 //   params.h). k_descale / v_descale: an FP8 (float8_e4m3fn) KV cache under a
-//   16-bit q (ops_common.h apply_kv_fp8; the CPU kernel dequantises its tiles).
+//   16-bit q (ops_params.h apply_kv_fp8; the CPU kernel dequantises its tiles).
 //   flash_attn_ext::varlen_fwd / varlen_bwd: the same over packed sequences
 //       (cu_seqlens_q / cu_seqlens_k, max_seqlen_q / max_seqlen_k; causal is
 //       bottom-right per sequence, as flash-attn's varlen API).
@@ -70,7 +70,7 @@ namespace {
 
 // Varlen: the kernels write every row of every sequence, so only the out rows
 // past the last one, which belong to none, need zeros. cu_seqlens_q are host
-// values here, checked (ops_common.h: check_cu_seqlens).
+// values here, checked (ops_checks.h: check_cu_seqlens).
 void zero_rows_past_sequences(const at::Tensor& out, const AttentionFwdParams& p) {
   if (p.cu_seqlens_q == nullptr) return;
   const int64_t rows = p.cu_seqlens_q[p.batch];

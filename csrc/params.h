@@ -69,7 +69,7 @@ FAE_HOST_DEVICE int64_t row_offset(const TensorStrides& st, int b, int h, int64_
 // Paged KV caches: pages hold a multiple of this many keys. The CUDA K/V tile
 // loaders look a page up once per 16 consecutive rows of a tile (tiles start
 // at multiples of 16 keys), which is exact only when no 16-row group
-// straddles two pages; ops_common.h rejects other page sizes.
+// straddles two pages; ops_params.h rejects other page sizes.
 constexpr int kKVPageRowAlign = 16;
 
 // Forward tile families of the CUDA mma.sync kernel (fwd_kernel_traits.cuh):
@@ -134,7 +134,7 @@ struct AttentionFwdParams {
   // window or ALiBi is active, not only with causal).
   // Sliding window: key j is visible to query i iff
   //   i + offset - window_left <= j <= i + offset + window_right,
-  // -1 = unbounded on that side. csrc/ops_common.h canonicalises: causal keeps
+  // -1 = unbounded on that side. csrc/ops_params.h canonicalises: causal keeps
   // `causal` (its right bound is 0, window_right stays -1), window (-1, 0)
   // becomes causal, and bounds that no row can reach become -1, so
   // has_window() is false for a window wider than the sequences.
@@ -153,7 +153,7 @@ struct AttentionFwdParams {
   // rows and keys numbered within the sequence) sits at
   //   attn_bias + b*batch + h*head + i*row + j*col   (attn_bias_strides, in
   // elements; 0 where the mask broadcasts). Read tile by tile, never copied.
-  // Padded batches only (ops_common.h rejects it with varlen).
+  // Padded batches only (ops_params.h rejects it with varlen).
   const void* attn_bias = nullptr;
   BiasType attn_bias_type = BiasType::kNone;
   BiasStrides attn_bias_strides;
@@ -199,7 +199,7 @@ struct AttentionFwdParams {
 
   // ---- KV cache addressing (forward only; all optional) ----------------------
   // flash-attn's block_table / cache_batch_idx / cache_leftpad. kv_row() below
-  // is the one definition of where a key row lives; ops_common.h validates
+  // is the one definition of where a key row lives; ops_params.h validates
   // and fills these fields (apply_kv_cache).
   // Paged KV: k / v are pools [num_pages, page_size, heads_k, dim] (so
   // k_strides.batch steps pages) and key row r of sequence b lives in page

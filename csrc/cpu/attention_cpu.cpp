@@ -635,7 +635,7 @@ template <typename T>
 struct BwdRunner {
   static void run(const AttentionBwdParams& p) { bwd_impl<T>(p); }
 };
-// An FP8 KV cache (kv_dtype; ops_common.h admits it under a 16-bit q only).
+// An FP8 KV cache (kv_dtype; ops_params.h admits it under a 16-bit q only).
 template <typename T>
 struct FwdFp8KVRunner {
   static void run(const AttentionFwdParams& p) {

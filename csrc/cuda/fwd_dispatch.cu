@@ -492,7 +492,7 @@ void run_fwd(AttentionFwdParams& params, cudaStream_t stream) {
   if (params.kv_dtype != params.dtype &&
       (params.kv_dtype != DType::kFloat8E4M3 || params.dtype == DType::kFloat32 ||
        params.head_dim % 16 != 0)) {
-    // ops_common.h admits an FP8 K/V only under a 16-bit q; ops_cuda.cpp pads its head dim.
+    // ops_params.h admits an FP8 K/V only under a 16-bit q; ops_cuda.cpp pads its head dim.
     throw std::runtime_error("flash_attn_ext: internal error: FP8 K/V need a 16-bit q and a "
                              "head dim that is a multiple of 16 on CUDA");
   }

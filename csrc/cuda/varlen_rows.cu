@@ -2,7 +2,7 @@
 // the forward gives them zeros in out and -inf in lse (the attention kernels
 // write every row of every sequence, and nothing else). Where those rows begin,
 // cu_seqlens_q[batch], is read here on the device: knowing it on the host
-// would take a device-to-host copy per call (ops_common.h, check_cu_seqlens).
+// would take a device-to-host copy per call (ops_checks.h, check_cu_seqlens).
 #include <cstdint>
 
 #include "flash_api.h"
