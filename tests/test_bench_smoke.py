@@ -68,3 +68,14 @@ def test_bench_optional_backend_missing(monkeypatch, capsys):
     notices = [line for line in captured.err.splitlines() if line.startswith("fa4 skipped")]
     assert len(notices) == 1 and "pip install flash-attn-4" in notices[0]
     assert {r["backend"] for r in rows} == {"ours"}
+
+
+def test_bench_gqa_cpu(capsys):
+    """--heads-k: k and v with fewer heads (GQA) for every backend (SDPA with enable_gqa,
+    naive attention with repeated k / v); the table shows the heads as H/Hk."""
+    rows = bench_attention.main(["--device", "cpu", "--hdims", "16", "--seqlens", "32",
+                                 "--batch", "1", "--heads", "4", "--heads-k", "2", "--causal", "1",
+                                 "--pass", "fwd,bwd", "--backends", "ours,naive,math,sdpa",
+                                 "--no-roofline"])
+    assert {r["Hk"] for r in rows} == {2} and all(r["ms"] for r in rows), rows
+    assert " | 4/2 | " in capsys.readouterr().out

@@ -55,10 +55,10 @@ def flops(cfg, pass_):
 
 def min_bytes(cfg, pass_, elt):
     """Bytes that any implementation has to move through DRAM at least once (elt bytes per
-    element): fwd reads q [B, H, Sq, D], k, v [B, H, Sk, D] and writes o; bwd also reads o
+    element): fwd reads q [B, H, Sq, D], k, v [B, Hk, Sk, D] and writes o; bwd also reads o
     and do and writes dq, dk, dv."""
     q_like = cfg["B"] * cfg["H"] * cfg["Sq"] * cfg["D"] * elt  # q, o, do, dq
-    k_like = cfg["B"] * cfg["H"] * cfg["Sk"] * cfg["D"] * elt  # k, v, dk, dv
+    k_like = cfg["B"] * cfg.get("Hk", cfg["H"]) * cfg["Sk"] * cfg["D"] * elt  # k, v, dk, dv
     fwd = 2 * q_like + 2 * k_like                # read q, k, v; write o
     bwd = 4 * q_like + 4 * k_like                # read q, k, v, o, do; write dq, dk, dv
     return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}[pass_]
@@ -76,11 +76,15 @@ def _causal_mask(Sq, Sk, device):
 
 
 def make_fn(backend, cfg, device, deterministic=False):
-    """fn(q, k, v) -> out for one backend (ALL_BACKENDS) on config cfg (D, Sq, Sk, causal):
-    q [B, H, Sq, D], k, v [B, H, Sk, D] (possibly transposed views, see make_inputs) ->
-    out [B, H, Sq, D]; causal is top-left aligned (SDPA's is_causal) for every backend."""
+    """fn(q, k, v) -> out for one backend (ALL_BACKENDS) on config cfg (D, Sq, Sk, causal,
+    H, Hk): q [B, H, Sq, D], k, v [B, Hk, Sk, D] (possibly transposed views, see
+    make_inputs) -> out [B, H, Sq, D]; causal is top-left aligned (SDPA's is_causal) for every
+    backend; Hk < H (GQA) goes to SDPA and flex_attention as enable_gqa=True, to naive
+    attention as repeated k, v, and to ours and FA4 as it is."""
     causal, Sq, Sk = cfg["causal"], cfg["Sq"], cfg["Sk"]
     scale = 1.0 / math.sqrt(cfg["D"])
+    gqa = cfg.get("Hk", cfg["H"]) != cfg["H"]
+    gqa_kw = {"enable_gqa": True} if gqa else {}
     if backend == "ours-mma":
         # ours with both passes pinned to the mma.sync kernels (on sm_90 the default is the
         # Hopper wgmma kernels); run_config times it inside _pinned_to_mma().
@@ -89,7 +93,8 @@ def make_fn(backend, cfg, device, deterministic=False):
         return make_fn("ours", cfg, device, True)
     if backend == "ours":
         if not deterministic:
-            return lambda q, k, v: fa.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return lambda q, k, v: fa.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                   **gqa_kw)
 
         # The SDPA wrapper has no deterministic flag; flash_attn_func has, but aligns causal
         # masks bottom-right. For Sq <= Sk, top-left causal attention (the other backends')
@@ -112,20 +117,23 @@ def make_fn(backend, cfg, device, deterministic=False):
         mask = _causal_mask(Sq, Sk, device) if causal else None
 
         def naive(q, k, v):
+            if gqa:  # what a model without GQA support does: repeat k and v per query head
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
             s = torch.matmul(q, k.transpose(-2, -1)) * scale
             if mask is not None:
                 s = s.masked_fill(mask, float("-inf"))
             return torch.matmul(torch.softmax(s, dim=-1), v)
         return naive
     if backend == "sdpa":  # torch's own choice (on CPU: its flash-attention CPU kernel)
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                              **gqa_kw)
     if backend in SDPA_BACKENDS:
         from torch.nn.attention import sdpa_kernel
         be = _sdpa_backend_enum(backend)
 
         def pinned(q, k, v):
             with sdpa_kernel(be):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa_kw)
         return pinned
     if backend == "flex":
         if device != "cuda":
@@ -139,7 +147,7 @@ def make_fn(backend, cfg, device, deterministic=False):
         if causal:  # top-left, as SDPA's is_causal
             block_mask = fx.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, Sq, Sk,
                                               device=device)
-        return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+        return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, **gqa_kw)
     if backend == "fa4":
         # FlashAttention-4's CuTe DSL kernels, in their own layout [B, S, H, D]: the bshd
         # layout's inputs are such views already (bhsd ones are copied by FA4 first). It
@@ -190,14 +198,16 @@ def _pinned_to_mma(active=True):
 
 
 def make_inputs(cfg, layout, n_sets, device, dtype, seed=0):
-    """n_sets independent (q, k, v), each [B, H, S, D]-shaped; for layout bshd these are
-    transposed views of [B, S, H, D] storage, as a model using flash-attn's layout has them."""
+    """n_sets independent (q, k, v), q [B, H, Sq, D]- and k, v [B, Hk, Sk, D]-shaped; for
+    layout bshd these are transposed views of [B, S, heads, D] storage, as a model using
+    flash-attn's layout has them."""
     gen = torch.Generator().manual_seed(seed)
-    B, H, D = cfg["B"], cfg["H"], cfg["D"]
+    B, D = cfg["B"], cfg["D"]
     sets = []
     for _ in range(n_sets):
         t = []
-        for n in (cfg["Sq"], cfg["Sk"], cfg["Sk"]):
+        for n, H in ((cfg["Sq"], cfg["H"]), (cfg["Sk"], cfg.get("Hk", cfg["H"])),
+                     (cfg["Sk"], cfg.get("Hk", cfg["H"]))):
             shape = (B, H, n, D) if layout == "bhsd" else (B, n, H, D)
             x = torch.randn(shape, generator=gen).to(device, dtype)
             if layout == "bshd":

@@ -4,6 +4,7 @@ one process, and prints a table last.
   python -m flash_attn_ext.bench                       # GPU: FlashAttention paper grid, bf16
   python -m flash_attn_ext.bench --device cpu --quick  # CPU demo: B=1 H=8 S=1024 D=64 fp32
   python -m flash_attn_ext.bench --hdims 128 --seqlens 4096 --causal 1 --pass fwd
+  python -m flash_attn_ext.bench --hdims 128 --heads 32 --heads-k 8 --backends ours,fa4,cudnn  # GQA
   python -m flash_attn_ext.bench --csv out.csv --json out.json --plot plots/
 
 Backends: ours, ours-mma (both passes pinned to the mma.sync kernels), ours-det (ours with
@@ -61,6 +62,9 @@ def parse_args(argv=None):
                    help="fixed query length (e.g. 1 for decoding); keys use --seqlens")
     p.add_argument("--batch", type=int, default=None, help="default 16384/S on GPU, 1 on CPU")
     p.add_argument("--heads", type=int, default=None, help="default 2048/D on GPU, 8 on CPU")
+    p.add_argument("--heads-k", type=int, default=None,
+                   help="key/value heads (GQA / MQA: a divisor of --heads; default: --heads). "
+                        "SDPA and flex get enable_gqa=True, naive attention repeated k and v")
     p.add_argument("--backends", default=None,
                    help="comma list of " + ",".join(ALL_BACKENDS) + " (default: "
                         f"{DEFAULT_BACKENDS['cuda']} on GPU, {DEFAULT_BACKENDS['cpu']} on CPU)")
@@ -136,9 +140,12 @@ def configs(run, args):
         for D in run["hdims"]:
             for S in run["seqlens"]:
                 for causal in run["causals"]:
+                    H = args.heads or (max(1, 2048 // D) if gpu else 8)
+                    if args.heads_k and H % args.heads_k:
+                        raise SystemExit(f"--heads-k {args.heads_k} does not divide {H} heads")
                     yield dict(layout=layout, D=D, Sk=S, causal=causal, Sq=args.seqlen_q or S,
                                B=args.batch or (max(1, 16384 // S) if gpu else 1),
-                               H=args.heads or (max(1, 2048 // D) if gpu else 8))
+                               H=H, Hk=args.heads_k or H)
 
 
 def run_bench(args):
@@ -181,7 +188,8 @@ def run_bench(args):
                 r = results[be][p]
                 ms = r["ms"]
                 rows.append(dict(
-                    dtype=meta["dtype"], layout=cfg["layout"], hdim=cfg["D"], B=cfg["B"], H=cfg["H"],
+                    dtype=meta["dtype"], layout=cfg["layout"], hdim=cfg["D"], B=cfg["B"],
+                    H=cfg["H"], Hk=cfg["Hk"],
                     Sq=cfg["Sq"], S=cfg["Sk"], causal=int(cfg["causal"]), pass_=p, backend=be,
                     ms=ms, tflops=f / ms / 1e9 if ms else None,
                     ours_speedup=ms / ours_ms if ms and ours_ms else None,

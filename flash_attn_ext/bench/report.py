@@ -15,7 +15,7 @@ FLOPS_NOTE = ("FLOPs: fwd 4*B*H*Sq*Sk*D (halved when causal and Sq == Sk), bwd 2
 # number format; scripts read them by name.
 CSV_FIELDS = ["dtype", "hdim", "B", "H", "Sq", "S", "causal", "pass_", "backend", "ms", "tflops",
               "ours_speedup", "peak_extra_mb", "note", "layout", "flops", "min_bytes", "intensity",
-              "bound", "roof_pct"]
+              "bound", "roof_pct", "Hk"]
 
 
 def _fmt(v, spec):
@@ -30,7 +30,7 @@ def csv_row(r):
                 peak_extra_mb=_fmt(r["peak_extra_mb"], ".1f"), note=r["note"], layout=r["layout"],
                 flops=_fmt(r["flops"], ".6g"), min_bytes=r["min_bytes"],
                 intensity=_fmt(r["intensity"], ".4g"), bound=r["bound"] or "",
-                roof_pct=_fmt(r["roof_pct"], ".1f"))
+                roof_pct=_fmt(r["roof_pct"], ".1f"), Hk=r.get("Hk", r["H"]))
 
 
 def write_csv(rows, path):
@@ -122,7 +122,9 @@ def print_table(rows, meta):
     roofline = meta.get("peaks") is not None
     by = {}
     for r in rows:
-        key = (r["pass_"], r["dtype"], r["layout"], r["hdim"], r["B"], r["H"], r["Sq"], r["S"], r["causal"])
+        # H shows "query heads/kv heads" under GQA (--heads-k; runs saved before it have no Hk).
+        heads = r["H"] if r.get("Hk", r["H"]) == r["H"] else f"{r['H']}/{r['Hk']}"
+        key = (r["pass_"], r["dtype"], r["layout"], r["hdim"], r["B"], heads, r["Sq"], r["S"], r["causal"])
         by.setdefault(key, {})[r["backend"]] = r
     pass_order = list(dict.fromkeys(r["pass_"] for r in rows))
     keys = sorted(by, key=lambda t: (pass_order.index(t[0]), t[2], t[3], t[8], t[7], t[6]))
