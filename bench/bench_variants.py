@@ -17,13 +17,16 @@ Configs (H=16, D=128, flash-attn's bottom-right diagonal; Sq = Sk, so top-left i
   mask     B=4, S=4k: a boolean key-padding attn_mask [B, 1, 1, S] (a quarter of each row's
            keys masked) and an additive bf16 bias [1, H, S, S], through our SDPA entry point
   dropout  B=4, S=4k, causal and not: dropout_p = 0.1
+  sink     B=2, S=8k, causal and not: learnable_sink [H] (gpt-oss's sinks; requires grad, so
+           the backward computes d_sink too). gpt-oss's head dim is 64: --head-dim 64.
 Backends: ours (flash_attn_ext with the variant), plain (ours without it: the same call minus
 the variant), flex (torch.compile(flex_attention), fresh compile per config; no dropout),
 flex_plain (flex_attention on the plain call: its causal block_mask only, no score_mod; not in
 the default set: flex_plain/plain is how much slower flex's kernel is than ours on the same
 work, so the most that flex/ours can reach for a variant that costs either side nothing),
 cudnn (torch SDPA pinned to cuDNN: with the same attn_mask / dropout_p where it takes them,
-else the plain causal / full call, a reference point only).
+else the plain causal / full call, a reference point only). flex has no sinks (no row can get
+an extra logit without a value).
 Passes: fwd, and bwd alone (torch.autograd.grad with retain_graph=True on a forward built
 before timing). Timing: flash_attn_ext.bench.time_ms (do_bench median, L2 flushed); with
 --rounds N every config runs N times with the backends in rotated order and the median of
@@ -59,7 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--backends", default="ours,plain,flex,cudnn")
     p.add_argument("--csv", default=None, help="write every row to this CSV file")
     p.add_argument("--only", default=None,
-                   help="comma-separated variants to run (window, softcap, alibi, mask, dropout)")
+                   help="comma-separated variants to run (window, softcap, alibi, mask, dropout, "
+                   "sink)")
     return p.parse_args(argv)
 
 
@@ -74,6 +78,9 @@ def configs(quick):
     out.append(dict(name="mask", B=B, S=S, causal=False, mask="bias"))
     for causal in (False, True):
         out.append(dict(name="dropout", B=B, S=S, causal=causal, dropout=0.1))
+    S_sink, B_sink = (256, 2) if quick else (8192, 2)
+    for causal in (False, True):
+        out.append(dict(name="sink", B=B_sink, S=S_sink, causal=causal, sink=True))
     return out
 
 
@@ -105,6 +112,11 @@ def make_fn(backend, cfg, H, device, dtype):
     slopes = alibi_slopes(H, device) if cfg.get("alibi") else None
     mask = attn_mask(cfg, H, device, dtype)
     dropout_p = cfg.get("dropout", 0.0)
+    # gpt-oss's sinks: a parameter, so the backward also computes its gradient.
+    sink = (torch.randn(H, device=device).requires_grad_() if cfg.get("sink") and
+            backend == "ours" else None)
+    if cfg.get("sink") and backend == "flex":
+        raise RuntimeError("flex_attention has no sinks")
     if backend in ("ours", "plain") and (mask is not None or dropout_p > 0):
         kw = dict(is_causal=causal)
         if backend == "ours":
@@ -113,7 +125,8 @@ def make_fn(backend, cfg, H, device, dtype):
     if backend in ("ours", "plain"):
         kw = dict(causal=causal)
         if backend == "ours":
-            kw.update(window_size=window, softcap=softcap, alibi_slopes=slopes)
+            kw.update(window_size=window, softcap=softcap, alibi_slopes=slopes,
+                      learnable_sink=sink)
 
         def ours(q, k, v):
             out = fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw)
@@ -190,7 +203,8 @@ def label(cfg):
     extra = (f"window {cfg['window'][0]}" if "window" in cfg else
              f"softcap {cfg['softcap']:g}" if "softcap" in cfg else
              f"mask {cfg['mask']}" if "mask" in cfg else
-             f"dropout {cfg['dropout']:g}" if "dropout" in cfg else "alibi")
+             f"dropout {cfg['dropout']:g}" if "dropout" in cfg else
+             "sink" if "sink" in cfg else "alibi")
     return f"{extra}, {'causal' if cfg['causal'] else 'full'}"
 
 

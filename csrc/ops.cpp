@@ -94,18 +94,26 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cpu(AttentionFwdParams p, const at::T
 }
 
 // dk / dv are zero-filled when some keys may be in no sequence or unused.
+// dsink (with a learnable sink): its gradient is added into it (add_sink_grad).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cpu(AttentionBwdParams p,
                                                            const at::Tensor& q,
                                                            const at::Tensor& k,
-                                                           const at::Tensor& v) {
+                                                           const at::Tensor& v,
+                                                           const at::Tensor& lse,
+                                                           const std::optional<at::Tensor>& sink,
+                                                           const std::optional<at::Tensor>& dsink) {
   TORCH_CHECK(q.device().is_cpu(), "flash_attn_ext: bwd (CPU) got q on ", q.device());
   const bool partial = has_var_seqs(p);
   auto alloc = [&](const at::Tensor& t) { return partial ? at::zeros_like(t) : at::empty_like(t); };
   at::Tensor dq = alloc(q), dk = alloc(k), dv = alloc(v);
-  at::Tensor dsoftmax_sum = at::empty({p.q_rows_total}, q.options().dtype(at::kFloat));
+  // Zeros where the sink's gradient reads rows outside every sequence.
+  at::Tensor dsoftmax_sum = dsink.has_value()
+                                ? at::zeros({p.q_rows_total}, q.options().dtype(at::kFloat))
+                                : at::empty({p.q_rows_total}, q.options().dtype(at::kFloat));
   set_grad_outputs(p, dq, dk, dv);
   p.dsoftmax_sum = dsoftmax_sum.data_ptr<float>();
   cpu::run_bwd(p);
+  if (dsink.has_value()) add_sink_grad(*dsink, *sink, lse, dsoftmax_sum);
   return {dq, dk, dv};
 }
 
@@ -132,13 +140,14 @@ static std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at:
                                                   const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
                                                   const std::optional<at::Tensor>& rng_state,
                                                   const std::optional<at::Tensor>& attn_mask,
+                                                  const std::optional<at::Tensor>& learnable_sink,
                                                   const std::optional<at::Tensor>& block_table,
                                                   const std::optional<at::Tensor>& cache_batch_idx,
                                                   const std::optional<at::Tensor>& cache_leftpad,
                                                   const std::optional<at::Tensor>& k_descale,
                                                   const std::optional<at::Tensor>& v_descale) {
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
-                         dropout_p,   rng_state,    attn_mask};
+  const VariantArgs var{window_left, window_right, softcap,   alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask, learnable_sink};
   const KVCacheArgs cache{block_table, cache_batch_idx, cache_leftpad, k_descale, v_descale};
   const AttentionFwdParams p = make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right,
                                                seqused_k, &var, &cache);
@@ -161,9 +170,10 @@ static std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(
     int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& block_table) {
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
-                         dropout_p,   rng_state,    attn_mask};
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& block_table) {
+  const VariantArgs var{window_left, window_right, softcap,   alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask, learnable_sink};
   const AttentionFwdParams p = make_varlen_fwd_params(
       q, k, v, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k}, softmax_scale, causal,
       seqused_k, &var, block_table);
@@ -177,13 +187,17 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& dq_accum) {
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
-                         dropout_p,   rng_state,    attn_mask};
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& dq_accum,
+    const std::optional<at::Tensor>& dsink) {
+  const VariantArgs var{window_left, window_right, softcap,   alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask, learnable_sink};
   const AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
                                                causal_bottom_right, deterministic, seqused_k, &var);
   check_dq_accum(dq_accum, q, /*packed=*/false, softmax_scale);
-  return accumulate_dq(run_bwd_cpu(p, q, k, v), dq_accum, softmax_scale, /*packed=*/false);
+  check_dsink(dsink, learnable_sink, q);
+  return accumulate_dq(run_bwd_cpu(p, q, k, v, lse, learnable_sink, dsink), dq_accum,
+                       softmax_scale, /*packed=*/false);
 }
 
 static std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
@@ -194,14 +208,17 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const std::optional<at::Tensor>& seqused_k, int64_t window_left, int64_t window_right,
     double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& dq_accum) {
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
-                         dropout_p,   rng_state,    attn_mask};
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& dq_accum,
+    const std::optional<at::Tensor>& dsink) {
+  const VariantArgs var{window_left, window_right, softcap,   alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask, learnable_sink};
   const AttentionBwdParams p = make_varlen_bwd_params(
       dout, q, k, v, out, lse, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k},
       softmax_scale, causal, deterministic, seqused_k, &var);
   check_dq_accum(dq_accum, q, /*packed=*/true, softmax_scale);
-  return accumulate_dq(run_bwd_cpu(p, q, k, v), dq_accum, softmax_scale, /*packed=*/true);
+  check_dsink(dsink, learnable_sink, q);
+  return accumulate_dq(run_bwd_cpu(p, q, k, v, lse, learnable_sink, dsink), dq_accum,
+                       softmax_scale, /*packed=*/true);
 }
 
 // The dropout keep-mask (csrc/dropout.h) as bool [batch, heads, seqlen_q,
@@ -292,7 +309,8 @@ void sum_partial_cpu(at::Tensor out, const std::vector<at::Tensor>& pieces,
 // the last arguments of every operator; their defaults turn them off.
 #define FAE_VARIANT_ARGS                                                                     \
   "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, " \
-  "float dropout_p=0.0, Tensor? rng_state=None, Tensor? attn_mask=None"
+  "float dropout_p=0.0, Tensor? rng_state=None, Tensor? attn_mask=None, " \
+  "Tensor? learnable_sink=None"
 
 // The KV cache addressing of the forward operators (flash-attn's names; see
 // params.h): a paged cache's block table, and per batch entry the cache row
@@ -308,8 +326,8 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float softmax_scale, bool causal, bool causal_bottom_right, bool deterministic=False, "
-      "Tensor? seqused_k=None, " FAE_VARIANT_ARGS ", Tensor(a!)? dq_accum=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? seqused_k=None, " FAE_VARIANT_ARGS ", Tensor(a!)? dq_accum=None, "
+      "Tensor(b!)? dsink=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
@@ -319,7 +337,8 @@ TORCH_LIBRARY(flash_attn_ext, m) {
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
       "float softmax_scale, bool causal, bool deterministic=False, Tensor? seqused_k=None, "
-      FAE_VARIANT_ARGS ", Tensor(a!)? dq_accum=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      FAE_VARIANT_ARGS ", Tensor(a!)? dq_accum=None, Tensor(b!)? dsink=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "dropout_mask(Tensor rng_state, int batch, int heads, int seqlen_q, int seqlen_k, "
       "float dropout_p) -> Tensor");

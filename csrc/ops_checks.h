@@ -191,6 +191,22 @@ inline void check_dq_accum(const std::optional<at::Tensor>& acc, const at::Tenso
               "so softmax_scale must not be 0");
 }
 
+// The bwd operators' dsink: the gradient of learnable_sink (float32 [heads],
+// params.h), added into; only with a learnable_sink. A call with a sink and
+// no dsink computes no sink gradient.
+inline void check_dsink(const std::optional<at::Tensor>& dsink,
+                        const std::optional<at::Tensor>& learnable_sink, const at::Tensor& q) {
+  if (!dsink.has_value()) return;
+  TORCH_CHECK(learnable_sink.has_value(), "flash_attn_ext: bwd: dsink (the gradient of "
+              "learnable_sink) needs the learnable_sink of the forward");
+  TORCH_CHECK(dsink->scalar_type() == at::kFloat && dsink->sizes() == learnable_sink->sizes(),
+              "flash_attn_ext: bwd: dsink must be float32 of learnable_sink's shape ",
+              learnable_sink->sizes(), ", got ", dsink->scalar_type(), " of shape ",
+              dsink->sizes());
+  TORCH_CHECK(dsink->device() == q.device(), "flash_attn_ext: bwd: dsink must be on q's device ",
+              q.device(), ", got ", dsink->device());
+}
+
 // The tensors of merge_partial_ / sum_partial_ (`op`): 1 .. max_inputs
 // `inputs` of one dtype (float32 or 16-bit), out and the running result (when
 // given) float32 or that dtype, all of one shape, [batch, seqlen, heads,

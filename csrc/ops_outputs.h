@@ -25,4 +25,20 @@ inline void add_into_dq_accum(const at::Tensor& acc, const at::Tensor& dq, doubl
   acc.add_(packed ? dq.transpose(0, 1) : dq.transpose(1, 2), 1.0 / softmax_scale);
 }
 
+// dsink += the gradient of the learnable sink (params.h): the sink of head h
+// is one more logit of each of its rows with zero value, so
+// dS_sink = P_sink (0 - D) and d_sink[h] = -sum over the rows of head h of
+// exp(sink[h] - lse) * D, D = rowsum(dO o O) as the backward computed it
+// (dsum: the flat q_rows_total floats in lse's layout, zero on rows outside
+// every sequence, where lse is -inf: skipped, as exp(+inf) * 0 would be NaN).
+// A fixed-order ATen reduction: deterministic.
+inline void add_sink_grad(const at::Tensor& dsink, const at::Tensor& sink, const at::Tensor& lse,
+                          const at::Tensor& dsum) {
+  const bool packed = lse.dim() == 2;  // [heads, total_q], else [batch, heads, seqlen_q]
+  const at::Tensor sink_rows = packed ? sink.view({-1, 1}) : sink.view({1, -1, 1});
+  const at::Tensor terms = at::where(at::isneginf(lse), at::zeros({}, lse.options()),
+                                     at::exp(sink_rows - lse) * dsum.view(lse.sizes()));
+  dsink.sub_(packed ? terms.sum({1}) : terms.sum({0, 2}));
+}
+
 }  // namespace flash_attn_ext

@@ -54,6 +54,9 @@ struct VariantArgs {
   double dropout_p = 0.0;
   std::optional<at::Tensor> rng_state;
   std::optional<at::Tensor> attn_mask;
+  // Not a variant (the kernels without variants take it too), but passed with
+  // them: gpt-oss's learnable sink, float32 [heads] (params.h).
+  std::optional<at::Tensor> learnable_sink;
 };
 
 inline BiasType to_bias_type(at::ScalarType t) {
@@ -158,6 +161,18 @@ inline void apply_variants(AttentionFwdParams& p, const VariantArgs& va, const a
     apply_attn_mask(p, *va.attn_mask, q);
   }
   apply_dropout(p, va.dropout_p, va.rng_state, q);
+  if (va.learnable_sink.has_value()) {
+    const at::Tensor& s = *va.learnable_sink;
+    TORCH_CHECK(s.scalar_type() == at::kFloat, "flash_attn_ext: learnable_sink must be float32, "
+                "got ", s.scalar_type());
+    TORCH_CHECK(s.device() == q.device(), "flash_attn_ext: learnable_sink must be on the device "
+                "of q (", q.device(), "), got ", s.device());
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == p.heads, "flash_attn_ext: learnable_sink must have "
+                "shape [heads] = [", p.heads, "] (one logit per query head), got ", s.sizes());
+    TORCH_CHECK(s.stride(0) == 1 || s.size(0) == 1,
+                "flash_attn_ext: learnable_sink must be contiguous");
+    p.learnable_sink = s.data_ptr<float>();
+  }
   if (p.causal || has_window(p) || p.alibi_slopes != nullptr) {  // the diagonal matters
     p.causal_bottom_right = bottom_right;
     p.causal_offset = bottom_right ? p.seqlen_k - p.seqlen_q : 0;

@@ -30,8 +30,8 @@ std::tuple<at::Tensor, at::Tensor> sdpa_fwd_via(Fwd&& fwd, const at::Tensor& que
   auto [out, lse] = fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                         softmax_scale, causal, /*causal_bottom_right=*/false, /*num_splits=*/0,
                         /*tile=*/0, std::nullopt, -1, -1, 0.0, std::nullopt, dropout_p, rng_state,
-                        attn_mask, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
-                        std::nullopt);
+                        attn_mask, /*learnable_sink=*/std::nullopt, std::nullopt, std::nullopt,
+                        std::nullopt, std::nullopt, std::nullopt);
   return {out.transpose(1, 2), lse};
 }
 

@@ -11,6 +11,7 @@
 // SDPA's [B,H,S,D] layouts are expressed by these strides, so neither needs a
 // copy.
 #pragma once
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -148,6 +149,15 @@ struct AttentionFwdParams {
   // -slope * |i + offset - j| is added after the softcap. nullptr = off.
   const float* alibi_slopes = nullptr;
   int64_t alibi_slopes_batch_stride = 0;
+  // Learnable attention sink (gpt-oss): fp32 [heads], one extra logit per
+  // query head in every row's softmax denominator, exp(sink[h] - max), with no
+  // value (its probability is dropped from the output); lse includes it. Only
+  // the forward's epilogue reads it (OnlineSoftmax::finalize): the backward's
+  // P = exp(S - lse) and D = rowsum(dO o O) already account for it, and
+  // d_sink[h] = -sum_rows exp(sink[h] - lse) D is taken from the backward's
+  // D rows by the operator layer (ops_outputs.h add_sink_grad). Not a
+  // variant: the kernels without variants take it too. nullptr = off.
+  const float* learnable_sink = nullptr;
   // attn_mask (torch SDPA's): an additive bias on the scores, after softcap and
   // ALiBi, or a boolean mask (false = -inf). Element (b, h, i, j) (query head h,
   // rows and keys numbered within the sequence) sits at
@@ -367,6 +377,26 @@ FAE_HOST_DEVICE int64_t kv_offset(const TensorStrides& st, KVRow r, int h) {
 FAE_HOST_DEVICE int64_t kv_row_offset(const AttentionFwdParams& p, const TensorStrides& st, int b,
                                       int h, int64_t row) {
   return kv_offset(st, kv_row(p, b, row), h);
+}
+
+// The learnable sink of query head `head` (params learnable_sink) in the log2
+// domain of the kernels' row maxima; -inf without one.
+FAE_HOST_DEVICE float sink_log2_of(const AttentionFwdParams& p, int head) {
+  return p.learnable_sink == nullptr ? -INFINITY : p.learnable_sink[head] * 1.4426950408889634f;
+}
+
+// Folds a learnable sink into a finished softmax row: max is the row's max
+// (log2 domain, -inf for a row without visible keys) and sum its sum of
+// exp2(score - max + offset). The max is raised to the sink when the sink is
+// larger (no term can overflow); returns the factor, exp2(old max - new max),
+// that takes O (accumulated relative to the old max) to the new one.
+FAE_HOST_DEVICE float fold_sink_into_row(float sink_log2, float& max, float& sum,
+                                         float offset = 0.f) {
+  const float new_max = fmaxf(max, sink_log2);
+  const float o_factor = exp2f(max - new_max);  // 0 for a row without visible keys
+  sum = sum * o_factor + exp2f(sink_log2 - new_max + offset);
+  max = new_max;
+  return o_factor;
 }
 
 // Whether a window bound is active (after canonicalisation, see above).

@@ -57,15 +57,18 @@ def _mask_is_pattern(attention_mask, sq, sk, window, device):
 
 
 def flash_attn_ext_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                             softcap=None, sliding_window=None, **kwargs):
+                             softcap=None, sliding_window=None, s_aux=None, **kwargs):
     """transformers attention function: query [B, H, Sq, D], key/value [B, H_kv, Sk, D]
-    -> (attn_output [B, Sq, H, D], None)."""
+    -> (attn_output [B, Sq, H, D], None). s_aux: gpt-oss's learnable sinks ([H], one logit per
+    query head; examples/hf_gpt_oss.py), passed on as learnable_sink."""
     CALLS[0] += 1
     sq, sk = query.shape[2], key.shape[2]
     window = _window(sliding_window)
-    if attention_mask is not None and softcap and _mask_is_pattern(attention_mask, sq, sk, window,
-                                                                   query.device):
-        attention_mask = None  # causal (+ window): flash_attn_func applies it with the softcap
+    if attention_mask is not None and (softcap or sliding_window is not None) and \
+            _mask_is_pattern(attention_mask, sq, sk, window, query.device):
+        # causal (+ window), no padding: flash_attn_func applies it itself (with the softcap,
+        # and the window without reading a mask)
+        attention_mask = None
     if attention_mask is not None:
         # transformers materialises a mask where is_causal cannot express it (padding, several
         # new queries against a KV cache, sliding windows): the SDPA entry point reads it as it
@@ -74,7 +77,7 @@ def flash_attn_ext_attention(module, query, key, value, attention_mask, scaling=
             raise NotImplementedError("flash_attn_ext: softcap together with a padding mask")
         out = flash_attn_ext.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask[..., :sk], dropout_p=dropout,
-            scale=scaling, enable_gqa=True)
+            scale=scaling, enable_gqa=True, learnable_sink=s_aux)
         return out.transpose(1, 2), None
     causal = bool(getattr(module, "is_causal", True))
     if causal and sk > sq and sq > 1:
@@ -87,7 +90,7 @@ def flash_attn_ext_attention(module, query, key, value, attention_mask, scaling=
     out = flash_attn_ext.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
                                          value.transpose(1, 2), dropout_p=dropout,
                                          softmax_scale=scaling, causal=causal, window_size=window,
-                                         softcap=softcap or 0.0)
+                                         softcap=softcap or 0.0, learnable_sink=s_aux)
     return out, None
 
 

@@ -25,7 +25,7 @@ import torch
 from . import autotune as _autotune
 from . import fp8 as _fp8
 from . import kvcache as _kvcache
-from .ops import FlashAttnFunction, FlashAttnVarlenFunction, new_rng_state
+from .ops import FlashAttnFunction, FlashAttnVarlenFunction, _sink_grad_buffer, new_rng_state
 
 
 def _not_implemented(what):
@@ -36,7 +36,9 @@ def _run(function, *args):
     """function.apply(*args) when autograd has something to record, else its forward
     directly: the same operator call without apply's argument binding (about two thirds of a
     small call's host time, CPU, torch 2.15), for inference and torch.no_grad()."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:3]):
+    # (q, k, v, and the learnable sink, the last argument where given)
+    if torch.is_grad_enabled() and (any(t.requires_grad for t in args[:3]) or (
+            isinstance(args[-1], torch.Tensor) and args[-1].requires_grad)):
         return function.apply(*args)
     return function.forward(*args)
 
@@ -132,12 +134,37 @@ def _variant_args(window_size, softcap, alibi_slopes):
     return left, right, float(softcap), alibi_slopes
 
 
+_SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _sink_arg(learnable_sink, heads, device):
+    """learnable_sink as the operators take it: float32 [heads] on q's device, contiguous. A
+    float16 / bfloat16 sink (a model's parameter in its dtype) is cast here, differentiably, so
+    its gradient comes back in its own dtype."""
+    if learnable_sink is None:
+        return None
+    if not isinstance(learnable_sink, torch.Tensor):
+        raise TypeError("flash_attn_ext: learnable_sink must be None or a tensor [heads], got "
+                        f"{type(learnable_sink).__name__}")
+    if learnable_sink.dtype not in _SINK_DTYPES:
+        raise RuntimeError("flash_attn_ext: learnable_sink must be float32, bfloat16 or float16, "
+                           f"got {learnable_sink.dtype}")
+    if tuple(learnable_sink.shape) != (heads,):
+        raise RuntimeError(f"flash_attn_ext: learnable_sink must have shape [heads] = [{heads}] "
+                           f"(one logit per query head), got {tuple(learnable_sink.shape)}")
+    if learnable_sink.device != device:
+        raise RuntimeError(f"flash_attn_ext: learnable_sink must be on the device of q ({device}),"
+                           f" got {learnable_sink.device}")
+    return learnable_sink.float().contiguous()
+
+
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
                     return_attn_probs: bool = False, return_lse: bool = False,
                     num_splits: int = 0, seqused_k: Optional[torch.Tensor] = None,
-                    q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+                    q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
+                    learnable_sink: Optional[torch.Tensor] = None):
     """Exact attention, flash-attn compatible.
 
     q: [batch, seqlen_q, heads, head_dim]; k, v: [batch, seqlen_k, heads_k, head_dim] with
@@ -170,6 +197,12 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     and keep the bool dropout keep-mask [batch, heads, seqlen_q, seqlen_k] (None without
     dropout; materialised, so for small problems).
 
+    learnable_sink: [heads] (float32, or bfloat16 / float16, cast to float32), gpt-oss's
+    attention sink: every row of query head h gets one more logit, sink[h], in its softmax
+    denominator, with no value (its probability is dropped from out, as transformers' eager
+    gpt-oss attention), and lse includes it. Differentiable (d_sink is computed by the
+    backward, deterministically); works with every other option above, GQA and dropout.
+
     FP8 (FlashAttention-3's arguments; Hopper GPUs, forward only): q, k, v in
     torch.float8_e4m3fn with q_descale, k_descale, v_descale float32 dequantisation factors
     (the real tensor is descale * the stored values), each [] / [1] (per tensor) or
@@ -180,6 +213,8 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     outlier channels.
     """
     if q.dtype is _fp8.FP8_DTYPE or q_descale is not None:
+        if learnable_sink is not None:
+            _not_implemented("learnable_sink with FP8 inputs")
         return _flash_attn_func_fp8(q, k, v, dropout_p, softmax_scale, causal, window_size,
                                     softcap, alibi_slopes, return_attn_probs, return_lse,
                                     num_splits, seqused_k, q_descale, k_descale, v_descale,
@@ -191,8 +226,9 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     _check_ranks((q, k, v), ("q", "k", "v"), "[batch, seqlen, heads, head_dim]")
     dropout = _dropout_args(dropout_p, q.device)
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    sink = _sink_arg(learnable_sink, q.shape[2], q.device)
     out, lse = _run(FlashAttnFunction, q, k, v, scale, bool(causal), True, bool(deterministic),
-                    int(num_splits), 0, seqused_k, *variants, *dropout)
+                    int(num_splits), 0, seqused_k, *variants, *dropout, None, sink)
     if return_attn_probs:
         return out, lse, _dropout_keep_mask(dropout, q.shape[0], q.shape[2], q.shape[1],
                                             k.shape[1])
@@ -226,7 +262,8 @@ def _fp8_call(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, o
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: Optional[float] = None,
-                                 enable_gqa: bool = False):
+                                 enable_gqa: bool = False,
+                                 learnable_sink: Optional[torch.Tensor] = None):
     """Drop-in replacement for torch.nn.functional.scaled_dot_product_attention.
 
     query: [batch, heads, seqlen_q, head_dim]; key, value: [batch, heads_k, seqlen_k,
@@ -239,6 +276,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     is_causal. Rows that a mask leaves without any key give zeros (torch's math backend gives
     NaN there). A mask that requires grad raises NotImplementedError (no gradient is computed
     for it). dropout_p as torch's (applied whenever > 0; from torch's generator).
+    learnable_sink: [heads], as flash_attn_func's (an extension of torch's signature; it gets
+    a gradient too).
     Returns [batch, heads, seqlen_q, head_dim] in query's dtype; gradients flow to query,
     key and value (same shapes as the inputs).
     """
@@ -261,8 +300,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
             f"{key.shape[1]}; pass enable_gqa=True for grouped-query attention")
     dropout = _dropout_args(dropout_p, query.device)
     softmax_scale = _default_scale(query.shape[-1]) if scale is None else float(scale)
+    sink = _sink_arg(learnable_sink, query.shape[1], query.device)
     if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
-                                         or value.requires_grad)) and not _autotune.is_enabled():
+                                         or value.requires_grad)) and not _autotune.is_enabled() \
+            and sink is None:
         # Nothing to record: one operator call in this layout (no Python transposes).
         if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
             query, key, value = (_last_dim_contiguous(query), _last_dim_contiguous(key),
@@ -271,7 +312,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
                             attn_mask)[0]
     q, k, v = [t.transpose(1, 2) for t in (query, key, value)]
     out, _ = _run(FlashAttnFunction, q, k, v, softmax_scale, bool(is_causal), False, False, 0, 0,
-                  None, -1, -1, 0.0, None, *dropout, attn_mask)
+                  None, -1, -1, 0.0, None, *dropout, attn_mask, sink)
     return out.transpose(1, 2)
 
 
@@ -282,7 +323,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            alibi_slopes=None, deterministic: bool = False,
                            return_attn_probs: bool = False, return_lse: bool = False,
                            seqused_k: Optional[torch.Tensor] = None, block_table=None,
-                           q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+                           q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
+                           learnable_sink: Optional[torch.Tensor] = None):
     """Exact attention over a batch of packed variable-length sequences (flash-attn's API).
 
     q: [total_q, heads, head_dim]; k, v: [total_k, heads_k, head_dim] (heads % heads_k == 0).
@@ -298,6 +340,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     [batch, heads] has one row per sequence).
 
     dropout_p as in flash_attn_func (rows and keys numbered within each sequence).
+    learnable_sink ([heads]) as in flash_attn_func.
 
     block_table (int32 [batch, max_pages]): k and v are then the page pools of a paged KV
     cache, [num_pages, page_size, heads_k, head_dim] with page_size a multiple of 16, and
@@ -318,9 +361,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     """
     if q.dtype is _fp8.FP8_DTYPE or q_descale is not None:
         if (_variant_args(window_size, softcap, alibi_slopes) != _NO_VARIANTS or dropout_p != 0.0
-                or seqused_k is not None or block_table is not None or return_attn_probs):
+                or seqused_k is not None or block_table is not None or return_attn_probs
+                or learnable_sink is not None):
             _not_implemented("window_size / softcap / alibi_slopes / dropout_p / seqused_k / "
-                             "block_table / return_attn_probs with FP8 inputs")
+                             "block_table / return_attn_probs / learnable_sink with FP8 inputs")
         varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
         return _fp8_call(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale,
                          out_dtype, return_lse, varlen)
@@ -340,20 +384,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                                f"[total_tokens, heads, head_dim], got shape {tuple(t.shape)}")
     dropout = _dropout_args(dropout_p, q.device)
     scale = _default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    sink = _sink_arg(learnable_sink, q.shape[1], q.device)
     if paged:
         if not isinstance(block_table, torch.Tensor):
             raise TypeError("flash_attn_ext: block_table must be None or an int32 tensor "
                             f"[batch, max_pages], got {type(block_table).__name__}")
         paged_args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                       scale, bool(causal), seqused_k, block_table, *variants, *dropout)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            out, lse = _PagedVarlenFunction.apply(*paged_args, bool(deterministic))
+        grads = (q, k, v) if sink is None else (q, k, v, sink)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in grads):
+            out, lse = _PagedVarlenFunction.apply(*paged_args, sink, bool(deterministic))
         else:
-            out, lse = _paged_varlen_fwd(*paged_args)
+            out, lse = _paged_varlen_fwd(*paged_args, sink)
     else:
         out, lse = _run(FlashAttnVarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k,
                         int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
-                        bool(deterministic), seqused_k, *variants, *dropout)
+                        bool(deterministic), seqused_k, *variants, *dropout, None, sink)
     if return_attn_probs:
         return out, lse, _dropout_keep_mask(dropout, cu_seqlens_q.shape[0] - 1, q.shape[1],
                                             int(max_seqlen_q), int(max_seqlen_k))
@@ -389,7 +435,8 @@ def _unpack(packed, name, rank, count, layout):
 def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                               causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                               softcap: float = 0.0, alibi_slopes=None,
-                              deterministic: bool = False, return_attn_probs: bool = False):
+                              deterministic: bool = False, return_attn_probs: bool = False,
+                              learnable_sink: Optional[torch.Tensor] = None):
     """flash_attn_func with q, k and v stacked in one tensor (flash-attn's API).
 
     qkv: [batch, seqlen, 3, heads, head_dim]; q, k, v are qkv[:, :, 0], qkv[:, :, 1] and
@@ -402,13 +449,15 @@ def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Option
     return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                            causal=causal, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, deterministic=deterministic,
-                           return_attn_probs=return_attn_probs)
+                           return_attn_probs=return_attn_probs,
+                              learnable_sink=learnable_sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                              causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                              softcap: float = 0.0, alibi_slopes=None,
-                             deterministic: bool = False, return_attn_probs: bool = False):
+                             deterministic: bool = False, return_attn_probs: bool = False,
+                             learnable_sink: Optional[torch.Tensor] = None):
     """flash_attn_func with k and v stacked in one tensor (flash-attn's API).
 
     q: [batch, seqlen_q, heads, head_dim]; kv: [batch, seqlen_k, 2, heads_k, head_dim] with
@@ -420,7 +469,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: Optio
     return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                            causal=causal, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, deterministic=deterministic,
-                           return_attn_probs=return_attn_probs)
+                           return_attn_probs=return_attn_probs,
+                              learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen: int, dropout_p: float = 0.0,
@@ -428,7 +478,8 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen: int, dropout_p
                                      window_size: Tuple[int, int] = (-1, -1),
                                      softcap: float = 0.0, alibi_slopes=None,
                                      deterministic: bool = False,
-                                     return_attn_probs: bool = False):
+                                     return_attn_probs: bool = False,
+                                     learnable_sink: Optional[torch.Tensor] = None):
     """flash_attn_varlen_func with q, k and v stacked in one tensor (flash-attn's API).
 
     qkv: [total, 3, heads, head_dim] (q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2], read in
@@ -442,7 +493,8 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen: int, dropout_p
                                   dropout_p=dropout_p, softmax_scale=softmax_scale,
                                   causal=causal, window_size=window_size, softcap=softcap,
                                   alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                  return_attn_probs=return_attn_probs)
+                                  return_attn_probs=return_attn_probs,
+                              learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -451,7 +503,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     window_size: Tuple[int, int] = (-1, -1),
                                     softcap: float = 0.0, alibi_slopes=None,
                                     deterministic: bool = False,
-                                    return_attn_probs: bool = False):
+                                    return_attn_probs: bool = False,
+                                    learnable_sink: Optional[torch.Tensor] = None):
     """flash_attn_varlen_func with k and v stacked in one tensor (flash-attn's API).
 
     q: [total_q, heads, head_dim]; kv: [total_k, 2, heads_k, head_dim] with heads % heads_k
@@ -463,13 +516,14 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale,
                                   causal=causal, window_size=window_size, softcap=softcap,
                                   alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                  return_attn_probs=return_attn_probs)
+                                  return_attn_probs=return_attn_probs,
+                              learnable_sink=learnable_sink)
 
 
 # ---- paged KV cache under autograd (flash_attn_varlen_func with block_table) -----------------
 def _paged_varlen_fwd(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, causal, seqused_k, block_table, window_left, window_right,
-                      softcap, alibi_slopes, dropout_p, rng_state):
+                      softcap, alibi_slopes, dropout_p, rng_state, learnable_sink):
     """The paged varlen forward operator (with or without autograd, the same call): out
     [total_q, heads, head_dim] and lse float32 [heads, total_q] of packed q against page pools
     k_pages / v_pages [num_pages, page_size, heads_k, head_dim]."""
@@ -477,7 +531,7 @@ def _paged_varlen_fwd(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, max_seqle
     return torch.ops.flash_attn_ext.varlen_fwd(
         q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, seqused_k, window_left, window_right, softcap, alibi_slopes,
-        dropout_p, rng_state, None, block_table)
+        dropout_p, rng_state, None, learnable_sink, block_table)
 
 
 def _paged_key_counts(cu_seqlens_k, seqused_k, max_seqlen_k):
@@ -513,15 +567,15 @@ class _PagedVarlenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, seqused_k, block_table, window_left, window_right, softcap,
-                alibi_slopes, dropout_p, rng_state, deterministic):
+                alibi_slopes, dropout_p, rng_state, learnable_sink, deterministic):
         """(out [total_q, heads, head_dim], lse float32 [heads, total_q]) as
         _paged_varlen_fwd; lse is not differentiable."""
         out, lse = _paged_varlen_fwd(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k,
                                      max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                      seqused_k, block_table, window_left, window_right, softcap,
-                                     alibi_slopes, dropout_p, rng_state)
+                                     alibi_slopes, dropout_p, rng_state, learnable_sink)
         ctx.save_for_backward(q, k_pages, v_pages, out, lse, cu_seqlens_q, cu_seqlens_k,
-                              seqused_k, block_table, alibi_slopes, rng_state)
+                              seqused_k, block_table, alibi_slopes, rng_state, learnable_sink)
         ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
         ctx.variants = (window_left, window_right, softcap)
@@ -535,7 +589,7 @@ class _PagedVarlenFunction(torch.autograd.Function):
         """dout [total_q, heads, head_dim] -> dq shaped like q and dk / dv shaped like the
         pools (None for the other inputs)."""
         (q, k_pages, v_pages, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-         alibi_slopes, rng_state) = ctx.saved_tensors
+         alibi_slopes, rng_state, learnable_sink) = ctx.saved_tensors
         batch = block_table.shape[0]
         key_counts = _paged_key_counts(cu_seqlens_k, seqused_k, ctx.max_seqlen_k)
         # Sequence b is rows b * rows_per_seq ... of the gathered k / v (at least one row:
@@ -545,18 +599,20 @@ class _PagedVarlenFunction(torch.autograd.Function):
                                                rows_per_seq)
         pages, slots = pages.reshape(-1), slots.reshape(-1)
         cu_rows = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * rows_per_seq
+        dsink = _sink_grad_buffer(ctx, 17, learnable_sink)
         dq, dk_rows, dv_rows = torch.ops.flash_attn_ext.varlen_bwd(
             _last_dim_contiguous(dout), _last_dim_contiguous(q), k_pages[pages, slots],
             v_pages[pages, slots], out, lse, cu_seqlens_q, cu_rows, ctx.max_seqlen_q,
             rows_per_seq, ctx.softmax_scale, ctx.causal, ctx.deterministic, key_counts,
-            *ctx.variants, alibi_slopes, ctx.dropout_p, rng_state)
+            *ctx.variants, alibi_slopes, ctx.dropout_p, rng_state, None, learnable_sink,
+            dsink=dsink)
         rows_used = (torch.arange(rows_per_seq, device=q.device) < key_counts[:, None])
         rows_used = rows_used.reshape(-1, 1, 1)
         dk = (_pool_gradient(dk_rows, rows_used, k_pages, pages, slots)
               if ctx.needs_input_grad[1] else None)
         dv = (_pool_gradient(dv_rows, rows_used, v_pages, pages, slots)
               if ctx.needs_input_grad[2] else None)
-        return (dq if ctx.needs_input_grad[0] else None, dk, dv) + (None,) * 15
+        return (dq if ctx.needs_input_grad[0] else None, dk, dv) + (None,) * 14 + (dsink, None)
 
 
 def _cache_lengths(cache_seqlens, batch, capacity, device):
@@ -583,7 +639,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes=None,
                             num_splits: int = 0, return_softmax_lse: bool = False,
-                            k_descale=None, v_descale=None):
+                            k_descale=None, v_descale=None,
+                            learnable_sink: Optional[torch.Tensor] = None):
     """Attention of new queries against a KV cache (flash-attn's API), forward only.
 
     q: [batch, seqlen_q, heads, head_dim]. k_cache, v_cache: [batch_c, cache_size, heads_k,
@@ -605,6 +662,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rotates dims (0, 1), (2, 3), ... else (i, i + rotary_dim / 2), as flash-attn.
     causal=True aligns the queries with the end of each entry's keys, and so do window_size
     and alibi_slopes (softcap as in flash_attn_func). num_splits: split-KV (0 = heuristic).
+    learnable_sink ([heads]) as in flash_attn_func (forward only here).
 
     FP8 cache (FlashAttention-3's k_descale / v_descale): k_cache and v_cache in
     torch.float8_e4m3fn under a float16 / bfloat16 q (everything above works alike), with
@@ -631,7 +689,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (k is None and v is None and block_table is None and cache_batch_idx is None
             and cache_leftpad is None and rotary_cos is None and rotary_sin is None
             and k_descale is None and v_descale is None and type(cache_seqlens) is torch.Tensor
-            and _no_variants(window_size, softcap, alibi_slopes)):
+            and _no_variants(window_size, softcap, alibi_slopes) and learnable_sink is None):
         out = _dense_decode_step(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal,
                                  num_splits)
         if out is not None:
@@ -639,6 +697,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     variants = _variant_args(window_size, softcap, alibi_slopes)
     _check_ranks((q, k_cache, v_cache), ("q", "k_cache", "v_cache"),
                  "[batch, seqlen, heads, head_dim]")
+    sink = _sink_arg(learnable_sink, q.shape[2], q.device)
     if (k is None) != (v is None):
         raise RuntimeError("flash_attn_ext: pass both k and v to append to the cache, or neither")
     batch = q.shape[0]
@@ -699,7 +758,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                        _last_dim_contiguous(v_c))
     # Positional arguments (keywords cost the dispatcher's parsing ~1 us per call).
     args = (q, k_c, v_c, scale, bool(causal), True, int(num_splits), 0, lengths, *variants, 0.0,
-            None, None, block_table, cache_batch_idx, cache_leftpad, k_descale, v_descale)
+            None, None, sink, block_table, cache_batch_idx, cache_leftpad, k_descale, v_descale)
     out, lse = _fwd_no_grad(args)
     return (out, lse) if return_softmax_lse else out
 
@@ -737,4 +796,4 @@ def _dense_decode_step(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal
     scale = _default_scale(shape[3]) if softmax_scale is None else float(softmax_scale)
     return _fwd_no_grad((q, k_cache, v_cache, scale, bool(causal), True, int(num_splits), 0,
                          cache_seqlens, *_NO_VARIANTS, 0.0, None, None, None, None, None, None,
-                         None))
+                         None, None))

@@ -6,18 +6,21 @@ torch.ops.flash_attn_ext.fwd(q, k, v, softmax_scale, causal, causal_bottom_right
                              v_descale=None) -> (out, lse)
 torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, softmax_scale, causal,
                              causal_bottom_right, deterministic=False, seqused_k=None,
-                             *variants, dq_accum=None) -> (dq, dk, dv)
+                             *variants, dq_accum=None, dsink=None) -> (dq, dk, dv)
 torch.ops.flash_attn_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, softmax_scale, causal, seqused_k=None,
                                     *variants, block_table=None) -> (out, lse)
 torch.ops.flash_attn_ext.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                     deterministic=False, seqused_k=None, *variants,
-                                    dq_accum=None) -> (dq, dk, dv)
+                                    dq_accum=None, dsink=None) -> (dq, dk, dv)
 with *variants = window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-dropout_p=0.0, rng_state=None, attn_mask=None (flash-attn's window_size, softcap, alibi_slopes
-and dropout_p, whose rng_state is an int64 [2] {seed, offset} on q's device, and torch SDPA's
-attn_mask; the defaults turn them off). The backward operators' dq_accum (float32 [batch,
+dropout_p=0.0, rng_state=None, attn_mask=None, learnable_sink=None (flash-attn's window_size,
+softcap, alibi_slopes and dropout_p, whose rng_state is an int64 [2] {seed, offset} on q's
+device, torch SDPA's attn_mask, and gpt-oss's learnable sink, float32 [heads]: one more logit
+per row with no value, counted in lse; the defaults turn them off). The backward operators'
+dsink (float32 [heads], with learnable_sink) is added into: the sink's gradient,
+-sum over each head's rows of exp(sink - lse) * rowsum(dout * out). The backward operators' dq_accum (float32 [batch,
 heads, seqlen_q, head_dim], varlen [heads, total_q, head_dim]) is added into, dQ /
 softmax_scale, instead of dq being returned (dq comes back empty): ring attention's steps add
 into one accumulator and convert once. The forward operators also take flash-attn's KV cache
@@ -123,8 +126,9 @@ def _check_qkv(q, k, v, varlen=False, kv_batch_free=False, paged=False, fp8_kv=F
 @torch.library.register_fake("flash_attn_ext::fwd")
 def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0, tile=0,
               seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-              dropout_p=0.0, rng_state=None, attn_mask=None, block_table=None,
-              cache_batch_idx=None, cache_leftpad=None, k_descale=None, v_descale=None):
+              dropout_p=0.0, rng_state=None, attn_mask=None, learnable_sink=None,
+              block_table=None, cache_batch_idx=None, cache_leftpad=None, k_descale=None,
+              v_descale=None):
     _check_qkv(q, k, v, kv_batch_free=block_table is not None or cache_batch_idx is not None,
                fp8_kv=k_descale is not None and v_descale is not None)
     out = torch.empty_like(q)
@@ -135,7 +139,8 @@ def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0,
 @torch.library.register_fake("flash_attn_ext::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
               deterministic=False, seqused_k=None, window_left=-1, window_right=-1, softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, rng_state=None, attn_mask=None, dq_accum=None):
+              alibi_slopes=None, dropout_p=0.0, rng_state=None, attn_mask=None,
+              learnable_sink=None, dq_accum=None, dsink=None):
     _check_qkv(q, k, v)
     dq = torch.empty_like(q) if dq_accum is None else q.new_empty((0,))  # added into dq_accum
     return dq, torch.empty_like(k), torch.empty_like(v)
@@ -145,7 +150,7 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_righ
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, seqused_k=None, window_left=-1, window_right=-1,
                      softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-                     attn_mask=None, block_table=None):
+                     attn_mask=None, learnable_sink=None, block_table=None):
     _check_qkv(q, k, v, varlen=True, kv_batch_free=True, paged=block_table is not None)
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -156,7 +161,8 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale, causal, deterministic=False, seqused_k=None,
                      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                     dropout_p=0.0, rng_state=None, attn_mask=None, dq_accum=None):
+                     dropout_p=0.0, rng_state=None, attn_mask=None, learnable_sink=None,
+                     dq_accum=None, dsink=None):
     _check_qkv(q, k, v, varlen=True)
     dq = torch.empty_like(q) if dq_accum is None else q.new_empty((0,))  # added into dq_accum
     return dq, torch.empty_like(k), torch.empty_like(v)
@@ -194,8 +200,8 @@ def _dropout_mask_fake(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p):
 
 
 # The variants' defaults (window_left, window_right, softcap, alibi_slopes, dropout_p,
-# rng_state, attn_mask): off.
-_NO_VARIANTS = (-1, -1, 0.0, None, 0.0, None, None)
+# rng_state, attn_mask, learnable_sink): off.
+_NO_VARIANTS = (-1, -1, 0.0, None, 0.0, None, None, None)
 
 
 @torch.library.register_fake("flash_attn_ext::merge_partial_")
@@ -215,7 +221,8 @@ def _with_variant_defaults(inputs, n_before):
 
 
 def _has_variants(window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-                  attn_mask):
+                  attn_mask, learnable_sink=None):
+    """Whether a variant is on (a learnable sink is not one: every kernel takes it)."""
     return ((window_left, window_right, softcap, dropout_p) != (-1, -1, 0.0, 0.0)
             or alibi_slopes is not None or attn_mask is not None)
 
@@ -231,10 +238,18 @@ def _last_dim_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _sink_grad_buffer(ctx, index, learnable_sink):
+    """The zeroed float32 dsink the backward operators add the sink's gradient into, when the
+    sink (input `index` of the Function) needs one; else None."""
+    if learnable_sink is None or not ctx.needs_input_grad[index]:
+        return None
+    return torch.zeros_like(learnable_sink, dtype=torch.float32)
+
+
 class FlashAttnFunction(torch.autograd.Function):
     """out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, causal_bottom_right,
     deterministic, num_splits, tile, seqused_k, window_left=-1, window_right=-1, softcap=0.0,
-    alibi_slopes=None, dropout_p=0.0, rng_state=None, attn_mask=None)
+    alibi_slopes=None, dropout_p=0.0, rng_state=None, attn_mask=None, learnable_sink=None)
 
     q [batch, seqlen_q, heads, head_dim], k / v [batch, seqlen_k, heads_k, head_dim]
     (heads % heads_k == 0; any strides, a non-contiguous last dim is copied) -> out
@@ -245,17 +260,17 @@ class FlashAttnFunction(torch.autograd.Function):
     window_left / window_right / softcap / alibi_slopes / dropout_p (with rng_state, which the
     backward reuses) and attn_mask (torch SDPA's, [batch|1, heads|1, seqlen_q|1, seqlen_k|1],
     not differentiable): the variants (interface.py), aligned like causal
-    (causal_bottom_right)."""
+    (causal_bottom_right). learnable_sink: float32 [heads] (gets a gradient)."""
 
     @staticmethod
     def forward(q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, num_splits,
                 tile, seqused_k, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                dropout_p=0.0, rng_state=None, attn_mask=None):
+                dropout_p=0.0, rng_state=None, attn_mask=None, learnable_sink=None):
         """(out [batch, seqlen_q, heads, head_dim], lse float32 [batch, heads, seqlen_q])
         from q [batch, seqlen_q, heads, head_dim], k, v [batch, seqlen_k, heads_k, head_dim]."""
         q, k, v = [_last_dim_contiguous(t) for t in (q, k, v)]
         variants = (window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-                    attn_mask)
+                    attn_mask, learnable_sink)
         if (num_splits == 0 and tile == 0 and seqused_k is None and autotune.is_enabled()
                 and not _has_variants(*variants)):
             num_splits, tile = autotune.choose_forward_config(q, k, v, softmax_scale, causal,
@@ -270,9 +285,10 @@ class FlashAttnFunction(torch.autograd.Function):
         """Saves q, k, v, out, lse (and seqused_k) and the flags for the backward."""
         (q, k, v, softmax_scale, causal, causal_bottom_right, deterministic, _, _, seqused_k,
          window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-         attn_mask) = _with_variant_defaults(inputs, 10)
+         attn_mask, learnable_sink) = _with_variant_defaults(inputs, 10)
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, seqused_k, alibi_slopes, rng_state, attn_mask)
+        ctx.save_for_backward(q, k, v, out, lse, seqused_k, alibi_slopes, rng_state, attn_mask,
+                              learnable_sink)
         ctx.variants = (window_left, window_right, softcap)
         ctx.dropout_p = dropout_p
         ctx.softmax_scale = softmax_scale
@@ -285,48 +301,54 @@ class FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         """dout [batch, seqlen_q, heads, head_dim] -> dq, dk, dv shaped like q, k, v (None for
         the other inputs); lse's gradient is ignored."""
-        q, k, v, out, lse, seqused_k, alibi_slopes, rng_state, attn_mask = ctx.saved_tensors
+        (q, k, v, out, lse, seqused_k, alibi_slopes, rng_state, attn_mask,
+         learnable_sink) = ctx.saved_tensors
         q, k, v, dout = [_last_dim_contiguous(t) for t in (q, k, v, dout)]
+        dsink = _sink_grad_buffer(ctx, 17, learnable_sink)
         dq, dk, dv = torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, ctx.softmax_scale,
                                                   ctx.causal, ctx.causal_bottom_right,
                                                   ctx.deterministic, seqused_k, *ctx.variants,
                                                   alibi_slopes, ctx.dropout_p, rng_state,
-                                                  attn_mask)
-        return (dq, dk, dv) + (None,) * 14
+                                                  attn_mask, learnable_sink, dsink=dsink)
+        return (dq, dk, dv) + (None,) * 14 + (dsink,)
 
 
 class FlashAttnVarlenFunction(torch.autograd.Function):
     """out, lse = FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, seqused_k,
     window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-    rng_state=None)
+    rng_state=None, attn_mask=None, learnable_sink=None)
 
     Packed sequences: q [total_q, heads, head_dim], k / v [total_k, heads_k, head_dim],
     cu_seqlens_q / cu_seqlens_k int32 [batch + 1], seqused_k None or int32 [batch] -> out
     [total_q, heads, head_dim] and lse float32 [heads, total_q] (not differentiable). The
-    backward gives dq, dk, dv shaped like q, k, v."""
+    backward gives dq, dk, dv shaped like q, k, v. attn_mask must be None (the operators
+    take none with packed sequences; it keeps the variants in FlashAttnFunction's order);
+    learnable_sink as FlashAttnFunction's."""
 
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                 causal, deterministic, seqused_k, window_left=-1, window_right=-1, softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0, rng_state=None):
+                alibi_slopes=None, dropout_p=0.0, rng_state=None, attn_mask=None,
+                learnable_sink=None):
         """(out [total_q, heads, head_dim], lse float32 [heads, total_q]) from packed q
         [total_q, heads, head_dim], k, v [total_k, heads_k, head_dim]."""
         q, k, v = [_last_dim_contiguous(t) for t in (q, k, v)]
         return torch.ops.flash_attn_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                    max_seqlen_q, max_seqlen_k, softmax_scale,
                                                    causal, seqused_k, window_left, window_right,
-                                                   softcap, alibi_slopes, dropout_p, rng_state)
+                                                   softcap, alibi_slopes, dropout_p, rng_state,
+                                                   attn_mask, learnable_sink)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         """Saves q, k, v, out, lse, the cu_seqlens (and seqused_k) and the flags."""
         (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
          deterministic, seqused_k, window_left, window_right, softcap, alibi_slopes, dropout_p,
-         rng_state) = _with_variant_defaults(inputs, 11)[:17]
+         rng_state, _, learnable_sink) = _with_variant_defaults(inputs, 11)
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                              alibi_slopes, rng_state)
+                              alibi_slopes, rng_state, learnable_sink)
         ctx.variants = (window_left, window_right, softcap)
         ctx.dropout_p = dropout_p
         ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
@@ -340,13 +362,15 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         """dout [total_q, heads, head_dim] -> dq, dk, dv shaped like q, k, v (None for the
         other inputs)."""
         (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
-         rng_state) = ctx.saved_tensors
+         rng_state, learnable_sink) = ctx.saved_tensors
         q, k, v, dout = [_last_dim_contiguous(t) for t in (q, k, v, dout)]
+        dsink = _sink_grad_buffer(ctx, 18, learnable_sink)
         dq, dk, dv = torch.ops.flash_attn_ext.varlen_bwd(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
             ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic, seqused_k,
-            *ctx.variants, alibi_slopes, ctx.dropout_p, rng_state)
-        return (dq, dk, dv) + (None,) * 14
+            *ctx.variants, alibi_slopes, ctx.dropout_p, rng_state, None, learnable_sink,
+            dsink=dsink)
+        return (dq, dk, dv) + (None,) * 15 + (dsink,)
 
 
 # torch.autograd.Function.apply binds the call's arguments to forward's signature with

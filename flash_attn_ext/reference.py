@@ -14,7 +14,8 @@ def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
                   window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                   alibi_slopes: Optional[torch.Tensor] = None,
                   attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                  dropout_mask: Optional[torch.Tensor] = None):
+                  dropout_mask: Optional[torch.Tensor] = None,
+                  learnable_sink: Optional[torch.Tensor] = None):
     """O = softmax(f(scale * Q K^T) + mask) V, computed the plain way.
 
     layout "bshd": q [batch, seqlen_q, heads, head_dim], k / v [batch, seqlen_k, heads,
@@ -30,7 +31,9 @@ def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     broadcastable to [batch, heads, seqlen_q, seqlen_k]) is added last. dropout_mask (bool,
     broadcastable likewise; e.g. from torch.ops.flash_attn_ext.dropout_mask) keeps the
     probabilities where True, scaled by dropout_keep_scale(dropout_p), as the kernels do;
-    lse stays that of the probabilities before dropout.
+    lse stays that of the probabilities before dropout. learnable_sink ([heads]): gpt-oss's
+    sink, as transformers' eager attention computes it: a column sink[h] joins the scores of
+    head h before the softmax and its probability is dropped after (lse includes it).
     Returns out, shaped and typed like q; with return_lse=True (out, lse), lse
     [batch, heads, seqlen_q] in float32 (float64 for float64 inputs).
     upcast=True computes in float32 (or keeps float64 inputs), then casts the result to the
@@ -72,12 +75,17 @@ def attention_ref(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     if left >= 0:
         masked |= j < i + offset - left
     scores = scores.masked_fill(masked, float("-inf"))
+    if learnable_sink is not None:
+        sink = learnable_sink.to(device=q.device, dtype=scores.dtype).view(1, -1, 1, 1)
+        scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
     lse = torch.logsumexp(scores.float() if scores.dtype != torch.float64 else scores, dim=-1)
     # A row that sees no key would be softmax(all -inf) = NaN: give it zero probabilities
     # instead (and finite, zero gradients), as the kernels do.
     row_sees_a_key = (scores > float("-inf")).any(dim=-1, keepdim=True)
     scores = torch.where(row_sees_a_key, scores, torch.zeros_like(scores))
     probs = torch.softmax(scores, dim=-1) * row_sees_a_key
+    if learnable_sink is not None:
+        probs = probs[..., :seqlen_k]  # the sink's probability has no value
     if dropout_mask is not None:
         keep = dropout_mask.to(q.device)[..., :seqlen_q, :seqlen_k]
         probs = probs * keep.to(probs.dtype) * dropout_keep_scale(dropout_p)

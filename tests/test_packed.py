@@ -215,7 +215,7 @@ def test_options_are_passed_on(device, entry):
 
 
 def test_signatures_match_flash_attn():
-    """flash-attn 2's names, argument order and defaults."""
+    """flash-attn 2's names, argument order and defaults (then ours: learnable_sink)."""
     options = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
                ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
                ("deterministic", False), ("return_attn_probs", False)]
@@ -231,7 +231,7 @@ def test_signatures_match_flash_attn():
     }
     for fn, leading in expected.items():
         params = [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
-        assert params == leading + options, fn.__name__
+        assert params == leading + options + [("learnable_sink", None)], fn.__name__
         assert fn.__name__ in fa.__all__ and "head_dim]" in inspect.getdoc(fn)
 
 

@@ -159,6 +159,16 @@ def test_ncu_summary_parser():
     profile_attention.print_ncu_summary(rows)
 
 
+def test_hf_gpt_oss_example(tmp_path):
+    """gpt-oss's sinks and sliding window through flash_attn_ext under transformers: the same
+    loss and gradients (the sinks' included) as transformers' eager attention."""
+    pytest.importorskip("transformers")
+    proc = run([os.path.join(ROOT, "examples", "hf_gpt_oss.py"), "--device", "cpu", "--seqlen",
+                "160", "--window", "64"], cwd=tmp_path)
+    assert proc.stdout.strip().endswith("OK")
+    assert "max |d sinks diff|" in proc.stdout
+
+
 def test_hf_llama_example(tmp_path):
     pytest.importorskip("transformers")
     proc = run([os.path.join(ROOT, "examples", "hf_llama.py"), "--device", "cpu", "--seqlen", "64"],

@@ -50,6 +50,8 @@ namespace {
 constexpr int kBlockM = 64;   // query rows per task / tile
 constexpr int kBlockN = 256;  // keys per tile; 32..128 x 256..512 measured within noise (2 cores, D=64)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.69314718055994531f;
 
 // ---- BLAS ------------------------------------------------------------------
 // torch ships a BLAS (MKL on x86-64, OpenBLAS elsewhere) inside libtorch_cpu
@@ -398,15 +400,22 @@ void fwd_impl(const AttentionFwdParams& p) {
       }
 
       float* lse = p.lse + s.lse_index(p, b, h, m0);
+      const float sink_log2 = sink_log2_of(p, h);
       for (int r = 0; r < rows; ++r) {
         float* o = acc.data() + static_cast<size_t>(r) * D;
-        if (row_sum[r] == 0.f) {  // no visible key: zeros and lse = -inf, never NaN
+        float sum = row_sum[r], o_factor = 1.f, lse_max = row_max[r];
+        if (sink_log2 != kNegInf) {  // (row_max is natural-log here, the fold's max log2)
+          float max_log2 = row_max[r] * kLog2e;
+          o_factor = fold_sink_into_row(sink_log2, max_log2, sum);
+          lse_max = max_log2 * kLn2;
+        }
+        if (sum == 0.f) {  // no visible key (and no sink): zeros and lse = -inf, never NaN
           std::fill(o, o + D, 0.f);
           lse[r] = kNegInf;
         } else {
-          const float inv = 1.f / row_sum[r];
+          const float inv = o_factor / sum;
           for (int d = 0; d < D; ++d) o[d] *= inv;
-          lse[r] = row_max[r] + std::log(row_sum[r]);
+          lse[r] = lse_max + std::log(sum);
         }
       }
       store_rows(at_row<T>(p.out, p.out_strides, b, h, q_row), p.out_strides.row, acc.data(), rows,

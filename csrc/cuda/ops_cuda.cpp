@@ -90,12 +90,12 @@ at::Tensor attach_attn_mask_blocks(AttentionFwdParams& p, const at::Tensor& q) {
 // group * head stride: a stride change, no copy); out likewise; lse [B, H, 1]
 // is the same memory as [B, H_kv, group]. With one query row, bottom-right
 // causal masks nothing, so the regrouped call is non-causal. Not with a window,
-// ALiBi, attn_mask or dropout: they depend on the row or the query head (softcap
-// does not care which row is which head).
+// ALiBi, attn_mask, dropout or a learnable sink: they depend on the row or the
+// query head (softcap does not care which row is which head).
 bool can_regroup_decode(const AttentionFwdParams& p) {
   return p.cu_seqlens_q == nullptr && p.seqlen_q == 1 && p.heads > p.heads_k &&
          (!p.causal || p.causal_bottom_right) && !has_window(p) && p.alibi_slopes == nullptr &&
-         p.attn_bias == nullptr && !has_dropout(p);
+         p.attn_bias == nullptr && !has_dropout(p) && p.learnable_sink == nullptr;
 }
 
 at::Tensor regroup_view(const at::Tensor& t, int group) {
@@ -190,14 +190,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
                                             const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
                                             const std::optional<at::Tensor>& rng_state,
                                             const std::optional<at::Tensor>& attn_mask,
+                                            const std::optional<at::Tensor>& learnable_sink,
                                             const std::optional<at::Tensor>& block_table,
                                             const std::optional<at::Tensor>& cache_batch_idx,
                                             const std::optional<at::Tensor>& cache_leftpad,
                                             const std::optional<at::Tensor>& k_descale,
                                             const std::optional<at::Tensor>& v_descale) {
   // Validate the user's tensors first so messages name their shapes.
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
-                         dropout_p,   rng_state,    attn_mask};
+  const VariantArgs var{window_left, window_right, softcap,   alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask, learnable_sink};
   const KVCacheArgs cache{block_table, cache_batch_idx, cache_leftpad, k_descale, v_descale};
   const AttentionFwdParams p = make_fwd_params(q, k, v, softmax_scale, causal, causal_bottom_right,
                                                seqused_k, &var, &cache);
@@ -219,10 +220,11 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
     int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& block_table) {
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& block_table) {
   check_cuda_inputs(q);
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
-                         dropout_p,   rng_state,    attn_mask};
+  const VariantArgs var{window_left, window_right, softcap,   alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask, learnable_sink};
   const AttentionFwdParams p = make_varlen_fwd_params(
       q, k, v, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k}, softmax_scale, causal,
       seqused_k, &var, block_table);
@@ -252,6 +254,14 @@ bool point_at_caller_dq_accum(AttentionBwdParams& p, const at::Tensor& acc, bool
   return true;
 }
 
+// The sink's gradient (add_sink_grad): the forward's lse, the sink and the
+// caller's dsink (nothing without one).
+struct SinkGradArgs {
+  const at::Tensor& lse;
+  const std::optional<at::Tensor>& learnable_sink;
+  const std::optional<at::Tensor>& dsink;
+};
+
 // Shared by bwd and varlen_bwd. GQA: the kernels write dK / dV per query head
 // (expanded [.., heads, D] buffers) and the group sum happens here, as
 // FlashAttention-2 does. Varlen / seqused_k: keys or rows outside every
@@ -261,7 +271,7 @@ bool point_at_caller_dq_accum(AttentionBwdParams& p, const at::Tensor& acc, bool
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     AttentionBwdParams p, const at::Tensor& dout_in, const at::Tensor& q_in,
     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
-    const std::optional<at::Tensor>& dq_accum, double softmax_scale) {
+    const std::optional<at::Tensor>& dq_accum, double softmax_scale, const SinkGradArgs& sink) {
   check_cuda_inputs(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool partial = has_var_seqs(p);
@@ -309,9 +319,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     at::Tensor workspace =
         at::empty({cuda::bwd_workspace_floats(p, sms)}, q.options().dtype(at::kFloat));
     cuda::bwd_set_workspace(p, workspace.data_ptr<float>(), sms);
+    // The D rows that the sink's gradient reads: zeros outside every sequence.
+    at::Tensor dsum = workspace.narrow(0, 0, p.q_rows_total);
+    if (sink.dsink.has_value()) dsum.zero_();
     const at::Tensor mask_blocks = attach_attn_mask_blocks(p, q);
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     call_kernels([&] { cuda::run_bwd(p, sms, stream); });
+    if (sink.dsink.has_value()) add_sink_grad(*sink.dsink, *sink.learnable_sink, sink.lse, dsum);
   }
 
   auto to_user = [&](at::Tensor& user, const at::Tensor& g) {
@@ -346,13 +360,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& dq_accum) {
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
-                         dropout_p,   rng_state,    attn_mask};
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& dq_accum,
+    const std::optional<at::Tensor>& dsink) {
+  const VariantArgs var{window_left, window_right, softcap,   alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask, learnable_sink};
   const AttentionBwdParams p = make_bwd_params(dout, q, k, v, out, lse, softmax_scale, causal,
                                                causal_bottom_right, deterministic, seqused_k, &var);
   check_dq_accum(dq_accum, q, /*packed=*/false, softmax_scale);
-  return run_bwd_cuda(p, dout, q, k, v, out, dq_accum, softmax_scale);
+  check_dsink(dsink, learnable_sink, q);
+  return run_bwd_cuda(p, dout, q, k, v, out, dq_accum, softmax_scale, {lse, learnable_sink, dsink});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
@@ -363,15 +380,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const std::optional<at::Tensor>& seqused_k, int64_t window_left, int64_t window_right,
     double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& dq_accum) {
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& dq_accum,
+    const std::optional<at::Tensor>& dsink) {
   check_cuda_inputs(q);
-  const VariantArgs var{window_left, window_right, softcap, alibi_slopes,
-                         dropout_p,   rng_state,    attn_mask};
+  const VariantArgs var{window_left, window_right, softcap,   alibi_slopes,
+                         dropout_p,   rng_state,    attn_mask, learnable_sink};
   const AttentionBwdParams p = make_varlen_bwd_params(
       dout, q, k, v, out, lse, {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k},
       softmax_scale, causal, deterministic, seqused_k, &var);
   check_dq_accum(dq_accum, q, /*packed=*/true, softmax_scale);
-  return run_bwd_cuda(p, dout, q, k, v, out, dq_accum, softmax_scale);
+  check_dsink(dsink, learnable_sink, q);
+  return run_bwd_cuda(p, dout, q, k, v, out, dq_accum, softmax_scale, {lse, learnable_sink, dsink});
 }
 
 at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, int64_t batch, int64_t heads,

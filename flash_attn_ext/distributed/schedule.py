@@ -138,7 +138,7 @@ class _PaddedAttention(_Attention):
     def backward(self, piece, dout, q, k, v, out, lse, dq_accum=None):
         return torch.ops.flash_attn_ext.bwd(dout, q, k, v, out, lse, self.scale, piece.causal,
                                             True, self.deterministic, None, -1, -1, self.softcap,
-                                            None, 0.0, None, None, dq_accum)
+                                            None, 0.0, None, None, dq_accum=dq_accum)
 
 
 class _PackedAttention(_Attention):
@@ -179,4 +179,5 @@ class _PackedAttention(_Attention):
         return torch.ops.flash_attn_ext.varlen_bwd(dout, q, k, v, out, lse,
                                                    *self._varlen_args(piece),
                                                    self.deterministic, None, -1, -1,
-                                                   self.softcap, None, 0.0, None, None, dq_accum)
+                                                   self.softcap, None, 0.0, None, None,
+                                                   dq_accum=dq_accum)

@@ -578,18 +578,27 @@ struct OnlineSoftmax {
   // Normalises O by the row sums and returns the natural-log LSE per row.
   // Rows that never saw a visible key have sum 0: O stays exactly 0 and
   // lse = -inf (no 1/0, no -inf - -inf).
+  // sink_log2: a learnable sink's logit in the log2 domain of row_max
+  // (sink_log2_of, params.h), -inf without one: one more term of the
+  // denominator, no value (fold_sink_into_row). A row without visible keys
+  // then has O = 0 and lse = sink. Split-KV / key-warp partials pass it in
+  // exactly one partial (their merges are log-sum-exps).
   template <int kTilesD>
-  FAE_DEVICE void finalize(float (&o)[kMmaM][kTilesD][4], float (&lse)[kMmaM][2]) {
+  FAE_DEVICE void finalize(float (&o)[kMmaM][kTilesD][4], float (&lse)[kMmaM][2],
+                           float sink_log2 = -INFINITY) {
     constexpr float kLn2 = 0.69314718055994531f;
+    constexpr float kOffset = static_cast<float>(kPExp2Offset);
 #pragma unroll
     for (int m = 0; m < kMmaM; ++m) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float sum = quad_sum(row_sum[m][h]);
+        float sum = quad_sum(row_sum[m][h]);
+        float max = row_max[m][h];
+        float o_factor = 1.f;  // exp2(old max - new max): O holds terms relative to row_max
+        if (sink_log2 != -INFINITY) o_factor = fold_sink_into_row(sink_log2, max, sum, kOffset);
         const bool empty = !(sum > 0.f);
-        const float inv = empty ? 0.f : 1.f / sum;
-        lse[m][h] = empty ? -INFINITY
-                          : (row_max[m][h] - static_cast<float>(kPExp2Offset)) * kLn2 + logf(sum);
+        const float inv = empty ? 0.f : o_factor / sum;
+        lse[m][h] = empty ? -INFINITY : (max - kOffset) * kLn2 + logf(sum);
 #pragma unroll
         for (int d = 0; d < kTilesD; ++d) {
           o[m][d][2 * h] *= inv;

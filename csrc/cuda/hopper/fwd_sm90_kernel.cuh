@@ -877,7 +877,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // ---------------- epilogue ----------------
     float lse[1][2];
-    softmax.finalize(o, lse);
+    softmax.finalize(o, lse, sink_log2_of(params, tile.h));
     if (lane % 4 == 0) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {

@@ -317,9 +317,12 @@ FAE_DEVICE void store_output(const AttentionFwdParams& params,
                     head * params.out_strides.head + seq.row0_q * params.out_strides.row;
 #pragma unroll
   for (int i = 0; i < Tile::kRowsPerThread; ++i) {
-    const float sum = row_group_sum(row_sum[i]);
+    float sum = row_group_sum(row_sum[i]);
+    float max = row_max[i];
+    const float sink_log2 = sink_log2_of(params, head);
+    const float o_factor = sink_log2 == -INFINITY ? 1.f : fold_sink_into_row(sink_log2, max, sum);
     const bool empty = !(sum > 0.f);
-    const float inv = empty ? 0.f : 1.f / sum;
+    const float inv = empty ? 0.f : o_factor / sum;
     const int row = row_base + 16 * i;
     if (row >= seq.seqlen_q) continue;
 #pragma unroll
@@ -333,7 +336,7 @@ FAE_DEVICE void store_output(const AttentionFwdParams& params,
     }
     if (tx == 0) {
       params.lse[seq.lse_index(params, batch, head, row)] =
-          empty ? -INFINITY : row_max[i] * kLn2 + logf(sum);
+          empty ? -INFINITY : max * kLn2 + logf(sum);
     }
   }
 }

@@ -1106,7 +1106,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // ---- epilogue: normalise, merge key warps / splits, store ------------------
   float lse[kMmaM][2];
-  softmax.finalize(acc_o, lse);
+  // A learnable sink joins one partial of the row: split 0's key warp 0.
+  softmax.finalize(acc_o, lse,
+                   split == 0 && th.warp_key0 == 0 ? sink_log2_of(params, head) : -INFINITY);
   if constexpr (Traits::kKVFp8) {
     // FP8 V: O = v_descale(batch, kv head) x P V (the merges of
     // key warps and splits are linear in O; every split has the same factor).
