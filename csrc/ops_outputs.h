@@ -6,6 +6,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace flash_attn_ext {
 
 // Outputs keep the memory layout of the matching input when that input is
@@ -38,7 +40,7 @@ inline void add_sink_grad(const at::Tensor& dsink, const at::Tensor& sink, const
   const at::Tensor sink_rows = packed ? sink.view({-1, 1}) : sink.view({1, -1, 1});
   const at::Tensor terms = at::where(at::isneginf(lse), at::zeros({}, lse.options()),
                                      at::exp(sink_rows - lse) * dsum.view(lse.sizes()));
-  dsink.sub_(packed ? terms.sum({1}) : terms.sum({0, 2}));
+  dsink.sub_(packed ? terms.sum(std::vector<int64_t>{1}) : terms.sum(std::vector<int64_t>{0, 2}));
 }
 
 }  // namespace flash_attn_ext

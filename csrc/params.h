@@ -460,6 +460,11 @@ struct AttentionBwdParams : AttentionFwdParams {
   bool dq_accum_external = false;
   int64_t dq_accum_row_pitch = 0, dq_accum_slice_pitch = 0;
   bool deterministic = false;
+  // GQA: dk / dv have heads_k heads and the kernel sums each group of query
+  // heads itself (the Hopper backward's group walk); else they have `heads`
+  // heads and the op layer sums the groups. Set by the op layer from
+  // cuda::bwd_sums_gqa_groups_in_kernel.
+  bool dkv_per_kv_head = false;
   // Padded-batch row statistics for the Hopper backward, [batch * heads]
   // [seqlen_q_padded] each (seqlen_q rounded up to 128, the longest query
   // step, so that a step's bulk copy stays inside its head): lse as log2, +inf

@@ -34,6 +34,15 @@ def sm90():
         pytest.skip("this build has no sm_90a target (FLASH_ATTN_EXT_CUDA_ARCHS)")
 
 
+@pytest.fixture(params=["auto", "1"], ids=["walk-auto", "walk-forced"])
+def gqa_walk(request, monkeypatch):
+    """GQA backward both ways: as chosen (small grids and causal calls write dK / dV per
+    query head and the op layer sums each group) and forced through the kernel's group walk
+    (one CTA per kv head walks its query heads; by default only large non-causal grids)."""
+    monkeypatch.setenv("FLASH_ATTN_EXT_GQA_BWD_WALK", request.param)
+    return request.param
+
+
 @pytest.fixture
 def impl(monkeypatch):
     def set_impl(name):
@@ -94,7 +103,7 @@ def test_grads_match_reference(sm90, dtype, head_dim, causal, bottom_right, seql
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_sdpa_layout_noncontiguous_and_gqa(sm90, causal):
+def test_sdpa_layout_noncontiguous_and_gqa(sm90, gqa_walk, causal):
     q, k, v = make_qkv(2, 700, 700, 4, 128, torch.bfloat16, DEVICE, layout="bhsd")
     run_and_check_grads(q, k, v, causal, bottom_right=False, layout="bhsd")
     # Non-contiguous [B,S,H,D] views (two heads interleaved in one buffer).
@@ -208,7 +217,7 @@ def varlen_ran_sm90(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_varlen(sm90, dtype, head_dim, causal, deterministic):
+def test_varlen(sm90, gqa_walk, dtype, head_dim, causal, deterministic):
     # Sequences shorter than, equal to and longer than a tile, empty ones, GQA, and
     # NaN in the rows past cu_seqlens[-1]: packed tiles read neighbouring rows, which
     # the kernel zeroes in shared memory, so nothing leaks between sequences.
@@ -319,7 +328,7 @@ def _check_variant_grads(q, k, v, case, deterministic=False, seqused_k=None):
 @pytest.mark.parametrize("seqlen_q,seqlen_k,dtype", [(300, 1000, torch.bfloat16),
                                                      (1000, 300, torch.float16),
                                                      (777, 777, torch.bfloat16)], ids=str)
-def test_variants(sm90, head_dim, case, seqlen_q, seqlen_k, dtype):
+def test_variants(sm90, gqa_walk, head_dim, case, seqlen_q, seqlen_k, dtype):
     # GQA (query heads 4, kv heads 2); Sq > Sk leaves the first rows of bottom-right windows
     # without keys, Sq < Sk the last keys without rows (zero dK / dV).
     q = randn((2, seqlen_q, 4, head_dim), dtype, DEVICE, 1, True)
@@ -340,7 +349,7 @@ def test_variants_deterministic(sm90, head_dim, case):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("case", ["sliding", "softcap_causal", "all"])
-def test_variants_seqused_k(sm90, head_dim, case):
+def test_variants_seqused_k(sm90, gqa_walk, head_dim, case):
     used = torch.tensor([0, 1, 130, 300, 64], dtype=torch.int32, device=DEVICE)
     q = randn((5, 150, 4, head_dim), torch.bfloat16, DEVICE, 1, True)
     k = randn((5, 300, 2, head_dim), torch.bfloat16, DEVICE, 2, True)

@@ -82,6 +82,12 @@ void sum_partial(const SumPartialParams& params, bool vectorized, cudaStream_t s
 // accumulator (params.dq_accum_external; the Hopper backward), so that the op
 // layer may hand it one; other calls get dq and the op layer adds it.
 bool bwd_adds_into_caller_dq_accum(const AttentionBwdParams& params);
+// GQA (heads > heads_k): whether the backward that takes this call sums dK /
+// dV over each kv head's group of query heads itself and writes them per kv
+// head into params.dk / dv ([.., heads_k, D]; the Hopper backward). Otherwise
+// it writes them per query head ([.., heads, D]) and the op layer sums.
+// Sets nothing: the op layer stores the answer in params.dkv_per_kv_head.
+bool bwd_sums_gqa_groups_in_kernel(const AttentionBwdParams& params, int num_sms);
 // fp32 scratch (in floats) for D = rowsum(dO*O), the dQ accumulator(s), etc.
 int64_t bwd_workspace_floats(const AttentionBwdParams& params, int num_sms);
 // Points params.dsoftmax_sum / params.dq_accum (unless the caller's) into `workspace`.

@@ -262,7 +262,9 @@ struct SinkGradArgs {
   const std::optional<at::Tensor>& dsink;
 };
 
-// Shared by bwd and varlen_bwd. GQA: the kernels write dK / dV per query head
+// Shared by bwd and varlen_bwd. GQA: the Hopper backward sums each kv head's
+// group of query heads in the kernel where the grid stays large enough
+// (p.dkv_per_kv_head); otherwise the kernels write dK / dV per query head
 // (expanded [.., heads, D] buffers) and the group sum happens here, as
 // FlashAttention-2 does. Varlen / seqused_k: keys or rows outside every
 // sequence get zero gradients (buffers are zero-filled first). dq_accum
@@ -310,8 +312,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     return partial ? at::zeros(sizes, kernel_in.options()) : at::empty(sizes, kernel_in.options());
   };
   at::Tensor dq = adds_into_caller_accum ? at::Tensor() : kernel_grad(dq_user, q, false);
-  at::Tensor dk = kernel_grad(dk_user, k, group > 1);
-  at::Tensor dv = kernel_grad(dv_user, v, group > 1);
+  p.dkv_per_kv_head = group > 1 && cuda::bwd_sums_gqa_groups_in_kernel(p, num_sms());
+  const bool per_query_head = group > 1 && !p.dkv_per_kv_head;
+  at::Tensor dk = kernel_grad(dk_user, k, per_query_head);
+  at::Tensor dv = kernel_grad(dv_user, v, per_query_head);
   set_grad_outputs(p, dq, dk, dv);
 
   if (p.seqlen_q > 0 && p.seqlen_k > 0) {

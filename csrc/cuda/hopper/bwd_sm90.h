@@ -19,6 +19,15 @@ inline bool bwd_sm90_head_dim(int kernel_dim) {
 // Keys per CTA tile (BwdSm90Traits::kBlockN): the grid has one CTA per tile.
 constexpr int bwd_sm90_block_n(int kernel_dim) { return kernel_dim > 128 ? 64 : 128; }
 
+// GQA calls whose dK / dV the Hopper backward sums over each kv head's group
+// of query heads itself (a CTA walks the group: kWalkGroup in
+// bwd_sm90_kernel.cuh) and writes per kv head, [.., heads_k, D]; every variant
+// included. The op layer decides (params.dkv_per_kv_head, from the dispatch's
+// bwd_sums_gqa_groups_in_kernel) and then allocates no per-query-head dK / dV.
+inline bool bwd_sm90_sums_gqa_groups(const AttentionBwdParams& p) {
+  return p.dkv_per_kv_head && p.heads > p.heads_k;
+}
+
 template <typename T, int kHeadDim, bool kIsCausal>
 void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream);
 

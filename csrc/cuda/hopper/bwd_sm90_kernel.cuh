@@ -2,11 +2,12 @@
 // with TMA loads and wgmma; one producer warpgroup feeding two consumer
 // warpgroups.
 //
-//   CTA = 3 warpgroups, one key tile, grid = (key tiles, heads, batch)
+//   CTA = 3 warpgroups, one key tile, grid = (key tiles, heads, batch);
+//   GQA (kWalkGroup): grid = (key tiles, heads_k, batch), see below
 //
 //   warpgroup 0 (producer, 24 registers): thread 0 loads K_j, V_j (mbarrier
-//       kv_full), then Q_i, dO_i, lse_i, D_i for every query tile i that sees
-//       key tile j into a kStages ring (qdo_full / qdo_empty); threads 32 and
+//       kv_full), then Q_i, dO_i, lse_i, D_i for every step i (a query tile
+//       that sees key tile j) into a kStages ring (qdo_full / qdo_empty); threads 32 and
 //       64, one per consumer, are its dQ writers: each waits for the consumer's
 //       staged dQ_i (dq_full), adds it into the fp32 accumulator with TMA
 //       reduce-adds and frees the buffer once the TMA has read it (dq_empty).
@@ -29,6 +30,20 @@
 //                                        dQ (key split): it runs while dQ is
 //                                        staged
 //   epilogue: dK * softmax_scale and dV from registers to global memory.
+//
+// GQA (heads > heads_k, kWalkGroup): a CTA owns (key tile, kv head h_k,
+// batch) and its steps are the query tiles of every query head of the group,
+// h = h_k * group .. h_k * group + group - 1 in that order, for each head the
+// same query-tile walk [m_begin, m_end) (BwdSm90StepWalk). dK / dV stay in
+// registers across the heads and are written once, into the [.., heads_k, D]
+// gradients: no per-query-head dK / dV and no group sum afterwards (the op
+// layer's reshape + sum + copy cost up to ~5% at 32 / 8 heads). Everything
+// per step (Q / dO / lse / D rows, the dQ reduce-adds and deterministic
+// counters, attn_mask / ALiBi / dropout) takes the step's query head h. The
+// step counter i runs on across heads, so the Q/dO ring, the dS^T and dQ
+// buffers and every mbarrier phase continue as within one head. The other
+// calls (kWalkGroup = false: one query head per CTA; a GQA call there writes
+// dK / dV per query head) compile to the same code as before the walk.
 //
 // Varlen (packed rows) and seqused_k (kVarSeq): the tensor maps span all rows
 // of the packed tensors and tiles start at the sequence's first row, so a
@@ -83,8 +98,41 @@
 namespace flash_attn_ext {
 namespace cuda {
 
+// The steps of a CTA, in the order that its loader, dQ writers and consumers
+// all walk them: query tiles [m_begin, m_end) of the first query head, then
+// the same tiles of the next head, ... (kWalkGroup: every query head of the
+// kv head's group, n_steps in all; else one head). The step index i runs on
+// across heads: it picks the Q/dO stage, the dS^T and dQ buffers and the
+// mbarrier phases, so all of those continue from one head to the next. A
+// Step's g is its head's place in the walk (query head h_first + g). Only the
+// loader tracks the walk; it publishes each step's (m_block, g) in shared
+// memory, where the consumers and the dQ writers read it (step_word in the
+// kernel): their registers are spent (the consumers' 240, the writers' 24).
+// Without kWalkGroup a step is (i, m_begin + i, 0), the expressions of the
+// loops before the walk, which therefore compile to the same code.
+template <bool kWalkGroup>
+struct BwdSm90StepWalk {
+  int m_begin, m_end, n_steps;
+  struct Step {
+    int i, m_block, g;
+  };
+  FAE_DEVICE bool more(int i) const { return kWalkGroup ? i < n_steps : m_begin + i < m_end; }
+  FAE_DEVICE Step first() const { return {0, m_begin, 0}; }
+  FAE_DEVICE void advance(Step& s) const {
+    ++s.i;
+    if constexpr (kWalkGroup) {
+      if (++s.m_block == m_end) {  // the next head, from its first tile
+        s.m_block = m_begin;
+        ++s.g;
+      }
+    } else {
+      s.m_block = m_begin + s.i;
+    }
+  }
+};
+
 template <typename Traits, bool kIsCausal, bool kVarSeq, bool kHasVariants = false,
-          bool kHasAttnMask = false>
+          bool kHasAttnMask = false, bool kWalkGroup = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmap_q,
                           const __grid_constant__ CUtensorMap tmap_k,
@@ -132,14 +180,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto mask_reads_slot = [&](int stage) {
     return bar0 + 8 * (1 + 2 * kStages + 2 * Traits::kConsumerWarpgroups * kDqBuffers) + 4 * stage;
   };
+  // kWalkGroup: step i's m_block and (+4) g (BwdSm90StepWalk) in word pair
+  // i % kStepWords, written by the loader before qdo_full's arrive of step i
+  // (see the traits for why the pair is not overwritten before its readers,
+  // the consumers and dQ writers of step i, have read it).
+  auto step_word = [&](int i) {
+    return mask_reads_slot(kStages) + 8 * (i % Traits::kStepWords);  // after the mask words
+  };
 
   // Grid (key tile, head, batch), or (batch, key tile, head) for an attn_mask
-  // that broadcasts over the batch (mask_blocks.cuh).
+  // that broadcasts over the batch (mask_blocks.cuh). The grid's head is the
+  // query head, or with kWalkGroup the kv head, whose group the CTA walks
+  // (query heads [h_first, h_first + walk_heads)).
   const bool batch_first = kHasAttnMask && attn_mask_grid_batch_first(params);
-  const int h = batch_first ? blockIdx.z : blockIdx.y;
+  const int grid_head = batch_first ? blockIdx.z : blockIdx.y;
   const int b = batch_first ? blockIdx.x : blockIdx.z;
   const int grid_block = batch_first ? blockIdx.y : blockIdx.x;
-  const int h_k = h / (params.heads / params.heads_k);
+  const int group = params.heads / params.heads_k;
+  const int h_k = kWalkGroup ? grid_head : grid_head / group;
+  const int h_first = kWalkGroup ? h_k * group : grid_head;
+  const int walk_heads = kWalkGroup ? group : 1;
   const SeqBounds seq = seq_bounds<kVarSeq>(params, b);
   const int n_tiles = (seq.seqlen_k + kBlockN - 1) / kBlockN;
   // Deterministic and causal (or with variants): the last key tile first (see
@@ -162,15 +222,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if constexpr (kHasAttnMask) {
     // A boolean attn_mask's summary: query tiles at either end of which no
     // row attends to a key of this tile are dropped (not in the deterministic
-    // mode, whose dQ order expects every tile of the window).
+    // mode, whose dQ order expects every tile of the window). kWalkGroup: the
+    // heads of the walk share one range, so a tile stays where a row of any
+    // of them attends (the others' steps there add zeros).
     if (params.attn_mask_blocks != nullptr && !params.deterministic) {
       // Summary blocks: kMaskBlock rows x 64 keys (one consumer's keys).
       const int c0 = n0 / 64, c1 = (min(n0 + kBlockN, seq.seqlen_k) - 1) / 64;
       auto attends = [&](int m) {
         const int r1 = (min((m + 1) * kBlockM, seq.seqlen_q) - 1) / kMaskBlock;
         uint32_t bits = 0;
-        for (int r = m * kBlockM / kMaskBlock; r <= r1; ++r) {
-          for (int c = c0; c <= c1; ++c) bits |= attn_mask_block(params, b, h, r, c);
+        for (int g = 0; g < walk_heads; ++g) {
+          for (int r = m * kBlockM / kMaskBlock; r <= r1; ++r) {
+            for (int c = c0; c <= c1; ++c) bits |= attn_mask_block(params, b, h_first + g, r, c);
+          }
         }
         return (bits & kMaskBlockAttends) != 0u;
       };
@@ -179,6 +243,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   }
   const int m_begin = query_tiles.begin, m_end = query_tiles.end;
+  const BwdSm90StepWalk<kWalkGroup> walk{
+      m_begin, m_end, kWalkGroup ? walk_heads * max(0, m_end - m_begin) : 0};
+  // Step i as the consumers and dQ writers see it (after the step's qdo_full
+  // or dq_full wait): published by the loader with kWalkGroup, else as before
+  // the walk.
+  auto published_step = [&](int i) {
+    using Step = typename BwdSm90StepWalk<kWalkGroup>::Step;
+    if constexpr (kWalkGroup) {
+      return Step{i, static_cast<int>(ld_shared_b32(step_word(i))),
+                  static_cast<int>(ld_shared_b32(step_word(i) + 4))};
+    } else {
+      return Step{i, m_begin + i, 0};
+    }
+  };
   // Packed (varlen) tensors are one batch entry of total rows; this
   // sequence's rows start at row0 (params.h).
   const bool packed = kVarSeq && params.cu_seqlens_q != nullptr;
@@ -233,17 +311,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tmap_k);
       prefetch_tensor_map(&tmap_v);
       prefetch_tensor_map(&tmap_do);
-      // This head's padded lse (log2) rows; its D rows are dsum_offset further.
-      const int64_t head_rows = (static_cast<int64_t>(b) * params.heads + h) * params.seqlen_q_padded;
-      const float* row_stats_head = params.lse_log2_padded + head_rows;
+      // The first head's padded lse (log2) rows (the next head's follow
+      // seqlen_q_padded further); its D rows are dsum_offset further.
+      const int64_t head_rows =
+          (static_cast<int64_t>(b) * params.heads + h_first) * params.seqlen_q_padded;
+      const float* row_stats_first = params.lse_log2_padded + head_rows;
       const int64_t dsum_offset = params.dsum_padded - params.lse_log2_padded;
       mbar_arrive_expect_tx(kv_full, 2 * Traits::kKVBytes);
       tma_load_tile<kChunks>(&tmap_k, k_smem, kBlockN, kv_full, k_row0 + n0, h_k, tma_batch);
       tma_load_tile<kChunks>(&tmap_v, v_smem, kBlockN, kv_full, k_row0 + n0, h_k, tma_batch);
-      for (int i = 0; m_begin + i < m_end; ++i) {
+      for (auto step = walk.first(); walk.more(step.i); walk.advance(step)) {
+        const int i = step.i, h = h_first + step.g;
         const int stage = i % kStages;
         mbar_wait(qdo_empty(stage), ((i / kStages) & 1) ^ 1);
-        const int m0 = (m_begin + i) * kBlockM;
+        const int m0 = step.m_block * kBlockM;
+        const float* row_stats_head =
+            row_stats_first + static_cast<int64_t>(step.g) * params.seqlen_q_padded;
+        if constexpr (kWalkGroup) {  // published_step, before qdo_full's arrive
+          st_shared_b32(step_word(i), step.m_block);
+          st_shared_b32(step_word(i) + 4, step.g);
+        }
         if constexpr (kHasAttnMask) {
           // Bit w: consumer w's 64 keys need the mask on this step (the
           // summary's blocks of kMaskBlock rows x 64 keys); all without one.
@@ -292,22 +379,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // for tiles of smaller grid_block (the grid launches causal and variant
       // tiles last-first; a batch-first grid keeps the key tiles of one
       // (b, h) in that order), which started before it, so the order cannot
-      // deadlock.
+      // deadlock. kWalkGroup: the counters are those of the step's query head
+      // h, and the key tiles that add into (h, m) are the CTAs of (b, h_k)
+      // with the same ranks for every h of the group. Each CTA walks the heads
+      // in the same order and still waits only for CTAs of smaller grid_block
+      // (whose own waits, at any of their steps, again go to smaller ones), so
+      // the argument holds step by step across heads.
       const int w = threadIdx.x / 32 - 1;
       prefetch_tensor_map(&tmap_dq_accum);
-      const int dq_slice = (packed ? 0 : b * params.heads) + h;  // make_dq_accum_tensor_map
+      // The first head's accumulator slice and counters; the next heads'
+      // follow (slices and counters of one batch entry are per head).
+      const int dq_slice0 = (packed ? 0 : b * params.heads) + h_first;  // make_dq_accum_tensor_map
       int* order = params.deterministic
                        ? params.dq_semaphore +
-                             (static_cast<int64_t>(b) * params.heads + h) *
+                             (static_cast<int64_t>(b) * params.heads + h_first) *
                                  (params.seqlen_q_padded / kBlockM) * Traits::kConsumerWarpgroups +
                              w
                        : nullptr;
-      for (int i = 0; m_begin + i < m_end; ++i) {
-        const int m_block = m_begin + i, stage = i % kStages, buf = i % kDqBuffers;
+      for (int i = 0; walk.more(i); ++i) {
+        const int stage = i % kStages, buf = i % kDqBuffers;
         mbar_wait(dq_full(w, buf), (i / kDqBuffers) & 1);
+        const auto step = published_step(i);
+        const int m_block = step.m_block, dq_slice = dq_slice0 + step.g;
         int* turn = nullptr;
         if (params.deterministic) {
-          turn = order + m_block * Traits::kConsumerWarpgroups;
+          // (The offset fits in 32 bits, as the step count does: a group's
+          // counters number heads x seqlen_q_padded / 32 at most, 2^31 of
+          // which would take a Q of terabytes.)
+          turn = order + (step.g * (params.seqlen_q_padded / kBlockM) + m_block) *
+                             Traits::kConsumerWarpgroups;
           int rank;
           if constexpr (kHasVariants) {
             rank = bwd_sm90_key_tiles_end<kBlockM, kBlockN>(make_window(params, seq), m_block) - 1 -
@@ -367,12 +467,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
   }
   const int key_row = wg_key0 + warp * 16 + lane / 4;  // + 8 * (e / 2), within the tile
-  // With variants: the Mask of this sequence and query head (GQA: each CTA has
-  // one query head, so its own ALiBi slope and attn_mask slice) and the score
-  // modifiers, made where used: most fields stay in the constant bank, and
-  // none holds a register across the step's GEMMs (the consumers are at the
-  // register limit).
-  auto make_variants = [&]() { return ScoreVariants::make(params, seq, b, h); };
+  // With variants: the Mask of this sequence and the step's query head h (its
+  // own ALiBi slope and attn_mask slice; kWalkGroup: h changes along the walk)
+  // and the score modifiers, made where used: most fields stay in the
+  // constant bank, and none holds a register across the step's GEMMs (the
+  // consumers are at the register limit).
+  auto make_variants = [&](int h) { return ScoreVariants::make(params, seq, b, h); };
 
   // X^T = A B^T for K-major A (this warpgroup's 64 keys) and B (queries):
   // kHeadDim / 16 k-steps, 32 bytes apart inside a 64-column chunk.
@@ -473,13 +573,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // and D / scale (bwd_preprocess.cuh), so no element is multiplied by it.
   // staged_mask: the warp's staged attn_mask block (key split, 16-bit masks;
   // 0 = read per element), see bwd_sm90_stage_attn_mask.
-  auto scores_to_probs = [&](int m_block, int stage, float (&s)[kBlockM / 8][4],
+  auto scores_to_probs = [&](int h, int m_block, int stage, float (&s)[kBlockM / 8][4],
                              uint32_t lse_row_stat, const RowStat& lse_pre, bool softcapped,
                              uint32_t staged_mask = 0) {
     const int query_base = m_block * kBlockM + 2 * (lane % 4);  // + 8j + e % 2
     float scale_log2 = params.scale_log2;
     if constexpr (kHasVariants) {
-      const ScoreVariants variants = make_variants();
+      const ScoreVariants variants = make_variants(h);
       const bool mask_elements =
           !bwd_sm90_keys_inside_window<kBlockM, 64>(variants.mask, m_block, n0 + wg_key0);
       // attn_mask: whether this consumer's keys need the mask on this step
@@ -614,10 +714,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // flight across the loop's back edge, or waited for under a branch, made
     // ptxas serialise all of them.
     constexpr int kDsBarrier = 1;  // both consumers' dS^T written
-    for (int i = 0; m_begin + i < m_end; ++i) {
-      const int m_block = m_begin + i;
+    for (int i = 0; walk.more(i); ++i) {
       const int stage = i % kStages;
       mbar_wait(qdo_full(stage), (i / kStages) & 1);
+      const auto step = published_step(i);
+      const int m_block = step.m_block, h = h_first + step.g;
       if constexpr (kVarSeq) zero_rows_past_sequence(m_block, stage);
 
       float s[kBlockM / 8][4], dp[kBlockM / 8][4];
@@ -628,7 +729,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // buffer while the GEMMs run (bwd_sm90_stage_attn_mask).
       uint32_t staged_mask = 0;
       if constexpr (kHasAttnMask) {
-        const Mask mask = make_variants().mask;
+        const Mask mask = make_variants(h).mask;
         const bool reads = ((ld_shared_b32(mask_reads_slot(stage)) >> (wg_key0 / 64)) & 1u) != 0u;
         if (reads && attn_mask_stageable(mask)) {  // uniform
           staged_mask = ds_smem(i % 2) + (wg_key0 + warp * 16) * 128;
@@ -655,7 +756,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // softcap to dS^T = P^T o ((dP^T - D) o df/ds) (no registers held for it).
       const bool softcap = kHasVariants && params.softcap > 0.f;
       if (!softcap) {
-        scores_to_probs(m_block, stage, s, lse_smem(stage), lse_log2, false, staged_mask);
+        scores_to_probs(h, m_block, stage, s, lse_smem(stage), lse_log2, false, staged_mask);
       }
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
@@ -666,7 +767,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if constexpr (kHasVariants) {
           if (dropout_on) bwd_sm90_drop<kBlockM>(dp, keep);
         }
-        const ScoreVariants variants = make_variants();
+        const ScoreVariants variants = make_variants(h);
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
           float d[2];
@@ -678,7 +779,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             dp[j][e] = (dp[j][e] - d[e % 2]) * (1.f - t * t);
           }
         }
-        scores_to_probs(m_block, stage, s, lse_smem(stage), lse_log2, true, staged_mask);
+        scores_to_probs(h, m_block, stage, s, lse_smem(stage), lse_log2, true, staged_mask);
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
@@ -749,10 +850,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // barriers are single instructions outside the warpgroup branches.
     constexpr int kPReady = 1, kDsReady = 2;
     const uint32_t p_slot = p_smem + tid * 16;  // + q * 128 * 16 for float4 q
-    for (int i = 0; m_begin + i < m_end; ++i) {
-      const int m_block = m_begin + i;
+    for (int i = 0; walk.more(i); ++i) {
       const int stage = i % kStages;
       mbar_wait(qdo_full(stage), (i / kStages) & 1);
+      const auto step = published_step(i);
+      const int m_block = step.m_block, h = h_first + step.g;
       if constexpr (kVarSeq) zero_rows_past_sequence(m_block, stage);
       const uint32_t ds_buf = ds_smem(i % 2);
 
@@ -790,7 +892,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           // df/ds parked in the thread's own fp32 slots until P^T is known
           // (dropout: marked, so that the keep bits die here; P^T o df/ds >= 0
           // then carries the mark).
-          const ScoreVariants variants = make_variants();
+          const ScoreVariants variants = make_variants(h);
 #pragma unroll
           for (int q = 0; q < kBlockM / 8; ++q) {
             float dfds[4];
@@ -806,7 +908,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             }
             st_shared_v4_f32(p_slot + q * 128 * 16, dfds[0], dfds[1], dfds[2], dfds[3]);
           }
-          scores_to_probs(m_block, stage, acc, lse_smem(stage), row_terms, true);
+          scores_to_probs(h, m_block, stage, acc, lse_smem(stage), row_terms, true);
 #pragma unroll
           for (int q = 0; q < kBlockM / 8; ++q) {
             float dfds[4];
@@ -824,7 +926,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           accumulators_to_a_fragments<T, kBlockM>(acc, p_frag);
           store_ds(ds_buf, p_frag);
         } else {
-          scores_to_probs(m_block, stage, acc, lse_smem(stage), row_terms, false);
+          scores_to_probs(h, m_block, stage, acc, lse_smem(stage), row_terms, false);
           if constexpr (kHasVariants) {
             if (dropout_on) {
 #pragma unroll
@@ -908,14 +1010,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // ---------------- epilogue ----------------
   // dK = softmax_scale * sum dS^T Q; keys past seqlen_k and padded head-dim
-  // columns are not written. Keys no query sees get zeros.
+  // columns are not written. Keys no query sees get zeros. The gradients'
+  // head: with kWalkGroup the kv head (the group is summed above), else the
+  // query head (GQA there: per query head, summed by the op layer).
+  const int grad_head = kWalkGroup ? h_k : h_first;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int key = n0 + key_row + 8 * hh;
     const bool key_ok = key < seq.seqlen_k;
     const int64_t row = k_row0 + (key_ok ? key : 0);
-    T* dk_row = static_cast<T*>(params.dk) + row_offset(params.dk_strides, b, h, row);
-    T* dv_row = static_cast<T*>(params.dv) + row_offset(params.dv_strides, b, h, row);
+    T* dk_row = static_cast<T*>(params.dk) + row_offset(params.dk_strides, b, grad_head, row);
+    T* dv_row = static_cast<T*>(params.dv) + row_offset(params.dv_strides, b, grad_head, row);
     store_accumulator_row<T, kGradCols>(dk_row, dk, hh, params.softmax_scale, wg_col0,
                                         params.head_dim, key_ok, lane);
     store_accumulator_row<T, kGradCols>(dv_row, dv, hh, 1.f, wg_col0, params.head_dim, key_ok,

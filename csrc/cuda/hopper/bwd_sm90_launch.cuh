@@ -4,7 +4,8 @@
 //   1. D = rowsum(dO o O), zeroed fp32 dQ accumulator, padded lse (log2) and D
 //      rows (bwd_preprocess.cuh, shared with mma.sync),
 //   2. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added into the
-//      accumulator by TMA reduce-adds; deterministic: in a fixed order),
+//      accumulator by TMA reduce-adds; deterministic: in a fixed order; GQA:
+//      dK, dV summed over each kv head's group, bwd_sm90_sums_gqa_groups),
 //   3. dq = softmax_scale * dQ accumulator (bwd_preprocess.cuh).
 // With the caller's accumulator (params.dq_accum_external) step 1 leaves it
 // as it is and step 3 is skipped: the caller converts once after many calls.
@@ -75,10 +76,13 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // to the last tiles first (its dQ order needs that).
   const int n_tiles = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   // (batch, key tile, head) where an attn_mask plane broadcasts over the batch
-  // (attn_mask_grid_batch_first), else (key tile, head, batch).
+  // (attn_mask_grid_batch_first), else (key tile, head, batch). GQA: the head
+  // is the kv head, whose CTAs walk its group's query heads (kWalkGroup).
+  const bool walk_group = bwd_sm90_sums_gqa_groups(params);
+  const int grid_heads = walk_group ? params.heads_k : params.heads;
   const bool batch_first = kHasVariants && attn_mask_grid_batch_first(params);
-  const dim3 grid = batch_first ? dim3(params.batch, n_tiles, params.heads)
-                                : dim3(n_tiles, params.heads, params.batch);
+  const dim3 grid = batch_first ? dim3(params.batch, n_tiles, grid_heads)
+                                : dim3(n_tiles, grid_heads, params.batch);
   AttentionBwdParams kernel_params = params;  // + the attn_mask summary's strides
   auto launch = [&](auto kernel) {
     bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -88,25 +92,33 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
                                                                     tmap_dq_accum, kernel_params);
     bwd_check_cuda(cudaGetLastError(), "Hopper kernel launch");
   };
-  if (n_tiles > 0) {
-    // A boolean attn_mask's block summary, per consumer's 64 keys.
-    if (kHasVariants) compute_attn_mask_blocks(kernel_params, 64, stream);
-    // Varlen and seqused_k read per-sequence bounds (and zero rows past them);
-    // the padded batch keeps them in the constant bank.
-    // Variants: attn_mask calls (padded batches, maybe seqused_k) take the
-    // kernel that reads the mask.
+  // Varlen and seqused_k read per-sequence bounds (and zero rows past them);
+  // the padded batch keeps them in the constant bank.
+  // Variants: attn_mask calls (padded batches, maybe seqused_k) take the
+  // kernel that reads the mask.
+  auto launch_walk = [&](auto walk_tag) {
+    constexpr bool kWalk = decltype(walk_tag)::value;
     if (has_var_seqs(params)) {
       if (kHasVariants && params.attn_bias != nullptr) {
-        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true, kHasVariants, kHasVariants>);
+        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true, kHasVariants, kHasVariants, kWalk>);
       } else {
-        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true, kHasVariants>);
+        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true, kHasVariants, false, kWalk>);
       }
     } else {
       if (kHasVariants && params.attn_bias != nullptr) {
-        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false, kHasVariants, kHasVariants>);
+        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false, kHasVariants, kHasVariants, kWalk>);
       } else {
-        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false, kHasVariants>);
+        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false, kHasVariants, false, kWalk>);
       }
+    }
+  };
+  if (n_tiles > 0) {
+    // A boolean attn_mask's block summary, per consumer's 64 keys.
+    if (kHasVariants) compute_attn_mask_blocks(kernel_params, 64, stream);
+    if (walk_group) {
+      launch_walk(std::true_type{});
+    } else {
+      launch_walk(std::false_type{});
     }
   }
   if (!external) launch_bwd_convert_dq<T>(params, kHeadDim, 1, stream);

@@ -1,6 +1,14 @@
 // Tile shapes, shared-memory layout and register budget of the Hopper
 // backward (bwd_sm90_kernel.cuh has the kernel and its data flow).
 //
+// Grid: one CTA per (key tile, head, batch). The head is the query head, or
+// for GQA (heads > heads_k) the kv head: its CTA walks the query tiles of
+// every query head of the group in turn (the kernel's kWalkGroup), keeping
+// dK / dV in registers across them and writing them once per kv head. The
+// walk's steps go through the Q/dO ring, the dS^T and dQ buffers and the
+// mbarriers exactly as one head's steps do; only the step words below are
+// its own.
+//
 // How the two consumers share the work depends on the head dim (the dK + dV
 // accumulators cost kHeadDim fp32 registers per thread for 64 keys):
 //
@@ -70,7 +78,7 @@
 // swizzle; every tile 1024-byte aligned):
 //   | K [kChunks][kBlockN][64] | V | Q [kStages][kChunks][64][64] | dO [...] |
 //   | dS^T [kDsBuffers][kBlockM / 64][kBlockN keys][64 queries] | dQ [consumers][kDqBuffers][boxes][64][32] fp32
-//     (key split) | P^T (head-dim split) | lse (log2), D [kStages][2][64] fp32 | mbarriers |
+//     (key split) | P^T (head-dim split) | lse (log2), D [kStages][2][64] fp32 | mbarriers, step words |
 #pragma once
 #include "sm90_primitives.cuh"
 
@@ -141,11 +149,20 @@ struct BwdSm90Traits {
   // One stage's lse (log2) and D rows (kBlockM floats each), bulk copies from
   // the padded row statistics (params.h) that complete with Q and dO.
   static constexpr int kRowStatBytes = 2 * kBlockM * 4;
+  // GQA walk (kWalkGroup): the loader publishes each step's query tile and
+  // head (a word pair: m_block, g) for the consumers and dQ writers, in a ring of
+  // kStepWords pairs. The loader writes step j's pair after qdo_empty of step
+  // j - kStages, i.e. after the consumers' last arrive of that step, which
+  // comes after their dq_empty wait for step j - kStages - kDqBuffers (key
+  // split; head-dim split: qdo_empty also waits for the dQ writers of step
+  // j - kStages): so every reader of step j - kStepWords is done with it.
+  static constexpr int kStepWords = 4;
+  static_assert(kStepWords >= kStages + kDqBuffers, "step words outlive their readers");
   // kv_full, qdo_full / qdo_empty per stage, dq_full / dq_empty per consumer
   // and dQ buffer; then a word per stage (attn_mask kernels: which consumers
-  // read the mask on the step).
+  // read the mask on the step) and the step words.
   static constexpr int kBarrierBytes =
-      8 * (1 + 2 * kStages + 2 * kConsumerWarpgroups * kDqBuffers) + 4 * kStages;
+      8 * (1 + 2 * kStages + 2 * kConsumerWarpgroups * kDqBuffers) + 4 * kStages + 8 * kStepWords;
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
                                     kDqSmemBytes + kPBytes + kStages * kRowStatBytes + kBarrierBytes +
