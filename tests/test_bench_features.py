@@ -1,7 +1,6 @@
-"""bench/bench_features.py runs end to end (--quick, CPU) and writes its CSV; no timing assertions."""
+"""The varlen and decode suites (formerly bench/bench_features.py) run end to end (--quick, CPU)
+and write their CSV; no timing assertions."""
 import csv
-import importlib.util
-import os
 
 import pytest
 
@@ -10,27 +9,22 @@ if not (hasattr(fa, "flash_attn_varlen_func") and hasattr(fa, "flash_attn_with_k
     pytest.skip("flash_attn_ext has no flash_attn_varlen_func / flash_attn_with_kvcache",
                 allow_module_level=True)
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_features.py")
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_features", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from flash_attn_ext.bench import main  # noqa: E402
 
 
 def test_bench_features_cpu_quick(tmp_path, capsys):
-    bench = _load_script()
-    csv_path, json_path = tmp_path / "features.csv", tmp_path / "features.json"
-    bench.main(["--device", "cpu", "--quick", "--no-peaks", "--csv", str(csv_path),
-                "--json", str(json_path)])
-    out = capsys.readouterr().out
-    assert "varlen geomean ours/sdpa_flash" in out
-    assert "decode geomean ours/best_sdpa" in out
-    with open(csv_path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert json_path.exists()
+    rows = []
+    for suite in ("varlen", "decode"):
+        csv_path, json_path = tmp_path / f"{suite}.csv", tmp_path / f"{suite}.json"
+        main([suite, "--device", "cpu", "--quick", "--no-peaks", "--csv", str(csv_path),
+              "--json", str(json_path)])
+        out = capsys.readouterr().out
+        assert f"{suite} geomean ours/" in out
+        with open(csv_path, newline="") as f:
+            suite_rows = list(csv.DictReader(f))
+        assert {r["section"] for r in suite_rows} == {suite}
+        assert json_path.exists()
+        rows += suite_rows
     varlen = [r for r in rows if r["section"] == "varlen"]
     decode = [r for r in rows if r["section"] == "decode"]
     # 1 head dim x 2 causal x 2 passes per varlen backend; 2 cache lengths per decode backend.

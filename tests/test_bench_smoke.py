@@ -1,9 +1,15 @@
-"""The benchmark script runs end to end (tiny sizes, CPU); no timing assertions."""
+"""The benchmark entry point and its suites run end to end (tiny sizes, CPU); no timing
+assertions. bench/bench_attention.py (the README's set-up command) is the attention suite."""
 import os
+import subprocess
 import sys
+
+import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import bench_attention  # noqa: E402
+from flash_attn_ext.bench import SUITES, main  # noqa: E402
 
 
 def test_bench_cpu_smoke(tmp_path, capsys):
@@ -44,11 +50,11 @@ def test_bench_cpu_rounds(tmp_path, capsys):
 
 
 def test_bench_ring_cpu_smoke(tmp_path, capsys):
-    """bench_ring.py spawns gloo worlds of 1 and 2 ranks (tiny shards) and writes its table;
+    """The ring suite spawns gloo worlds of 1 and 2 ranks (tiny shards) and writes its table;
     it drives the ring's private pieces (the no-communication ring), which this keeps honest."""
-    import bench_ring
+    from flash_attn_ext.bench.suites import ring
     csv_path = tmp_path / "ring.csv"
-    bench_ring.main(["--device", "cpu", "--all", "--max-world", "2", "--seqlen", "32",
+    ring.main(["--device", "cpu", "--all", "--max-world", "2", "--seqlen", "32",
                      "--iters", "1", "--warmup", "1", "--csv", str(csv_path)])
     out = capsys.readouterr().out
     assert "scaling %" in out
@@ -79,3 +85,90 @@ def test_bench_gqa_cpu(capsys):
                                  "--no-roofline"])
     assert {r["Hk"] for r in rows} == {2} and all(r["ms"] for r in rows), rows
     assert " | 4/2 | " in capsys.readouterr().out
+
+
+# ---- the entry point: one suite per first argument ---------------------------------------------
+
+@pytest.mark.parametrize("suite", list(SUITES))
+def test_suite_help(suite, capsys):
+    """`python -m flash_attn_ext.bench <suite> --help` describes that suite."""
+    with pytest.raises(SystemExit) as e:
+        main([suite, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    usage = out.splitlines()[0]
+    assert usage.startswith("usage: python -m flash_attn_ext.bench")
+    assert suite in usage  # attention's reads "[attention]"
+    assert "--csv" in out
+
+
+def test_help_lists_suites(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for suite in SUITES:
+        assert f"\n  {suite} " in out, suite
+    assert "--hdims" in out  # and the default suite's flags
+
+
+def test_unknown_suite_message():
+    with pytest.raises(SystemExit) as e:
+        main(["no-such-suite"])
+    assert "unknown suite 'no-such-suite'" in str(e.value.code)
+
+
+def _table_tail(out, n=4):
+    return "\n".join(out.strip().splitlines()[-n:])
+
+
+# Each CPU-runnable suite at its smallest, and what the end of stdout (its table) holds.
+CPU_RUNS = {
+    "attention": (["--device", "cpu", "--quick"], "geomean ours/sdpa"),
+    "variants": (["--device", "cpu", "--quick"], "var/plain: time(ours) / time(plain)"),
+    "host-overhead": (["--device", "cpu", "--calls", "20", "--rounds", "1"],
+                      "flash_attn_with_kvcache"),
+    "paged-prefill": (["--device", "cpu", "--quick"], "paged256"),
+    "decode": (["--device", "cpu", "--quick", "--no-peaks"], "decode geomean ours/best_sdpa"),
+    "varlen": (["--device", "cpu", "--quick", "--no-peaks"], "varlen geomean ours/sdpa_flash"),
+}
+
+
+@pytest.mark.parametrize("suite", list(CPU_RUNS))
+def test_suite_cpu_runs(suite, tmp_path, capsys):
+    """Every suite that runs on the CPU prints its table last and writes its CSV."""
+    args, table_line = CPU_RUNS[suite]
+    csv_path = tmp_path / f"{suite}.csv"
+    main([suite] + args + ["--csv", str(csv_path)])
+    out = capsys.readouterr().out
+    assert table_line in _table_tail(out), out[-2000:]
+    lines = csv_path.read_text().splitlines()
+    assert len(lines) >= 2 and "," in lines[0]
+
+
+# Suites, or --device cuda, that need a GPU: one line naming the suite, no traceback.
+CUDA_ONLY = [["fp8"], ["varlen-variants"], ["--device", "cuda", "--quick"],
+             ["decode", "--device", "cuda"], ["variants", "--device", "cuda"],
+             ["paged-prefill", "--device", "cuda"], ["host-overhead", "--device", "cuda"],
+             ["ring", "--device", "cuda", "--all"]]
+
+
+@pytest.mark.parametrize("argv", CUDA_ONLY, ids=lambda a: " ".join(a))
+def test_cuda_suites_exit_cleanly_without_cuda(argv, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    message = str(e.value.code)
+    assert "needs a CUDA device" in message
+    assert message.startswith(argv[0] if not argv[0].startswith("-") else "attention")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_suite_message_not_traceback(tmp_path):
+    """As a command: exit status 1, the message on stderr, no traceback."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "flash_attn_ext.bench", "fp8"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "fp8: needs a CUDA device" in proc.stderr and "Traceback" not in proc.stderr

@@ -270,6 +270,40 @@ def test_cuda_softcap_saturated(softcap, causal, head_dim):
     check_lse(lse, ref[1], dtype)
 
 
+def _impls(device):
+    return ["auto", "mma"] if device == "cuda" else ["auto"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("softcap", [30.0, 50.0])
+def test_softcap_single_key_rows_are_exact(device, head_dim, dtype, softcap, monkeypatch):
+    """With softcap, a row that sees one key returns that key's v exactly (its probability
+    is 1), on every path: CPU, the Hopper forward (whose bf16 softcap path has no running max
+    and sums the bf16-rounded P it multiplies V with) and the mma.sync kernels. Rows of a
+    (0, 0) window see one key each; causal row 0 sees key 0. Peaked rows (one key far above
+    the others) keep the reference's values (FA rule)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    q = randn((2, 70, HEADS, head_dim), dtype, device, 1)
+    k = randn((2, 70, KV_HEADS, head_dim), dtype, device, 2)
+    v = randn((2, 70, KV_HEADS, head_dim), torch.float32, device, 3).mul(3).to(dtype)
+    v_rows = v.repeat_interleave(HEADS // KV_HEADS, dim=2)
+    for impl in _impls(device):
+        monkeypatch.setenv("FLASH_ATTN_EXT_FWD_IMPL", impl)
+        out = fa.flash_attn_func(q, k, v, window_size=(0, 0), softcap=softcap)
+        assert torch.equal(out, v_rows), f"{impl}: window (0, 0) rows differ from v"
+        out = fa.flash_attn_func(q, k, v, causal=True, softcap=softcap)
+        assert torch.equal(out[:, 0], v_rows[:, 0]), f"{impl}: causal row 0 differs from v"
+        # Peaked rows: key i's score far above the others' for query i.
+        peaked_k = (k.float() + 4 * q.float()[:, :, ::HEADS // KV_HEADS]).to(dtype)
+        out = fa.flash_attn_func(q, peaked_k, v, softcap=softcap)
+        ref, base = ref_and_base(lambda q, k, v: gqa_attention(q, k, v, False, softcap=softcap),
+                                 (q, peaked_k, v))
+        check_out_and_grads(out, None, (ref[0], ref[1], None), (base[0], base[1], None), dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["window_1_1", "all_three_causal"])
 def test_cuda_deterministic(case):

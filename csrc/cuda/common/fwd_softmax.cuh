@@ -547,6 +547,14 @@ struct OnlineSoftmax {
   // rescaling of O or of the row sum (the softmax is shift-invariant; the LSE
   // comes out as log(row sum)). What it leaves out offsets part of the cost of
   // the softcap's tanh (docs/PERFORMANCE.md).
+  // Without the max, the row's largest probability is some exp2(x), not 1,
+  // and P V reads P rounded to bf16: a row sum of the unrounded p would make
+  // out = bf16(p) v / p != v on a row with one visible key (one bf16 ulp off at
+  // |v| ~ 2-4). So p is rounded to bf16 here (the P V conversion is then
+  // exact) and the row sum adds the rounded values: O / row sum is exactly v
+  // again on such rows, and a peaked row's weights are ratios of the P that
+  // P V used, as with the running max (whose largest p is exactly 1). bf16
+  // only: this path is taken for bf16 P alone (fp16's range is too narrow).
   template <int kTilesN>
   FAE_DEVICE void update_scores_unshifted(float (&s)[kMmaM][kTilesN][4], float scale_log2) {
 #pragma unroll
@@ -554,7 +562,21 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         row_max[m][h] = 0.f;
-        row_sum[m][h] += exp2_row(s, m, h, scale_log2, static_cast<float>(kPExp2Offset));
+        float sum_even = 0.f, sum_odd = 0.f;  // two chains, as exp2_row
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) {
+          float& x0 = s[m][j][2 * h];
+          float& x1 = s[m][j][2 * h + 1];
+          const float offset = static_cast<float>(kPExp2Offset);
+          // One cvt for the pair; the bf16 halves back to fp32 are a shift and a mask.
+          const uint32_t pair = pack2<__nv_bfloat16>(fast_exp2(fmaf(x0, scale_log2, offset)),
+                                                     fast_exp2(fmaf(x1, scale_log2, offset)));
+          x0 = __uint_as_float(pair << 16);
+          x1 = __uint_as_float(pair & 0xffff0000u);
+          sum_even += x0;
+          sum_odd += x1;
+        }
+        row_sum[m][h] += sum_even + sum_odd;
       }
     }
   }
