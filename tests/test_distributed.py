@@ -46,6 +46,7 @@ class Case(NamedTuple):
     head_dim: int = 16
     batch: int = 2
     softcap: float = 0.0
+    sink: bool = False  # a learnable sink (its gradient summed over the ranks)
     ring: str = "world"  # "pairs": two 2-rank subgroups {0, 2} and {1, 3} at once
 
     @property
@@ -55,7 +56,8 @@ class Case(NamedTuple):
     @property
     def name(self):
         gqa = "mha" if self.heads_k == self.heads else f"gqa{self.heads}-{self.heads_k}"
-        extra = f"-softcap{self.softcap:g}" if self.softcap else ""
+        extra = (f"-softcap{self.softcap:g}" if self.softcap else "") + \
+            ("-sink" if self.sink else "")
         seq = f"varlen{'+'.join(map(str, self.seqlen))}" if self.varlen else f"S{self.seqlen}"
         return (f"{'causal' if self.causal else 'full'}-{self.dtype}-{seq}-{gqa}"
                 f"-D{self.head_dim}{extra}-{self.ring}")
@@ -66,12 +68,15 @@ CPU_CASES = {
         Case(True, "bf16", 74, heads_k=1),            # MQA
         Case(True, "fp32", 2, heads_k=4),             # local 1: every second chunk is empty
         Case(True, "fp32", 64, softcap=5.0),
+        Case(True, "bf16", 74, sink=True),
+        Case(False, "fp32", (10, 2, 0, 74, 6), sink=True),
         Case(False, "fp32", 75, heads_k=4),           # shards of 38 and 37
         Case(False, "bf16", 64),
         Case(True, "fp32", (10, 2, 0, 74, 6)),        # local 5, 1, 0, 37, 3 per sequence
         Case(False, "bf16", (12, 4, 30), heads_k=1)],
     # 3 ranks: the backward passes K/V blocks as well as the dK/dV accumulators.
     3: [Case(True, "fp32", 90),                       # local 15 (chunks of 8 and 7)
+        Case(False, "fp32", 31, sink=True),
         Case(False, "bf16", 31, heads_k=1)],          # shards of 11, 10 and 10
     4: [Case(True, "fp32", 148),                      # local 37
         Case(True, "bf16", 148, heads_k=1),
@@ -86,6 +91,7 @@ CPU_CASES = {
 
 # Inputs that must raise on every rank of a 2-rank group, before any block moves.
 ERROR_CASES = ["causal_unequal_lengths", "mixed_causal_flags", "bad_input_on_rank_1",
+               "bad_sink_on_rank_1",
                "heads_differ", "varlen_cu_seqlens_differ", "varlen_bad_cu_seqlens_on_rank_1",
                "varlen_length_not_divisible"]
 
@@ -123,41 +129,62 @@ def _check_case(case, group, device):
 
     full_q, full_k, full_v, full_dout = (randn(h) for h in (case.heads, case.heads_k,
                                                             case.heads_k, case.heads))
+    sink = torch.randn(case.heads, generator=gen).to(device) if case.sink else None
     options = dict(causal=case.causal, softcap=case.softcap, return_lse=True)
+    variant = dict(softcap=case.softcap, learnable_sink=sink)
     if case.varlen:
         cu = torch.tensor((0,) + case.seqlen).cumsum(0).to(device=device, dtype=torch.int32)
         longest = max(case.seqlen)
 
-        def ring(q, k, v):
-            return ring_flash_attn_varlen_func(q, k, v, cu, group=group, **options)
+        def ring(q, k, v, s):
+            return ring_flash_attn_varlen_func(q, k, v, cu, group=group, learnable_sink=s,
+                                               **options)
 
-        def single(q, k, v):
-            return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, **options)
+        def single(q, k, v, s):
+            return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, learnable_sink=s,
+                                          **options)
 
-        def reference(q, k, v):
-            return varlen_attention(q, k, v, cu, cu, case.causal, softcap=case.softcap)
+        def reference(q, k, v, s=None):
+            return varlen_attention(q, k, v, cu, cu, case.causal, **dict(variant,
+                                                                          learnable_sink=s))
     else:
         cu = None
 
-        def ring(q, k, v):
-            return ring_flash_attn_func(q, k, v, group=group, **options)
+        def ring(q, k, v, s):
+            return ring_flash_attn_func(q, k, v, group=group, learnable_sink=s, **options)
 
-        def single(q, k, v):
-            return flash_attn_func(q, k, v, **options)
+        def single(q, k, v, s):
+            return flash_attn_func(q, k, v, learnable_sink=s, **options)
 
-        def reference(q, k, v):
-            return gqa_attention(q, k, v, case.causal, softcap=case.softcap)
+        def reference(q, k, v, s=None):
+            return gqa_attention(q, k, v, case.causal, **dict(variant, learnable_sink=s))
     shard = _shard_of(case, rank, world, cu)
     lse_seq_dim = 1 if case.varlen else 2  # lse is [heads, total] or [batch, heads, seqlen]
 
     local = [shard(t).detach().requires_grad_() for t in (full_q, full_k, full_v)]
-    out, lse = ring(*local)
-    grads = torch.autograd.grad(out, local, shard(full_dout))
-
+    local_sink = None if sink is None else sink.clone().requires_grad_()
+    out, lse = ring(*local, local_sink)
+    grads = torch.autograd.grad(out, local + ([local_sink] if case.sink else []),
+                                shard(full_dout))
     leaves = [t.detach().requires_grad_() for t in (full_q, full_k, full_v)]
-    single_out, single_lse = single(*leaves)
-    single_grads = torch.autograd.grad(single_out, leaves, full_dout)
-    ref, base = ref_and_base(reference, (full_q, full_k, full_v), full_dout)
+    single_sink = None if sink is None else sink.clone().requires_grad_()
+    single_out, single_lse = single(*leaves, single_sink)
+    single_grads = torch.autograd.grad(single_out, leaves + ([single_sink] if case.sink else []),
+                                       full_dout)
+    inputs = (full_q, full_k, full_v) + ((sink,) if case.sink else ())
+    ref, base = ref_and_base(reference, inputs, full_dout)
+    if case.sink:
+        # Each rank's d_sink covers its rows: their sum is the whole sequence's (what data /
+        # context parallel training's gradient all-reduce of a replicated parameter forms).
+        dsink = grads[3].clone()
+        dist.all_reduce(dsink, group=group)
+        assert_fa_rule(dsink, ref[2][3], base[2][3], 3, atol=1e-4, what="dsink")
+        tol = 1e-4 * max(1.0, single_grads[3].abs().max().item())
+        assert max_err(dsink, single_grads[3]) <= (tol if dtype == torch.float32 else
+                                                   3 * max_err(base[2][3], ref[2][3]) + tol)
+        grads, single_grads = grads[:3], single_grads[:3]
+        ref = (ref[0], ref[1], ref[2][:3])
+        base = (base[0], base[1], base[2][:3])
 
     names = ("out", "dq", "dk", "dv")
     for name, ours, single, exact, naive in zip(names, (out, *grads), (single_out, *single_grads),
@@ -203,10 +230,13 @@ def _check_error_case(name, device):
         q = torch.randn(1, length, heads, 8, device=device)
         if name == "bad_input_on_rank_1" and rank == 1:
             q = q[0]  # 3-D
-        call = lambda: ring_flash_attn_func(q, q, q, causal=causal)  # noqa: E731
+        sink = (torch.zeros(3 if rank == 1 else 4, device=device)
+                if name == "bad_sink_on_rank_1" else None)
+        call = lambda: ring_flash_attn_func(q, q, q, causal=causal, learnable_sink=sink)  # noqa: E731
     expected = {"causal_unequal_lengths": ("same batch, shard length",),
                 "mixed_causal_flags": ("same causal flag",),
                 "bad_input_on_rank_1": ("4-D tensor", "rank(s) [1]"),
+                "bad_sink_on_rank_1": ("learnable_sink must have shape", "rank(s) [1]"),
                 "heads_differ": ("same batch, heads, heads_k",),
                 "varlen_cu_seqlens_differ": ("same (global) cu_seqlens",),
                 "varlen_bad_cu_seqlens_on_rank_1": ("non-decreasing", "rank(s) [1]"),
@@ -427,7 +457,8 @@ def test_ring_schedule_without_communication(device, head_dim, seqlen_local, wor
         ring.group, ring.rank, ring.world, ring.communicate = None, rank, world, False
         attention = ring_module._PaddedAttention((seqlen_local,) * world, True, scale, 0.0, False)
         q_r = q.clone().requires_grad_()
-        out, _ = ring_module._RingFlashAttnFunction.apply(q_r, k, v, ring, attention, None)
+        out, _ = ring_module._RingFlashAttnFunction.apply(q_r, k, v, None, ring, attention,
+                                                          None)
         dq, = torch.autograd.grad(out, q_r, dout)
         (out64, dq64), (out_base, dq_base) = (
             [zigzag_shard(t, rank, world) for t in ref] for ref in refs)

@@ -67,6 +67,18 @@ def _local_input_error(q, k, v, packed, cu_seqlens):
     return None
 
 
+def _sink_error(sink, q):
+    """(exception type, message) for a bad learnable sink on this rank, else None: found
+    before any collective, so that every rank raises (a rank raising alone would leave the
+    others waiting in the check's all_gather)."""
+    from ..interface import _sink_arg  # (interface imports nothing from distributed)
+    try:
+        _sink_arg(sink, q.shape[-2], q.device)
+    except (TypeError, RuntimeError) as e:
+        return type(e), str(e).replace("flash_attn_ext: ", "")
+    return None
+
+
 def _signature(q, k, causal, packed, cu_seqlens, error):
     if error is not None:
         return _Signature(1, *[0] * 9)
@@ -93,8 +105,10 @@ class _InputCheck:
     while the host waits. With bad inputs on this rank, the error is shared and raised at
     once."""
 
-    def __init__(self, q, k, v, causal, ring, packed=False, cu_seqlens=None):
+    def __init__(self, q, k, v, causal, ring, packed=False, cu_seqlens=None, sink=None):
         error = _local_input_error(q, k, v, packed, cu_seqlens)
+        if error is None and sink is not None:
+            error = _sink_error(sink, q)
         self.cu_seqlens = _host_cu_seqlens(cu_seqlens) if packed and error is None else None
         self._error, self._ring, self._causal, self._packed = error, ring, causal, packed
         self._seqlens = None
