@@ -1,4 +1,4 @@
-"""`python -m flash_attn_ext.bench`: see cli.py."""
-from .cli import main
+"""`python -m flash_attn_ext.bench [SUITE] [options]`: see suites/__init__.py."""
+from .suites import main
 
 main()

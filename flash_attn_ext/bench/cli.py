@@ -1,5 +1,6 @@
-"""Times flash_attn_ext against naive attention, torch's SDPA backends and flex_attention, in
-one process, and prints a table last.
+"""The attention suite, the default of `python -m flash_attn_ext.bench`: times flash_attn_ext
+against naive attention, torch's SDPA backends and flex_attention, in one process, and prints
+a table last.
 
   python -m flash_attn_ext.bench                       # GPU: FlashAttention paper grid, bf16
   python -m flash_attn_ext.bench --device cpu --quick  # CPU demo: B=1 H=8 S=1024 D=64 fp32
@@ -38,7 +39,8 @@ import flash_attn_ext as fa
 from .backends import (ALL_BACKENDS, DTYPES, PASS_FLOP_FACTOR, flops, make_inputs, min_bytes,
                        missing_backend)
 from .report import FLOPS_NOTE, load_runs, print_table, write_csv, write_json, write_plots
-from .timing import Progress, bench_backend, measure_peaks, rotated_rounds, timer_name
+from .suites import suite_list
+from .timing import Progress, bench_backend, measure_peaks, require_cuda, rotated_rounds, timer_name
 
 
 DEFAULT_BACKENDS = {"cuda": "ours,naive,flash,cudnn,efficient,math,flex",
@@ -47,7 +49,11 @@ DEFAULT_BACKENDS = {"cuda": "ours,naive,flash,cudnn,efficient,math,flex",
 
 def parse_args(argv=None):
     """The command line (`python -m flash_attn_ext.bench --help`) as an argparse Namespace."""
-    p = argparse.ArgumentParser(prog="python -m flash_attn_ext.bench", description=__doc__,
+    # The suite list first: this is also the help of `python -m flash_attn_ext.bench --help`.
+    p = argparse.ArgumentParser(prog="python -m flash_attn_ext.bench [attention]",
+                                usage="%(prog)s [options]   (or: python -m flash_attn_ext.bench "
+                                      "SUITE [options])",
+                                description=suite_list() + "\n\n" + __doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default bf16 on GPU, fp32 on CPU)")
@@ -99,6 +105,8 @@ def resolve(args):
     """Fills the device-dependent defaults in; returns the run's settings."""
     device = args.device
     gpu = device == "cuda"
+    if gpu:
+        require_cuda("attention --device cuda")
     if args.quick:
         args.hdims = args.hdims or ("128" if gpu else "64")
         args.seqlens = args.seqlens or ("4096" if gpu else "1024")

@@ -1,4 +1,5 @@
-"""Benchmark outputs: CSV, JSON, PNG charts, the printed table, merging saved runs."""
+"""Benchmark outputs: CSV (the attention suite's columns, or any suite's rows), JSON, PNG charts,
+the attention table, merging saved runs."""
 import csv
 import json
 import math
@@ -39,6 +40,19 @@ def write_csv(rows, path):
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         w.writerows(csv_row(r) for r in rows)
+
+
+def write_rows_csv(rows, path, fields=None, formats=None):
+    """Rows (dicts) of any suite to a CSV file: columns `fields` (default: the first row's
+    keys, in order), numbers formatted by formats[field] (a format spec) where given, None as
+    an empty cell."""
+    fields = fields or list(rows[0])
+    formats = formats or {}
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _fmt(r[k], formats[k]) if k in formats else r[k] for k in fields})
 
 
 def write_json(rows, meta, path):

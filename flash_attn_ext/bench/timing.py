@@ -1,5 +1,6 @@
-"""Benchmark timing: medians per device (triton do_bench / CUDA events / perf_counter), peak
-memory, start-up peaks, one backend's passes, rotated rounds, progress."""
+"""Benchmark timing, shared by every suite: medians per device (triton do_bench / CUDA events /
+perf_counter), peak memory, start-up peaks, one backend's passes (by name for the attention
+suite, from a factory for the others), rotated rounds, progress, and the CUDA check."""
 import importlib
 import itertools
 import os
@@ -93,6 +94,18 @@ def _free_bytes(device):
         return 8 * 2**30
 
 
+def require_cuda(what):
+    """Exits with one line (no traceback) when CUDA is not available: `what` (a suite, or a
+    suite's --device cuda) only runs on a GPU."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{what}: needs a CUDA device, and torch.cuda.is_available() is False "
+                         "here (CPU-runnable suites take --device cpu)")
+
+
+class Skip(Exception):
+    """Raised by a backend that does not run here: time_passes makes its message the note."""
+
+
 def _short_error(e):
     if isinstance(e, torch.OutOfMemoryError):
         return "OOM"
@@ -124,6 +137,35 @@ def _time_pass(fn, p, sets, douts, device):
     # The training-step footprint, from the inputs alone: forward + backward.
     mem = peak_extra_mb(lambda: torch.autograd.grad(fn(*sets[0]), sets[0], douts[0]), device)
     return ms, mem
+
+
+def time_passes(make, sets, passes, device, describe_error=_short_error):
+    """Times fn = make() on input sets (tuples of tensors) for each pass with _time_pass.
+    Returns {pass: {"ms", "mem_mb", "note"}}; errors become notes (a Skip's message, else
+    describe_error(e)). One probe call first: does the backend take this input?"""
+    res = {p: {"ms": None, "mem_mb": None, "note": ""} for p in passes}
+    try:
+        fn = make()
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # SDPA explains at length why a kernel was not used
+            probe = fn(*sets[0])  # does the backend take this input?
+        douts = [torch.randn_like(probe) for _ in sets]
+        del probe
+    except Exception as e:
+        note = str(e) if isinstance(e, Skip) else describe_error(e)
+        for p in passes:
+            res[p]["note"] = note
+        fn = None
+    for p in passes if fn is not None else ():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                res[p]["ms"], res[p]["mem_mb"] = _time_pass(fn, p, sets, douts, device)
+        except Exception as e:
+            res[p]["note"] = describe_error(e)
+        if device == "cuda" and res[p]["ms"] is None:
+            torch.cuda.empty_cache()
+    return res
 
 
 def bench_backend(backend, sets, cfg, passes, device, deterministic):
@@ -229,12 +271,13 @@ class Progress:
             self.bar.close()
 
 
-def rotated_rounds(names, time_one, rounds):
+def rotated_rounds(names, time_one, rounds, reduce=statistics.median):
     """Times every name `rounds` times, round r in the order rotated by r (A B C, B C A, ...),
-    and keeps the median ms per pass. A GPU's clock follows its recent load: the same kernel
-    measured up to 5% apart first in a row of backends and later in it, so with as many rounds
-    as names each one runs once in every position. time_one(name, first_round) returns
-    {pass: {"ms", ...}}; the other fields are kept from the first round."""
+    and keeps the median ms per pass (or reduce(times): min for the suites that keep the best
+    round). A GPU's clock follows its recent load: the same kernel measured up to 5% apart
+    first in a row of backends and later in it, so with as many rounds as names each one runs
+    once in every position. time_one(name, first_round) returns {pass: {"ms", ...}}; the other
+    fields are kept from the first round; rounds whose "ms" is None are left out."""
     results, all_ms = {}, {}
     for rnd in range(max(1, rounds)):
         shift = rnd % len(names)
@@ -244,5 +287,5 @@ def rotated_rounds(names, time_one, rounds):
                 all_ms.setdefault((name, p), []).append(r["ms"])
     for (name, p), times in all_ms.items():
         times = [t for t in times if t is not None]
-        results[name][p]["ms"] = statistics.median(times) if times else None
+        results[name][p]["ms"] = reduce(times) if times else None
     return results

@@ -1,18 +1,18 @@
-"""FP8 (e4m3) forward against our bf16 forward and torch's bf16 SDPA backends, same run.
+"""The fp8 suite (formerly bench/bench_fp8.py): FP8 (e4m3) forward against our bf16 forward and
+torch's bf16 SDPA backends, same run. CUDA only (the FP8 forward runs on Hopper).
 
-    python bench/bench_fp8.py [--head-dims 128,256] [--seqlens 1024,4096,8192,16384]
-                              [--rounds 3] [--backends ...] [--csv out.csv]
+    python -m flash_attn_ext.bench fp8 [--head-dims 128,256] [--seqlens 1024,4096,8192,16384]
+                                       [--rounds 3] [--backends ...] [--csv out.csv]
 
 Per (head dim, seqlen, causal): B = 16384 / S sequences, H = 2048 / D heads (16k tokens,
 2048 model dims), q/k/v quantised per tensor. Times are medians (triton do_bench, L2
-flushed) with the backends' order rotated every round; TFLOP/s count the bf16 FLOPs
+flushed; flash_attn_ext.bench.time_ms) with the backends' order rotated every round and the
+median of the rounds kept (flash_attn_ext.bench.rotated_rounds); TFLOP/s count the bf16 FLOPs
 4 B H S^2 D (half when causal). The FP8 time includes the V transpose pass it runs
 (fp8_fwd.cu). fp8_varlen / bf16_varlen (not in the default set): the same sequences packed
 through flash_attn_varlen_func. Table printed last; --csv writes it.
 """
 import argparse
-import csv
-import statistics
 import sys
 
 import torch
@@ -20,15 +20,17 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ext as fa
-from flash_attn_ext.bench.timing import time_ms
 from flash_attn_ext.fp8 import quantize_fp8
+from ..report import write_rows_csv
+from ..timing import require_cuda, rotated_rounds, time_ms
 
 BACKENDS = ("fp8", "bf16", "cudnn", "fa2", "fp8_varlen", "bf16_varlen")
 DEFAULT_BACKENDS = BACKENDS[:4]
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m flash_attn_ext.bench fp8", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", default="128,256")
     ap.add_argument("--seqlens", default="1024,4096,8192,16384")
     ap.add_argument("--rounds", type=int, default=3)
@@ -66,6 +68,7 @@ def make_fn(backend, q, k, v, q8, k8, v8, descales, causal):
 
 def main(argv=None):
     args = parse_args(argv)
+    require_cuda("fp8")
     backends = tuple(b for b in args.backends.split(",") if b)
     rows = []
     for D in (int(d) for d in args.head_dims.split(",")):
@@ -76,31 +79,29 @@ def main(argv=None):
                        for _ in range(3))
             (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(x) for x in (q, k, v))
             for causal in (False, True):
-                times = {b: [] for b in backends}
+                # Inputs as default arguments: the del below frees them with this function.
+                def time_one(b, first_round, causal=causal,
+                             inputs=(q, k, v, q8, k8, v8, (qd, kd, vd))):
+                    try:
+                        fn = make_fn(b, *inputs, causal)
+                        fn()
+                        return {"fwd": {"ms": time_ms(fn, "cuda")}}
+                    except Exception as e:  # a backend that refuses this shape
+                        print(f"  {b}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
+                        return {"fwd": {"ms": None}}
                 with torch.no_grad():
-                    for r in range(args.rounds):
-                        order = backends[r % len(backends):] + backends[:r % len(backends)]
-                        for b in order:
-                            try:
-                                fn = make_fn(b, q, k, v, q8, k8, v8, (qd, kd, vd), causal)
-                                fn()
-                                times[b].append(time_ms(fn, "cuda"))
-                            except Exception as e:  # a backend that refuses this shape
-                                print(f"  {b}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
+                    results = rotated_rounds(list(backends), time_one, args.rounds)
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
                 row = dict(D=D, S=S, B=B, H=H, causal=causal)
                 for b in backends:
-                    ms = statistics.median(times[b]) if times.get(b) else None
+                    ms = results[b]["fwd"]["ms"]
                     row[b + "_ms"] = ms
                     row[b + "_tflops"] = flops / ms / 1e9 if ms else None
                 rows.append(row)
                 print(f"  D={D} S={S} causal={causal} done", file=sys.stderr, flush=True)
-            del q, k, v, q8, k8, v8
+            del q, k, v, q8, k8, v8, time_one
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            w.writeheader()
-            w.writerows(rows)
+        write_rows_csv(rows, args.csv)
 
     def ratio(a, b):
         return f"{a / b:.2f}" if a and b else "-"
@@ -118,6 +119,3 @@ def main(argv=None):
               f"{ratio(r.get('cudnn_ms'), r.get('fp8_ms')):>11}")
     print("fp8/bf16, fp8/cudnn: speed-up of the FP8 forward (> 1: FP8 faster)")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,12 +1,12 @@
-#!/usr/bin/env python3
-"""Times the attention variants (sliding window, softcap, ALiBi, attn_mask, dropout) against our
-plain kernel, torch.compile(flex_attention) with the equivalent block_mask / score_mod and
-torch's cuDNN backend where it runs the same thing, in one process, and prints the table last.
-Ratios, not absolute times, are the result.
+"""The variants suite (formerly bench/bench_variants.py): times the attention variants (sliding
+window, softcap, ALiBi, attn_mask, dropout, sink) against our plain kernel,
+torch.compile(flex_attention) with the equivalent block_mask / score_mod and torch's cuDNN
+backend where it runs the same thing, in one process, and prints the table last. Ratios, not
+absolute times, are the result.
 
-  python bench/bench_variants.py                       # GPU, bf16, D=128
-  python bench/bench_variants.py --rounds 3 --csv variants.csv
-  python bench/bench_variants.py --device cpu --quick  # CPU smoke run (tiny sizes, no flex)
+  python -m flash_attn_ext.bench variants                       # GPU, bf16, D=128
+  python -m flash_attn_ext.bench variants --rounds 3 --csv variants.csv
+  python -m flash_attn_ext.bench variants --device cpu --quick  # CPU smoke run (tiny sizes, no flex)
 
 Configs (H=16, D=128, flash-attn's bottom-right diagonal; Sq = Sk, so top-left is the same):
   window   B=1, S=16k, causal: full causal vs window_size=(4096, 0) (each query sees <= 4097
@@ -28,31 +28,31 @@ cudnn (torch SDPA pinned to cuDNN: with the same attn_mask / dropout_p where it 
 else the plain causal / full call, a reference point only). flex has no sinks (no row can get
 an extra logit without a value).
 Passes: fwd, and bwd alone (torch.autograd.grad with retain_graph=True on a forward built
-before timing). Timing: flash_attn_ext.bench.time_ms (do_bench median, L2 flushed); with
---rounds N every config runs N times with the backends in rotated order and the median of
-the rounds is reported.
+before timing), through flash_attn_ext.bench.timing.time_passes. Timing:
+flash_attn_ext.bench.time_ms (do_bench median, L2 flushed); with --rounds N every config runs
+N times with the backends in rotated order (flash_attn_ext.bench.rotated_rounds) and the median
+of the rounds is reported.
 Columns: ms per backend; var/plain = time(ours) / time(plain) (the variant's cost, 1.0 = free;
 for the window row this is the window's speed-up inverted: plain/var is printed as
 'speedup'); flex/ours = time(flex) / time(ours) (above 1 ours is faster).
 """
 import argparse
-import csv
+import functools
 import importlib
-import statistics
 import sys
-import warnings
 
 import torch
 import torch.nn.functional as F
 
 import flash_attn_ext as fa
-from flash_attn_ext.bench.timing import _time_pass
+from ..report import write_rows_csv
+from ..timing import require_cuda, rotated_rounds, time_passes
 
 PASSES = ("fwd", "bwd")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python bench/bench_variants.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m flash_attn_ext.bench variants", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
@@ -178,25 +178,16 @@ def make_fn(backend, cfg, H, device, dtype):
     raise ValueError(f"unknown backend {backend!r}")
 
 
+def _describe_error(e):
+    # This suite's notes: the exception's first line, 50 characters (kept from its first form).
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:50]}"
+
+
 def time_backend(backend, cfg, sets, H, device, dtype):
-    res = {}
-    try:
-        fn = make_fn(backend, cfg, H, device, dtype)
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")
-            probe = fn(*sets[0])
-        douts = [torch.randn_like(probe) for _ in sets]
-        del probe
-    except Exception as e:  # the backend refuses this input
-        return {p: (None, f"{type(e).__name__}: {str(e).splitlines()[0][:50]}") for p in PASSES}
-    for p in PASSES:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                res[p] = (_time_pass(fn, p, sets, douts, device)[0], "")
-        except Exception as e:
-            res[p] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:50]}")
-    return res
+    """{pass: (median ms or None, note)} of one backend on one config."""
+    make = functools.partial(make_fn, backend, cfg, H, device, dtype)
+    res = time_passes(make, sets, PASSES, device, _describe_error)
+    return {p: (r["ms"], r["note"]) for p, r in res.items()}
 
 
 def label(cfg):
@@ -211,6 +202,8 @@ def label(cfg):
 def main(argv=None):
     args = parse_args(argv)
     device = args.device
+    if device == "cuda":
+        require_cuda("variants --device cuda")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if device == "cpu":
         dtype = torch.float32
@@ -226,29 +219,25 @@ def main(argv=None):
         gen = torch.Generator(device="cpu").manual_seed(0)
         sets = [tuple(torch.randn(cfg["B"], H, cfg["S"], D, generator=gen).to(device, dtype)
                       .requires_grad_() for _ in range(3)) for _ in range(2)]
-        times = {b: {p: [] for p in PASSES} for b in backends}
-        notes = {b: {p: "" for p in PASSES} for b in backends}
-        for r in range(args.rounds):
-            order = backends[r % len(backends):] + backends[:r % len(backends)]
-            for b in order:
-                for p, (ms, note) in time_backend(b, cfg, sets, H, device, dtype).items():
-                    if ms is not None:
-                        times[b][p].append(ms)
-                    notes[b][p] = note
-                print(f"  {label(cfg)} round {r + 1}: {b} done", file=sys.stderr, flush=True)
+        done = dict.fromkeys(backends, 0)  # rounds each backend has run (progress lines)
+
+        # The inputs as a default argument: the del below frees them with this function.
+        def time_one(b, first_round, sets=sets):
+            res = time_backend(b, cfg, sets, H, device, dtype)
+            done[b] += 1
+            print(f"  {label(cfg)} round {done[b]}: {b} done", file=sys.stderr, flush=True)
+            return {p: {"ms": ms, "note": note} for p, (ms, note) in res.items()}
+        results = rotated_rounds(backends, time_one, args.rounds)
         for p in PASSES:
             row = dict(config=label(cfg), B=cfg["B"], H=H, S=cfg["S"], D=D, dtype=args.dtype,
                        pass_=p)
             for b in backends:
-                row[b] = statistics.median(times[b][p]) if times[b][p] else None
-                row[b + "_note"] = notes[b][p]
+                row[b] = results[b][p]["ms"]
+                row[b + "_note"] = results[b][p]["note"]
             rows.append(row)
-        del sets
+        del sets, time_one
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            w.writeheader()
-            w.writerows(rows)
+        write_rows_csv(rows, args.csv)
 
     def ratio(a, b):
         return f"{a / b:.2f}" if a and b else "-"
@@ -272,6 +261,3 @@ def main(argv=None):
     print("var/plain: time(ours) / time(plain), x: plain / ours (window speed-up); "
           "flex/ours > 1: ours faster; flexP/plain: flex_plain / plain")
 
-
-if __name__ == "__main__":
-    main()

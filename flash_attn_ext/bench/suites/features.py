@@ -1,79 +1,98 @@
-#!/usr/bin/env python3
-"""Times flash_attn_ext's variable-length and KV-cache (GQA decode) entry points against
-torch's own kernels, in one process, and prints the tables last. Ratios, not absolute times,
-are the result: every reference runs in the same process, on the same inputs, right after ours.
+"""The varlen and decode suites (formerly bench/bench_features.py): flash_attn_ext's
+variable-length and KV-cache (GQA decode) entry points against torch's own kernels, in one
+process, tables printed last. Ratios, not absolute times, are the result: every reference runs
+in the same process, on the same inputs, right after ours.
 
-  python bench/bench_features.py                          # GPU: both parts, bf16
-  python bench/bench_features.py --only decode --json d.json
-  python bench/bench_features.py --only decode --graph    # decode steps replayed from CUDA graphs
-  python bench/bench_features.py --device cpu --quick     # CPU smoke run (tiny sizes, fp32)
+  python -m flash_attn_ext.bench varlen                    # GPU, bf16
+  python -m flash_attn_ext.bench decode --json d.json
+  python -m flash_attn_ext.bench decode --graph            # decode steps replayed from CUDA graphs
+  python -m flash_attn_ext.bench varlen --device cpu --quick   # CPU smoke run (tiny sizes, fp32)
 
-1. varlen: sequence lengths drawn (seeded) uniformly from 128..4096 until the total reaches
-   16k tokens (the last length is cut so that the total is 16384 exactly, or dropped when
-   under 128), H=16 (hidden 2048 at D=128), D in {64, 128}, causal 0/1, fwd and bwd.
-   Backends:
-     ours         flash_attn_ext.flash_attn_varlen_func on packed q/k/v [total, H, D]
-     ours_padded  flash_attn_ext.flash_attn_func on the padded batch [B, max_len, H, D]
-     sdpa_flash   torch SDPA pinned to FLASH_ATTENTION on the padded batch [B, H, max_len, D]
-     sdpa_cudnn   torch SDPA pinned to CUDNN_ATTENTION, same padded input
-     varlen_flash torch.nn.attention.varlen.varlen_attn under sdpa_kernel(FLASH_ATTENTION)
-     varlen_cudnn the same under sdpa_kernel(CUDNN_ATTENTION)
-                  (a torch whose varlen_attn does not follow sdpa_kernel gets one column,
-                  `varlen`; a torch without varlen_attn gets a note; CUDA only)
-     fa4_varlen   FlashAttention-4's flash_attn_varlen_func on the packed q/k/v (CUDA, when
-                  flash-attn-4 imports; otherwise a one-line notice and no column)
-   The padded backends attend to the zero padding too (no key mask): different results, a
-   timing reference only. Every backend's TF/s counts the same useful FLOPs:
-   sum over sequences of 4*H*len*len*D, halved when causal; bwd 2.5x. Their TF/s therefore
-   include the time they spend on padding.
-2. decode: B=8, H=32, H_kv=8 (GQA), D=128, Sq=1, full caches of 4k..64k tokens
-   (cache_seqlens = cache length), forward only.
-     ours         flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=...)
-                  with caches [B, S_cache, H_kv, D]
-     ours_func    flash_attn_ext.flash_attn_func(q, k_cache, v_cache) (GQA, no cache API): info
-     ours_pagedP  flash_attn_with_kvcache on the same caches cut into pages of P tokens
-                  (P = 16, 64, 256: pools [B * S / P, P, H_kv, D] in a shuffled page order,
-                  or in sequence order with --page-order sequential,
-                  int32 block_table [B, S / P]); the table shows their time over ours
-     ours_fp8     flash_attn_with_kvcache on the caches quantised to FP8 (e4m3, one factor
-                  per tensor: k_descale / v_descale [1]), q in the run's dtype (bf16 when that
-                  is fp32); its GB/s count the FP8 cache bytes (half of a 16-bit cache's), and
-                  the table shows its time and "fp8 speedup" = time(ours) / time(ours_fp8)
-     sdpa_<be>    F.scaled_dot_product_attention(q, k, v, enable_gqa=True) on [B, H, S, D]
-                  inputs, pinned to flash, efficient, cudnn (and math on the CPU only)
-     best_sdpa    the fastest sdpa_<be> of that row (its name in the note)
-   GB/s = (K and V caches read once + q read + out written) / median time (ours_fp8: its
-   1-byte caches); %BW = that over
-   the device-copy bandwidth measured at start-up (flash_attn_ext.bench.measure_peaks; a copy
-   both reads and writes, so a kernel that mostly reads can pass 100 %: cuDNN reached ~102 % at
-   64k on an H200, torch 2.11).
-
-Ratios: ours/X = time(X) / time(ours), above 1 ours is faster (flash_attn_ext.bench's
-convention). Timing: flash_attn_ext.bench.time_ms (CUDA: triton.testing.do_bench median, L2
-flushed before each call, CUDA-event timer without triton; CPU: time.perf_counter median).
-bwd is the backward alone (torch.autograd.grad with retain_graph=True on a forward built
-before timing), via flash_attn_ext.bench._time_pass. A backend that refuses an input, or is
-CUDA-only on the CPU, gets a note instead of a time.
+What each suite runs: VARLEN_DOC and DECODE_DOC below (their --help). Both share the inputs'
+seeding, the timing, the rows (CSV_FIELDS, a `section` column naming the suite) and the
+outputs.
 """
 import argparse
-import csv
 import functools
 import importlib
 import inspect
 import itertools
-import json
 import random
 import sys
-import warnings
 
 import torch
 import torch.nn.functional as F
 
 import flash_attn_ext as fa
-from flash_attn_ext.bench import (DTYPES, PASS_FLOP_FACTOR, Progress, _fmt, _geomean,
-                                  _sdpa_backend_enum, _short_error, _time_pass, measure_peaks,
-                                  rotated_rounds, timer_name)
-from flash_attn_ext.bench.backends import missing_backend
+from ..backends import DTYPES, PASS_FLOP_FACTOR, _sdpa_backend_enum, missing_backend
+from ..report import _fmt, _geomean, write_json, write_rows_csv
+from ..timing import (Progress, Skip, measure_peaks, require_cuda, rotated_rounds, time_passes,
+                      timer_name)
+
+VARLEN_DOC = """\
+Varlen: sequence lengths drawn (seeded) uniformly from 128..4096 until the total reaches 16k
+tokens (the last length is cut so that the total is 16384 exactly, or dropped when under 128),
+H=16 (hidden 2048 at D=128), D in {64, 128}, causal 0/1, fwd and bwd. Backends:
+  ours         flash_attn_ext.flash_attn_varlen_func on packed q/k/v [total, H, D]
+  ours_padded  flash_attn_ext.flash_attn_func on the padded batch [B, max_len, H, D]
+  sdpa_flash   torch SDPA pinned to FLASH_ATTENTION on the padded batch [B, H, max_len, D]
+  sdpa_cudnn   torch SDPA pinned to CUDNN_ATTENTION, same padded input
+  varlen_flash torch.nn.attention.varlen.varlen_attn under sdpa_kernel(FLASH_ATTENTION)
+  varlen_cudnn the same under sdpa_kernel(CUDNN_ATTENTION)
+               (a torch whose varlen_attn does not follow sdpa_kernel gets one column,
+               `varlen`; a torch without varlen_attn gets a note; CUDA only)
+  fa4_varlen   FlashAttention-4's flash_attn_varlen_func on the packed q/k/v (CUDA, when
+               flash-attn-4 imports; otherwise a one-line notice and no column)
+The padded backends attend to the zero padding too (no key mask): different results, a
+timing reference only. Every backend's TF/s counts the same useful FLOPs: sum over sequences
+of 4*H*len*len*D, halved when causal; bwd 2.5x. Their TF/s therefore include the time they
+spend on padding.
+"""
+
+DECODE_DOC = """\
+Decode with GQA: B=8, H=32, H_kv=8, D=128, Sq=1, full caches of 4k..64k tokens (cache_seqlens
+= cache length), forward only. Backends:
+  ours         flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=...)
+               with caches [B, S_cache, H_kv, D]
+  ours_func    flash_attn_ext.flash_attn_func(q, k_cache, v_cache) (GQA, no cache API): info
+  ours_pagedP  flash_attn_with_kvcache on the same caches cut into pages of P tokens
+               (P = 16, 64, 256: pools [B * S / P, P, H_kv, D] in a shuffled page order,
+               or in sequence order with --page-order sequential,
+               int32 block_table [B, S / P]); the table shows their time over ours
+  ours_fp8     flash_attn_with_kvcache on the caches quantised to FP8 (e4m3, one factor
+               per tensor: k_descale / v_descale [1]), q in the run's dtype (bf16 when that
+               is fp32); its GB/s count the FP8 cache bytes (half of a 16-bit cache's), and
+               the table shows its time and "fp8 speedup" = time(ours) / time(ours_fp8)
+  sdpa_<be>    F.scaled_dot_product_attention(q, k, v, enable_gqa=True) on [B, H, S, D]
+               inputs, pinned to flash, efficient, cudnn (and math on the CPU only)
+  best_sdpa    the fastest sdpa_<be> of that row (its name in the note)
+GB/s = (K and V caches read once + q read + out written) / median time (ours_fp8: its 1-byte
+caches); %BW = that over the device-copy bandwidth measured at start-up
+(flash_attn_ext.bench.measure_peaks; a copy both reads and writes, so a kernel that mostly
+reads can pass 100 %: cuDNN reached ~102 % at 64k on an H200, torch 2.11).
+"""
+
+COMMON_DOC = """\
+Ratios: ours/X = time(X) / time(ours), above 1 ours is faster (the attention suite's
+convention). Timing: flash_attn_ext.bench.time_ms (CUDA: triton.testing.do_bench median, L2
+flushed before each call, CUDA-event timer without triton; CPU: time.perf_counter median).
+bwd is the backward alone (torch.autograd.grad with retain_graph=True on a forward built
+before timing), via flash_attn_ext.bench.timing.time_passes. A backend that refuses an input,
+or is CUDA-only on the CPU, gets a note instead of a time.
+"""
+
+EXAMPLES = {
+    "varlen": """\
+  python -m flash_attn_ext.bench varlen                        # GPU, bf16
+  python -m flash_attn_ext.bench varlen --rounds 2 --csv v.csv
+  python -m flash_attn_ext.bench varlen --device cpu --quick   # CPU smoke run (tiny sizes, fp32)
+""",
+    "decode": """\
+  python -m flash_attn_ext.bench decode                        # GPU, bf16
+  python -m flash_attn_ext.bench decode --json d.json
+  python -m flash_attn_ext.bench decode --graph                # steps replayed from CUDA graphs
+  python -m flash_attn_ext.bench decode --device cpu --quick   # CPU smoke run (tiny sizes, fp32)
+"""}
 
 # Full sizes (the brief's), and --quick sizes per device.
 SIZES = {
@@ -97,39 +116,48 @@ RATIO_NOTE = "ours/X = time(X) / time(ours): above 1, ours is faster"
 CSV_FIELDS = ["section", "dtype", "pass_", "backend", "B", "H", "H_kv", "D", "Sq", "Sk", "tokens",
               "causal", "ms", "tflops", "gbps", "bw_frac", "flops_frac", "ours_speedup",
               "peak_extra_mb", "flops", "bytes", "note"]
+# Number formats of the CSV cells (the rest are written as they are).
+CSV_FORMATS = {"ms": ".4g", "tflops": ".4g", "gbps": ".4g", "bw_frac": ".3f", "flops_frac": ".3f",
+               "ours_speedup": ".3f", "peak_extra_mb": ".1f", "flops": ".6g"}
 
 
-class Skip(Exception):
-    """A backend that does not run here (the message is the note)."""
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python bench/bench_features.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None, part="varlen"):
+    """The command line of `python -m flash_attn_ext.bench <part>` (part: varlen or decode)."""
+    doc = VARLEN_DOC if part == "varlen" else DECODE_DOC
+    p = argparse.ArgumentParser(
+        prog=f"python -m flash_attn_ext.bench {part}",
+        description="\n".join([__doc__.split("\n\n")[0] + "\n", EXAMPLES[part], doc, COMMON_DOC]),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--quick", action="store_true",
-                   help="tiny sizes: CPU varlen 512 tokens (16..128) H=2 D=64, decode B=2 H=4 "
-                        "H_kv=2 D=64 cache 256,1024; GPU varlen 4096 tokens D=128, decode cache 4k,16k")
-    p.add_argument("--only", choices=("varlen", "decode"), default=None, help="run one part")
-    p.add_argument("--seed", type=int, default=0, help="seed of the varlen lengths and the inputs")
+                   help="tiny sizes: " + ("CPU 512 tokens (16..128) H=2 D=64; GPU 4096 tokens D=128"
+                                          if part == "varlen" else
+                                          "CPU B=2 H=4 H_kv=2 D=64 cache 256,1024; GPU cache 4k,16k"))
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the varlen lengths and the inputs" if part == "varlen" else
+                        "seed of the inputs")
     p.add_argument("--no-peaks", action="store_true",
                    help="skip the peak FLOP/s and copy-bandwidth measurement (no %%peak / %%BW)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every backend this many times, each round in a rotated order, and "
                         "keep the median (see flash_attn_ext.bench.rotated_rounds; default 1)")
-    p.add_argument("--graph", action="store_true",
-                   help="decode: time every backend's call replayed from a CUDA graph (captured "
-                        "once per input set) instead of eager calls")
-    p.add_argument("--page-order", choices=("shuffled", "sequential"), default="shuffled",
-                   help="decode: where the paged backends' pages lie in their pools: a seeded "
-                        "random permutation (default; what a long-running server's pool looks "
-                        "like) or in sequence order (the same look-ups over memory laid out as "
-                        "the contiguous cache: what is left of the paged cost is the look-ups')")
+    if part == "decode":
+        p.add_argument("--graph", action="store_true",
+                       help="time every backend's call replayed from a CUDA graph (captured "
+                            "once per input set) instead of eager calls")
+        p.add_argument("--page-order", choices=("shuffled", "sequential"), default="shuffled",
+                       help="where the paged backends' pages lie in their pools: a seeded "
+                            "random permutation (default; what a long-running server's pool looks "
+                            "like) or in sequence order (the same look-ups over memory laid out as "
+                            "the contiguous cache: what is left of the paged cost is the look-ups')")
     p.add_argument("--csv", default=None, help="write every row to this CSV file")
     p.add_argument("--json", default=None, help="write every row and the run's metadata here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if part == "varlen":  # the decode-only settings, at the values that leave them out
+        args.graph, args.page_order = False, "shuffled"
+    return args
 
 
 def _sdpa_pinned(name, **kw):
@@ -140,34 +168,6 @@ def _sdpa_pinned(name, **kw):
         with sdpa_kernel(be):
             return F.scaled_dot_product_attention(q, k, v, **kw)
     return fn
-
-
-def run_backend(make, sets, passes, device):
-    """Times fn = make() on input sets (tuples of tensors) for each pass.
-    Returns {pass: {"ms", "mem_mb", "note"}}; errors become notes."""
-    res = {p: {"ms": None, "mem_mb": None, "note": ""} for p in passes}
-    try:
-        fn = make()
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")  # SDPA explains at length why a kernel was not used
-            probe = fn(*sets[0])  # does the backend take this input?
-        douts = [torch.randn_like(probe) for _ in sets]
-        del probe
-    except Exception as e:
-        note = str(e) if isinstance(e, Skip) else _short_error(e)
-        for p in passes:
-            res[p]["note"] = note
-        fn = None
-    for p in passes if fn is not None else ():
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                res[p]["ms"], res[p]["mem_mb"] = _time_pass(fn, p, sets, douts, device)
-        except Exception as e:
-            res[p]["note"] = _short_error(e)
-        if device == "cuda" and res[p]["ms"] is None:
-            torch.cuda.empty_cache()
-    return res
 
 
 def _row(**kw):
@@ -294,12 +294,12 @@ def run_varlen(run, sizes, progress):
         inp = varlen_inputs(lens, H, D, device, dtype, run["seed"])
         for causal in (False, True):
             base = 4.0 * H * D * sum(n * n for n in lens) / (2 if causal else 1)
-            def time_one(name, first_round):
+            def time_one(name, first_round, inp=inp, causal=causal):
                 packed = name in ("ours", "fa4_varlen") or name.startswith("varlen")
                 layout = "packed" if packed else "bshd" if name == "ours_padded" else "bhsd"
                 make = functools.partial(make_varlen_fn, name, causal, inp["cu"], inp["max_len"],
                                          device, torch_varlen)
-                res = run_backend(make, [inp[layout]], passes, device)
+                res = time_passes(make, [inp[layout]], passes, device)
                 if first_round:
                     progress.step(f"varlen D={D} causal={int(causal)} {name}")
                 return res
@@ -318,7 +318,7 @@ def run_varlen(run, sizes, progress):
                         flops_frac=tf * 1e12 / run["peak_flops"] if tf and run["peak_flops"] else None,
                         ours_speedup=ms / ours_ms if ms and ours_ms else None,
                         peak_extra_mb=r["mem_mb"], flops=f, note=r["note"]))
-        del inp
+        del inp, time_one  # the inputs (time_one holds them too)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows, lens
@@ -434,13 +434,13 @@ def run_decode(run, sizes, progress):
         q16_elt = elt if elt == 2 else 2  # ours_fp8's q / out: the run's dtype, or bf16
         nbytes_fp8 = 2 * B * S * Hkv * D + 2 * B * Sq * H * D * q16_elt  # 1-byte K, V
         f = 4.0 * B * H * Sq * S * D
-        def time_one(name, first_round):
+        def time_one(name, first_round, sets=sets):
             make = functools.partial(make_decode_fn, name, seqlens, device,
                                      run.get("page_order", "shuffled"))
             if run.get("graph") and device == "cuda":
                 make = lambda make=make: _graphed(make())  # noqa: E731
             layout = "bhsd" if name.startswith("sdpa_") else "bshd"
-            res = run_backend(make, sets[layout], ["fwd"], device)
+            res = time_passes(make, sets[layout], ["fwd"], device)
             if first_round:
                 progress.step(f"decode S={S} {name}")
             return res
@@ -463,7 +463,7 @@ def run_decode(run, sizes, progress):
                 gbps=gbps, bw_frac=gbps * 1e9 / run["peak_bw"] if gbps and run["peak_bw"] else None,
                 ours_speedup=ms / ours_ms if ms and ours_ms else None, peak_extra_mb=r["mem_mb"],
                 flops=f, bytes=row_bytes, note=r["note"]))
-        del q, kc, vc, sets
+        del q, kc, vc, sets, time_one  # the inputs (time_one holds them too)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -561,25 +561,16 @@ def print_decode_table(rows, graph=False):
               f"{len(ratios)} configs)")
 
 
-def write_csv(rows, path):
-    specs = {"ms": ".4g", "tflops": ".4g", "gbps": ".4g", "bw_frac": ".3f", "flops_frac": ".3f",
-             "ours_speedup": ".3f", "peak_extra_mb": ".1f", "flops": ".6g"}
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (_fmt(r[k], specs[k]) if k in specs else
-                            "" if r[k] is None else r[k]) for k in CSV_FIELDS})
-
-
-def main(argv=None):
-    args = parse_args(argv)
+def main(argv=None, part="varlen"):
+    """Runs one part (varlen or decode), writes the requested outputs, prints the settings and
+    the table last; returns the rows."""
+    args = parse_args(argv, part)
     device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device")
+    if device == "cuda":
+        require_cuda(f"{part} --device cuda")
     dtype_name = args.dtype or ("bf16" if device == "cuda" else "fp32")
     sizes = SIZES["full" if not args.quick else "quick_cuda" if device == "cuda" else "quick_cpu"]
-    parts = [args.only] if args.only else ["varlen", "decode"]
+    parts = [part]
     run = dict(device=device, dtype=DTYPES[dtype_name], dtype_name=dtype_name, seed=args.seed,
                rounds=args.rounds, graph=args.graph, page_order=args.page_order,
                peak_flops=None, peak_bw=None)
@@ -613,11 +604,10 @@ def main(argv=None):
 
     written = []
     if args.csv:
-        write_csv(rows, args.csv)
+        write_rows_csv(rows, args.csv, CSV_FIELDS, CSV_FORMATS)
         written.append(args.csv)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json(rows, meta, args.json)
         written.append(args.json)
     if written:
         print("wrote " + ", ".join(written), file=sys.stderr)
@@ -644,5 +634,11 @@ def main(argv=None):
     return rows
 
 
-if __name__ == "__main__":
-    main()
+def main_varlen(argv=None):
+    """`python -m flash_attn_ext.bench varlen`."""
+    return main(argv, "varlen")
+
+
+def main_decode(argv=None):
+    """`python -m flash_attn_ext.bench decode`."""
+    return main(argv, "decode")

@@ -1,28 +1,28 @@
-#!/usr/bin/env python3
-"""Context-parallel (ring) attention, flash_attn_ext.ring_flash_attn_func: throughput per
-world size and how much of the communication the compute leaves exposed.
+"""The ring suite (formerly bench/bench_ring.py): context-parallel (ring) attention,
+flash_attn_ext.ring_flash_attn_func: throughput per world size and how much of the
+communication the compute leaves exposed.
 
-  python3 bench/bench_ring.py --all --csv ring.csv       # 1, 2, 4, 8 GPUs (up to the device
-                                                         # count), each world size spawned here
-  torchrun --nproc_per_node 2 bench/bench_ring.py        # one world size, launched by torchrun
-  python3 bench/bench_ring.py --device cpu --all --max-world 2   # CPU smoke run (gloo, tiny)
+  python -m flash_attn_ext.bench ring --all --csv ring.csv   # 1, 2, 4, 8 GPUs (up to the device
+                                                             # count), each world size spawned here
+  torchrun --nproc_per_node 2 -m flash_attn_ext.bench ring   # one world size, launched by torchrun
+  python -m flash_attn_ext.bench ring --device cpu --all --max-world 2   # CPU smoke run (gloo, tiny)
 
 Each rank holds --seqlen tokens (default 8192; the sequence has world * seqlen), zig-zag
 causal, bf16, [batch, seqlen, heads, head_dim] with D = 128; one iteration is the forward
 and the backward (torch.autograd.grad) of ring_flash_attn_func. The ranks start together
 after a barrier and run --iters iterations back to back, as a training loop does (the host
 queues ahead of the GPU); every iteration is timed by CUDA events around it on every rank,
-the slowest rank counts, and the median over iterations is reported. --sync-each instead
-times every iteration from a barrier to the end of its backward (CUDA synchronised), which
-adds the host's time to queue the iteration's first kernels and any time the GPU waits for
-the host.
+the slowest rank counts, and the median over iterations is reported (several processes time
+one step together: not flash_attn_ext.bench.time_ms). --sync-each instead times every
+iteration from a barrier to the end of its backward (CUDA synchronised), which adds the
+host's time to queue the iteration's first kernels and any time the GPU waits for the host.
 
 The three steps below (1-GPU, ring, no-comm) are timed in --rounds rounds, in a rotated
 order, each after --warmup iterations and at least --warmup-ms of them back to back, and the
-median is taken over all rounds' iterations: a GPU's clocks fall from their idle boost as it
-heats under load, within a few hundred ms, so a step timed first on a cold GPU would look
-faster than one timed after it (one H100: the same 1-GPU step 3.45 ms first, 3.65 ms after
-the ring's steps; docs/PERFORMANCE.md). Columns:
+median is taken over all rounds' iterations (not rotated_rounds' median of the rounds): a
+GPU's clocks fall from their idle boost as it heats under load, within a few hundred ms, so
+a step timed first on a cold GPU would look faster than one timed after it (one H100: the
+same 1-GPU step 3.45 ms first, 3.65 ms after the ring's steps; docs/PERFORMANCE.md). Columns:
 
   ring ms      one iteration
   no-comm ms   the same iteration with the ring's communication left out: every rank runs the
@@ -41,7 +41,6 @@ NCCL's NVLink multicast (NVLS) is switched off (NCCL_NVLS_ENABLE=0) and NCCL's s
 high priority (TORCH_NCCL_HIGH_PRIORITY=1) unless the environment sets them.
 """
 import argparse
-import csv
 import datetime
 import json
 import math
@@ -51,27 +50,34 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before any NCCL communicator exists
-# NCCL's kernels on a high-priority stream: their CTAs get SMs as the attention kernels'
-# CTAs retire instead of after the whole grid (2x H100: 6-8% of the step exposed instead
-# of 8-9%; README "Ring attention").
-os.environ.setdefault("TORCH_NCCL_HIGH_PRIORITY", "1")
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import flash_attn_ext
+from flash_attn_ext import distributed as ring_attention
+from ..backends import DTYPES
+from ..report import write_rows_csv
+from ..timing import require_cuda
 
-import flash_attn_ext  # noqa: E402
-from flash_attn_ext import distributed as ring_attention  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+def _nccl_defaults():
+    """NCCL settings of this benchmark unless the environment sets them. Called first in main,
+    before any NCCL communicator exists; ranks spawned by --all inherit them. (In main, not at
+    import: the dispatcher and the tests import this module without running it.)"""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    # NCCL's kernels on a high-priority stream: their CTAs get SMs as the attention kernels'
+    # CTAs retire instead of after the whole grid (2x H100: 6-8% of the step exposed instead
+    # of 8-9%; README "Ring attention").
+    os.environ.setdefault("TORCH_NCCL_HIGH_PRIORITY", "1")
+
 COLUMNS = ["world", "seqlen_per_rank", "seqlen_total", "batch", "heads", "kv_heads",
            "head_dim", "dtype", "device", "ring_ms", "nocomm_ms", "exposed_comm_pct",
            "single_gpu_ms", "tokens_per_s", "tflops_per_gpu", "scaling_pct"]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m flash_attn_ext.bench ring", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--all", action="store_true",
                    help="spawn world sizes 1, 2, 4, 8 (up to the device count / --max-world) "
@@ -207,8 +213,9 @@ def measure(args, device):
     silent_ring = ring_attention._Ring(communicate=False)
     same_blocks = ring_attention._PaddedAttention((args.seqlen,) * world, True,
                                                   args.head_dim ** -0.5, 0.0, False)
+    # apply(q, k, v, sink, ring, attention, check): no sink, no input check (its all_gather).
     no_comm = fwd_bwd(lambda q, k, v: ring_attention._RingFlashAttnFunction.apply(
-        q, k, v, silent_ring, same_blocks, None)[0])
+        q, k, v, None, silent_ring, same_blocks, None)[0])
     single = fwd_bwd(lambda q, k, v: flash_attn_ext.flash_attn_func(q, k, v, causal=True))
 
     ms = _median_ms_in_rounds([("single_gpu_ms", single), ("ring_ms", ring),
@@ -279,20 +286,11 @@ def print_table(rows, args):
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
 
 
-def write_csv(rows, path):
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: r[k] for k in COLUMNS})
-    print(f"wrote {path}")
-
-
 def world_sizes(args):
     available = torch.cuda.device_count() if args.device == "cuda" else args.max_world
     sizes = [w for w in (1, 2, 4, 8) if w <= min(available, args.max_world)]
     if not sizes:
-        sys.exit("bench_ring: no CUDA device (use --device cpu for a smoke run)")
+        sys.exit("ring: no CUDA device (use --device cpu for a smoke run)")
     return sizes
 
 
@@ -311,21 +309,23 @@ def run_all(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.device == "cuda":
+        require_cuda("ring --device cuda")
+    _nccl_defaults()
     if args.all:
         rows = run_all(args)
     else:
         if "WORLD_SIZE" not in os.environ:
-            sys.exit("bench_ring: launch with torchrun --nproc_per_node N, or pass --all")
+            sys.exit("ring: launch with torchrun --nproc_per_node N -m flash_attn_ext.bench ring, "
+                     "or pass --all")
         device = _init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.device)
         row = measure(args, device)
         dist.destroy_process_group()
         if row is None:
             return
         rows = [row]
-    print_table(rows, args)
     if args.csv:
-        write_csv(rows, args.csv)
+        write_rows_csv(rows, args.csv, COLUMNS)
+        print(f"wrote {args.csv}", file=sys.stderr)
+    print_table(rows, args)  # last on stdout
 
-
-if __name__ == "__main__":
-    main()

@@ -1,11 +1,11 @@
-#!/usr/bin/env python3
-"""Times a prefill chunk against a KV cache (chunked prefill, as serving stacks run it) through
-flash_attn_with_kvcache: the cache contiguous, cut into shuffled pages, and the same paged
-calls pinned to the mma.sync kernels, in one process; prints the table last.
+"""The paged-prefill suite (formerly bench/bench_paged_prefill.py): times a prefill chunk
+against a KV cache (chunked prefill, as serving stacks run it) through flash_attn_with_kvcache:
+the cache contiguous, cut into shuffled pages, and the same paged calls pinned to the mma.sync
+kernels, in one process; prints the table last.
 
-  python bench/bench_paged_prefill.py                         # GPU, bf16
-  python bench/bench_paged_prefill.py --rounds 3 --csv prefill.csv
-  python bench/bench_paged_prefill.py --device cpu --quick    # CPU smoke run (tiny sizes)
+  python -m flash_attn_ext.bench paged-prefill                        # GPU, bf16
+  python -m flash_attn_ext.bench paged-prefill --rounds 3 --csv prefill.csv
+  python -m flash_attn_ext.bench paged-prefill --device cpu --quick   # CPU smoke run (tiny sizes)
 
 Config: B=4, H=32, H_kv=8 (GQA), D=128, a chunk of --chunk new queries whose keys are already
 in the cache (cache_seqlens = cache length, the chunk at its end; causal, bottom-right), caches
@@ -20,17 +20,18 @@ Ratios: X/contig = time(X) / time(contig). Timing: flash_attn_ext.bench.time_ms 
 --rounds N the backends in rotated order (flash_attn_ext.bench.rotated_rounds).
 """
 import argparse
-import csv
 import sys
 
 import torch
 
 import flash_attn_ext as fa
-from flash_attn_ext.bench import DTYPES, env_set, rotated_rounds, time_ms
+from ..backends import DTYPES, env_set
+from ..report import write_rows_csv
+from ..timing import require_cuda, rotated_rounds, time_ms
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python bench/bench_paged_prefill.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m flash_attn_ext.bench paged-prefill", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
@@ -56,6 +57,8 @@ def paged(cache, page, order):
 def main(argv=None):
     args = parse_args(argv)
     device = args.device
+    if device == "cuda":
+        require_cuda("paged-prefill --device cuda")
     dtype = DTYPES["fp32" if device == "cpu" else args.dtype]
     B, H, H_kv, D = (2, 4, 2, 64) if args.quick else (4, 32, 8, 128)
     chunk = 32 if args.quick else args.chunk
@@ -96,10 +99,7 @@ def main(argv=None):
                              backend=name, ms=ms, tflops=flops / ms / 1e9, vs_contig=ms / base))
         print(f"  cache {S}: done", file=sys.stderr, flush=True)
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            w.writeheader()
-            w.writerows(rows)
+        write_rows_csv(rows, args.csv)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"\nKV-cache prefill chunk, {str(dtype).replace('torch.', '')}, B={B} H={H}/{H_kv} "
           f"D={D}, chunk {chunk}, causal, device {name}, torch {torch.__version__}, "
@@ -111,6 +111,3 @@ def main(argv=None):
         print(f"{r['cache']:>7}  {r['backend']:<14}{r['ms']:9.3f}{r['tflops']:8.1f}"
               f"{r['vs_contig']:10.2f}")
 
-
-if __name__ == "__main__":
-    main()
