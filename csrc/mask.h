@@ -61,6 +61,26 @@ FAE_HOST_DEVICE float bias_value(const unsigned char* bias, int64_t e) {
   }
 }
 
+// The softcap of every path (CPU, fp32 SIMT, mma.sync and Hopper kernels,
+// forward and backward): c * tanh(x * in). in = 1 / softcap on a scaled score
+// (softmax_scale / softcap where a kernel folds the softmax scale in), c =
+// softcap (softcap * log2(e) in the log2 domain, 1 where the caller folds it
+// into its exp2). *dfds = 1 - tanh^2, the backward's chain factor. Tanh: how
+// the path evaluates tanh: tanhf here (TanhStd), libdevice's accurate tanhf in
+// the fp32 SIMT kernels (TanhAccurate, simt/mask_fp32.cuh), one MUFU op in the
+// 16-bit kernels (TanhApprox, cuda/common/fwd_softmax.cuh).
+struct TanhStd {
+  FAE_HOST_DEVICE float operator()(float x) const { return tanhf(x); }
+};
+
+template <typename Tanh = TanhStd>
+FAE_HOST_DEVICE float softcap_score(float x, float in, float c, float* dfds = nullptr,
+                                    Tanh tanh = Tanh()) {
+  const float t = tanh(x * in);
+  if (dfds != nullptr) *dfds = 1.f - t * t;
+  return c * t;
+}
+
 struct Mask {
   int seqlen_q = 0;   // query rows of the sequence
   int seqlen_k = 0;   // keys it may attend to (after seqused_k)
@@ -113,13 +133,12 @@ struct Mask {
     }
   }
 
-  // f(s) for row i, key j; with softcap, *dfds = 1 - tanh^2 (the backward's chain factor).
-  FAE_HOST_DEVICE float score(float s, int i, int j, float* dfds = nullptr) const {
-    if (softcap > 0.f) {
-      const float t = tanhf(s * inv_softcap);
-      if (dfds != nullptr) *dfds = 1.f - t * t;
-      s = softcap * t;
-    }
+  // f(s) for row i, key j; with softcap, *dfds = 1 - tanh^2 (the backward's chain
+  // factor). Tanh: see softcap_score.
+  template <typename Tanh = TanhStd>
+  FAE_HOST_DEVICE float score(float s, int i, int j, float* dfds = nullptr,
+                              Tanh tanh = Tanh()) const {
+    if (softcap > 0.f) s = softcap_score(s, inv_softcap, softcap, dfds, tanh);
     if (alibi_slope != 0.f) {
       const int dist = i + diag - j;
       s -= alibi_slope * static_cast<float>(dist < 0 ? -dist : dist);

@@ -97,6 +97,16 @@ FAE_DEVICE void scale_and_mask(float (&s)[kMmaM][kTilesN][4], float scale_log2, 
 //   score_log2(x, i, j) = log2(e) * Mask::score(softmax_scale * x, i, j)
 // for the raw dot product x of query row i and key j (attn_mask included).
 // ---------------------------------------------------------------------------
+// The 16-bit kernels' tanh for softcap_score (csrc/mask.h): tanh.approx.f32,
+// see ScoreVariants for why.
+struct TanhApprox {
+  FAE_DEVICE float operator()(float x) const {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  }
+};
+
 struct ScoreVariants {
   Mask mask;
   float scale_log2 = 0.f;    // no softcap: x -> x * softmax_scale * log2(e)
@@ -124,18 +134,12 @@ struct ScoreVariants {
   // 2^-10 on df/ds = 1 - tanh^2, is below the 16-bit rounding of the scores
   // that these kernels' inputs carry; the fp32 SIMT kernels use an accurate
   // tanh (simt/mask_fp32.cuh).
-  static FAE_DEVICE float tanh_fast(float x) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-  }
+  // (TanhApprox below; softcap_score in csrc/mask.h.)
 
   // With softcap, *dfds = 1 - tanh^2 (the backward's chain factor; else untouched).
   FAE_DEVICE float score_log2(float x, int i, int j, float* dfds = nullptr) const {
     if (mask.has_softcap()) {
-      const float t = tanh_fast(x * softcap_in);
-      if (dfds != nullptr) *dfds = 1.f - t * t;
-      x = t * softcap_log2;
+      x = softcap_score(x, softcap_in, softcap_log2, dfds, TanhApprox());
     } else {
       x *= scale_log2;
     }
@@ -347,8 +351,8 @@ FAE_DEVICE float score_and_mask_variants(float (&s)[kMmaM][kTilesN][4], const Sc
   const float unit = kFold ? (softcap ? v.softcap_log2 : v.scale_log2) : 1.f;
   if (softcap) {
     for_each_score(s, row_base, col_base, [&](float& x, int, int) {
-      x = ScoreVariants::tanh_fast(x * v.softcap_in);
-      if constexpr (!kFold) x *= v.softcap_log2;
+      // Folded: softcap * log2(e) goes into the exp2 FMA (the factor 1 costs nothing).
+      x = softcap_score(x, v.softcap_in, kFold ? 1.f : v.softcap_log2, nullptr, TanhApprox());
     });
   } else if constexpr (!kFold) {
     for_each_score(s, row_base, col_base, [&](float& x, int, int) { x *= v.scale_log2; });

@@ -774,9 +774,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           row_stat_pair(dsum_smem(stage), dsum, j, d);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float t = ScoreVariants::tanh_fast(s[j][e] * variants.softcap_in);
-            s[j][e] = t;  // scores_to_probs applies softcap * log2(e)
-            dp[j][e] = (dp[j][e] - d[e % 2]) * (1.f - t * t);
+            float dfds;  // scores_to_probs applies softcap * log2(e)
+            s[j][e] = softcap_score(s[j][e], variants.softcap_in, 1.f, &dfds, TanhApprox());
+            dp[j][e] = (dp[j][e] - d[e % 2]) * dfds;
           }
         }
         scores_to_probs(h, m_block, stage, s, lse_smem(stage), lse_log2, true, staged_mask);
@@ -898,9 +898,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             float dfds[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const float t = ScoreVariants::tanh_fast(acc[q][e] * variants.softcap_in);
-              acc[q][e] = t;  // scores_to_probs applies softcap * log2(e)
-              dfds[e] = 1.f - t * t;
+              // scores_to_probs applies softcap * log2(e)
+              acc[q][e] = softcap_score(acc[q][e], variants.softcap_in, 1.f, &dfds[e],
+                                        TanhApprox());
               if (dropout_on) {
                 const bool kept = dropout_keep_bit(keep, bwd_sm90_dropout_bit(q, e));
                 dfds[e] = bwd_sm90_mark_dropped(dfds[e], kept);

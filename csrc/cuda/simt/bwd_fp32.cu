@@ -20,7 +20,7 @@
 //     only (mask_query_tiles); keys no query sees keep dK = dV = 0;
 //   * key j of query i is visible iff key_begin(i) <= j < key_end(i);
 //   * with softcap / ALiBi (a CTA-uniform branch) the score is
-//     f = score_fp32(mask, scale * q.k, i, j, &dfds) (Mask::score at fp32
+//     f = mask.score(scale * q.k, i, j, &dfds, TanhAccurate()) (Mask::score at fp32
 //     accuracy), P = exp(f - lse) with the forward's lse of the modified
 //     scores, and dS = P o (dP - D) o dfds (dfds = 1 - tanh^2 with softcap,
 //     else 1): the gradient with respect to scale * q.k, so dK and dQ take the
@@ -171,7 +171,7 @@ FAE_DEVICE void scores_tile(float* sP, float* sdS, const float* sQ, const float*
     for (int r = 0; r < 4; ++r) {
       const int key = key0 + 4 * warp + r;
       float x = s[r] * scale_log2, dfds = 1.f;
-      if (score_mod) x = score_fp32(mask, s[r] * softmax_scale, query, key, &dfds) * kLog2e;
+      if (score_mod) x = mask.score(s[r] * softmax_scale, query, key, &dfds, TanhAccurate()) * kLog2e;
       const bool visible = key >= key_begin && key < key_end;
       const float p = visible ? exp2f(x - lse2) : 0.f;
       float pz = p, dpz = dp[r];

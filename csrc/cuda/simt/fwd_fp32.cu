@@ -25,7 +25,7 @@
 //   * masks key j of row i unless key_begin(i) <= j < key_end(i), on the key
 //     tiles that some row does not see whole (mask_tile_full);
 //   * with softcap / ALiBi (a CTA-uniform branch), replaces scale * q.k by
-//     score_fp32(mask, scale * q.k, i, j) (Mask::score at fp32 accuracy) before
+//     mask.score(scale * q.k, i, j, .., TanhAccurate()) (fp32 accuracy) before
 //     the log2-domain online softmax; lse is then the LSE of the modified
 //     scores, as the backward expects;
 //   * with dropout (csrc/dropout.h; a CTA-uniform branch), multiplies the
@@ -232,7 +232,7 @@ FAE_DEVICE void softmax_tile(float (&s)[Fp32Tile<kHeadDim>::kRowsPerThread][4],
         const int key = n_block * kFp32BlockN + tx + 16 * j;
         if (score_mod) {
           float dfds;
-          s[i][j] = score_fp32(mask, s[i][j] * softmax_scale, row, key, &dfds) * kLog2e;
+          s[i][j] = mask.score(s[i][j] * softmax_scale, row, key, &dfds, TanhAccurate()) * kLog2e;
         } else {
           s[i][j] *= scale_log2;
         }

@@ -5,9 +5,8 @@
 // --use_fast_math turns into tanh.approx.f32 (~2^-11 relative error: with
 // softcap 30 an error of ~1e-2 in the score). That is fine next to 16-bit
 // inputs but not for the fp32 path, whose point is fp32 accuracy, so these
-// kernels call score_fp32 below: the same function as Mask::score (softcap on
-// the scaled score, then the ALiBi bias; df/ds = 1 - tanh^2) with libdevice's
-// accurate tanhf (__nv_tanhf, ~2 ulp), which fast math does not replace.
+// kernels pass Mask::score TanhAccurate below: libdevice's accurate tanhf
+// (__nv_tanhf, ~2 ulp), which fast math does not replace.
 #pragma once
 #include "../../mask.h"
 
@@ -16,18 +15,9 @@ extern "C" __device__ float __nv_tanhf(float);
 namespace flash_attn_ext {
 namespace cuda {
 
-__device__ __forceinline__ float score_fp32(const Mask& m, float s, int i, int j, float* dfds) {
-  if (m.softcap > 0.f) {
-    const float t = __nv_tanhf(s * m.inv_softcap);
-    *dfds = 1.f - t * t;
-    s = m.softcap * t;
-  }
-  if (m.alibi_slope != 0.f) {
-    const int dist = i + m.diag - j;
-    s -= m.alibi_slope * static_cast<float>(dist < 0 ? -dist : dist);
-  }
-  return s + m.bias_at(i, j);
-}
+struct TanhAccurate {
+  __device__ __forceinline__ float operator()(float x) const { return __nv_tanhf(x); }
+};
 
 // Key tiles [begin, end) of width kBlockN that rows [row0, row0 + rows) of the
 // sequence may see (rows >= 1; Mask's bounds are non-decreasing in the row).
