@@ -102,7 +102,8 @@ GPU_CASES = [Case(True, "bf16", 1020, heads=8, heads_k=2, head_dim=128),
              Case(False, "bf16", 1013, heads=8, heads_k=2, head_dim=128),
              Case(False, "fp32", 259, heads=4, heads_k=4, head_dim=32),
              Case(True, "bf16", (1020, 12, 0, 120, 516), heads=8, heads_k=2, head_dim=128),
-             Case(False, "fp16", (36, 1020, 12), heads=8, heads_k=8, head_dim=64)]
+             Case(False, "fp16", (36, 1020, 12), heads=8, heads_k=8, head_dim=64),
+             Case(True, "bf16", 1020, heads=8, heads_k=2, head_dim=64, sink=True)]
 GPU_PAIR_CASES = [Case(True, "bf16", 1020, heads=8, heads_k=2, head_dim=128, ring="pairs")]
 
 

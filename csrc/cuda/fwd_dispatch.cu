@@ -349,7 +349,7 @@ static int heuristic_splits(const AttentionFwdParams& params, int num_sms) {
 // (run_fwd_kvcache_impl, run_fwd_kvcache_fp8_impl): such calls run them at any
 // seqlen_q (a forced large tile included), unless the Hopper forward takes a
 // longer query (a KV-cache prefill chunk, use_sm90_forward:
-// 4.1-4.7x faster, H100, bench/bench_paged_prefill.py). The decode tiles are
+// 4.1-4.7x faster, H100, `python -m flash_attn_ext.bench paged-prefill`). The decode tiles are
 // correct for any shape, but a long query re-reads K/V once per 16 query rows
 // there instead of once per 128.
 void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {

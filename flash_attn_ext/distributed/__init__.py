@@ -38,7 +38,7 @@ Modules:
   checks     the arguments, checked on every rank at once.
   interface  ring_flash_attn_func, ring_flash_attn_varlen_func and their autograd Function.
 """
-# The private names besides are for tests/test_distributed.py and bench/bench_ring.py (the
+# The private names besides are for tests/test_distributed.py and the ring bench suite (the
 # per-chunk sums and merges, the no-communication ring), which reach them through here.
 from .interface import (_RingFlashAttnFunction, ring_flash_attn_func,  # noqa: F401
                         ring_flash_attn_varlen_func)
