@@ -43,4 +43,12 @@ inline void add_sink_grad(const at::Tensor& dsink, const at::Tensor& sink, const
   dsink.sub_(packed ? terms.sum(std::vector<int64_t>{1}) : terms.sum(std::vector<int64_t>{0, 2}));
 }
 
+// dsink += the per-block partials of the CUDA backward's preprocess kernel
+// (params.h dsink_partials, [batch][heads][stride], already negated, zeros in
+// the unused slots), summed in a fixed order.
+inline void add_sink_grad_partials(const at::Tensor& dsink, const at::Tensor& partials,
+                                   int64_t batch, int64_t heads) {
+  dsink.add_(partials.view({batch, heads, -1}).sum(std::vector<int64_t>{0, 2}));
+}
+
 }  // namespace flash_attn_ext

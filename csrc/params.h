@@ -154,8 +154,9 @@ struct AttentionFwdParams {
   // value (its probability is dropped from the output); lse includes it. Only
   // the forward's epilogue reads it (OnlineSoftmax::finalize): the backward's
   // P = exp(S - lse) and D = rowsum(dO o O) already account for it, and
-  // d_sink[h] = -sum_rows exp(sink[h] - lse) D is taken from the backward's
-  // D rows by the operator layer (ops_outputs.h add_sink_grad). Not a
+  // d_sink[h] = -sum_rows exp(sink[h] - lse) D comes from where D is formed:
+  // the CUDA backward's preprocess kernel (per-block partials,
+  // dsink_partials), the CPU's D rows (ops_outputs.h add_sink_grad). Not a
   // variant: the kernels without variants take it too. nullptr = off.
   const float* learnable_sink = nullptr;
   // attn_mask (torch SDPA's): an additive bias on the scores, after softcap and
@@ -480,6 +481,13 @@ struct AttentionBwdParams : AttentionFwdParams {
   // for 2 per 64 rows of seqlen_q_padded, zeroed by the preprocess kernel;
   // nullptr otherwise.
   int* dq_semaphore = nullptr;
+  // The learnable sink's gradient (learnable_sink): the preprocess kernel
+  // writes each block's sum over its rows of exp(sink[h] - lse) * D, block x of
+  // (batch b, head h) at (b * heads + h) * dsink_partials_stride + x, so that
+  // the op layer adds them up in a fixed order (deterministic); nullptr when
+  // no sink gradient is wanted.
+  float* dsink_partials = nullptr;
+  int dsink_partials_stride = 0;
 };
 
 // Merging blocks' partial attention results into a running one by their

@@ -254,14 +254,6 @@ bool point_at_caller_dq_accum(AttentionBwdParams& p, const at::Tensor& acc, bool
   return true;
 }
 
-// The sink's gradient (add_sink_grad): the forward's lse, the sink and the
-// caller's dsink (nothing without one).
-struct SinkGradArgs {
-  const at::Tensor& lse;
-  const std::optional<at::Tensor>& learnable_sink;
-  const std::optional<at::Tensor>& dsink;
-};
-
 // Shared by bwd and varlen_bwd. GQA: the Hopper backward sums each kv head's
 // group of query heads in the kernel where the grid stays large enough
 // (p.dkv_per_kv_head); otherwise the kernels write dK / dV per query head
@@ -273,7 +265,8 @@ struct SinkGradArgs {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     AttentionBwdParams p, const at::Tensor& dout_in, const at::Tensor& q_in,
     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
-    const std::optional<at::Tensor>& dq_accum, double softmax_scale, const SinkGradArgs& sink) {
+    const std::optional<at::Tensor>& dq_accum, double softmax_scale,
+    const std::optional<at::Tensor>& dsink) {
   check_cuda_inputs(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool partial = has_var_seqs(p);
@@ -323,13 +316,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     at::Tensor workspace =
         at::empty({cuda::bwd_workspace_floats(p, sms)}, q.options().dtype(at::kFloat));
     cuda::bwd_set_workspace(p, workspace.data_ptr<float>(), sms);
-    // The D rows that the sink's gradient reads: zeros outside every sequence.
-    at::Tensor dsum = workspace.narrow(0, 0, p.q_rows_total);
-    if (sink.dsink.has_value()) dsum.zero_();
+    // The sink's gradient: per-block partials from the preprocess kernel, one
+    // slot per 32 rows of the longest (padded) query length per (batch, head).
+    at::Tensor dsink_partials;
+    if (dsink.has_value()) {
+      p.dsink_partials_stride = static_cast<int>((p.seqlen_q + 127) / 128 * 4);
+      dsink_partials = at::zeros({static_cast<int64_t>(p.batch) * p.heads *
+                                  p.dsink_partials_stride}, q.options().dtype(at::kFloat));
+      p.dsink_partials = dsink_partials.data_ptr<float>();
+    }
     const at::Tensor mask_blocks = attach_attn_mask_blocks(p, q);
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     call_kernels([&] { cuda::run_bwd(p, sms, stream); });
-    if (sink.dsink.has_value()) add_sink_grad(*sink.dsink, *sink.learnable_sink, sink.lse, dsum);
+    if (dsink.has_value()) {
+      add_sink_grad_partials(*dsink, dsink_partials, p.batch, p.heads);
+    }
   }
 
   auto to_user = [&](at::Tensor& user, const at::Tensor& g) {
@@ -373,7 +374,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                                                causal_bottom_right, deterministic, seqused_k, &var);
   check_dq_accum(dq_accum, q, /*packed=*/false, softmax_scale);
   check_dsink(dsink, learnable_sink, q);
-  return run_bwd_cuda(p, dout, q, k, v, out, dq_accum, softmax_scale, {lse, learnable_sink, dsink});
+  return run_bwd_cuda(p, dout, q, k, v, out, dq_accum, softmax_scale, dsink);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
@@ -394,7 +395,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
       softmax_scale, causal, deterministic, seqused_k, &var);
   check_dq_accum(dq_accum, q, /*packed=*/true, softmax_scale);
   check_dsink(dsink, learnable_sink, q);
-  return run_bwd_cuda(p, dout, q, k, v, out, dq_accum, softmax_scale, {lse, learnable_sink, dsink});
+  return run_bwd_cuda(p, dout, q, k, v, out, dq_accum, softmax_scale, dsink);
 }
 
 at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, int64_t batch, int64_t heads,

@@ -67,6 +67,33 @@ FAE_DEVICE void store8<float>(float* dst, const float (&v)[8]) {
   *reinterpret_cast<float4*>(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
 }
 
+// ---- the learnable sink's gradient, per block -----------------------------
+// d_sink[h] = -sum over the rows of head h of exp(sink[h] - lse) * D (params.h
+// learnable_sink): each row's term is formed where its D is, summed over the
+// block's 32 rows in a fixed order (lanes 0, 8, 16, 24 of each warp, then the
+// 8 warps through shared memory) and written as the block's partial, which
+// the op layer adds up (ops_outputs.h add_sink_grad_partials). Rows past the
+// sequence and rows without keys (lse = -inf) add 0. All 256 threads call it.
+FAE_DEVICE void add_sink_grad_rows(const AttentionBwdParams& params, float d, int row, int h,
+                                   int b, const SeqBounds& seq) {
+  __shared__ float warp_sums[8];
+  float term = 0.f;
+  if (threadIdx.x % 8 == 0 && row < seq.seqlen_q) {
+    const float lse = params.lse[seq.lse_index(params, b, h, row)];
+    if (lse != -INFINITY) term = expf(params.learnable_sink[h] - lse) * d;
+  }
+  term += __shfl_xor_sync(0xffffffff, term, 8);
+  term += __shfl_xor_sync(0xffffffff, term, 16);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = term;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float sum = 0.f;
+    for (int w = 0; w < 8; ++w) sum += warp_sums[w];
+    params.dsink_partials[(static_cast<int64_t>(b) * params.heads + h) *
+                              params.dsink_partials_stride + blockIdx.x] = -sum;
+  }
+}
+
 // ---- D = rowsum(dO o O); dq_accum rows = 0 ---------------------------------
 // 8 threads per row (each a strided set of 8-element chunks), 32 rows per
 // 256-thread block. grid = (ceil(rows / 32), heads, batch), rows = seqlen_q, or
@@ -102,6 +129,7 @@ __global__ void __launch_bounds__(256)
   acc += __shfl_xor_sync(0xffffffff, acc, 1);
   acc += __shfl_xor_sync(0xffffffff, acc, 2);
   acc += __shfl_xor_sync(0xffffffff, acc, 4);
+  if (params.dsink_partials != nullptr) add_sink_grad_rows(params, acc, row, h, b, seq);
   if (padded_row_stats && row < params.seqlen_q_padded && sub == 0) {
     // Padded batch: lse_index is (b * heads + h) * seqlen_q + row.
     constexpr float kLog2e = 1.4426950408889634f;
