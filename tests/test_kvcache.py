@@ -704,7 +704,7 @@ def zero_e4m3_subnormals(case):
 
 def fp8_kernel_column_order(t):
     """t with its head-dim columns in the order in which the CUDA FP8 cache kernels feed one
-    16-column k-step of Q K^T to the tensor cores (csrc/cuda/sm80/fwd_kernel.cuh,
+    16-column k-step of Q K^T to the tensor cores (csrc/cuda/sm80/fwd_mma.cuh,
     gemm_qk_fp8): the 16-bit kernels on q and k reordered alike run the same products in the
     same order, so the two can be compared bit for bit (the sum is the same either way)."""
     step = torch.tensor([0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15])

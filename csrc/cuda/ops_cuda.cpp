@@ -128,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
 
   const int64_t head_dim = q_in.size(-1);
   // An FP8 cache's rows are copied 16 elements (bytes) at a time
-  // (sm80/fwd_kernel.cuh, load_cache_tile_fp8_async): head dim a multiple of 16.
+  // (sm80/fwd_tile_load.cuh, load_cache_tile_fp8_async): head dim a multiple of 16.
   const int64_t head_dim_padded = p.kv_dtype == DType::kFloat8E4M3
                                       ? (head_dim + 15) / 16 * 16
                                       : round_up_head_dim(head_dim);

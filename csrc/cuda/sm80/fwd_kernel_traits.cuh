@@ -94,7 +94,7 @@ struct SmemTileLayout {
 // stream into shared-memory staging tiles of kStages x (K, V) x kBlockN x
 // kHeadDim bytes (KVFp8Layout) with the same cp.async pipeline, and the MMA
 // code reads them straight into registers: ldmatrix of the e4m3 bytes as
-// 16-bit pairs, widened to 16 bits in the fragment (fwd_kernel.cuh, "FP8 tiles
+// 16-bit pairs, widened to 16 bits in the fragment (fwd_mma.cuh, "FP8 tiles
 // straight into mma fragments"). No 16-bit K / V tiles (kKVSlots = 0): the
 // global traffic and the shared-memory stages are half of a 16-bit tile's.
 template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_,
@@ -110,7 +110,7 @@ struct FwdKernelTraits {
   static constexpr bool kKVL2Policy = kKVL2Policy_;
   static constexpr int kKeyWarps = kKeyWarps_;
   static constexpr bool kKVFp8 = kKVFp8_;
-  // The MMAs' 16-bit type: T, or fp16 for FP8 K / V (fwd_kernel.cuh, "FP8
+  // The MMAs' 16-bit type: T, or fp16 for FP8 K / V (fwd_mma.cuh, "FP8
   // tiles straight into mma fragments").
   using MmaT = std::conditional_t<kKVFp8, __half, T>;
 

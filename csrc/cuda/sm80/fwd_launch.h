@@ -49,7 +49,7 @@ inline bool fwd_kvcache_uses_variant_kernel(const AttentionFwdParams& params) {
 }
 
 // Whether a split-KV call (num_splits > 1) merges its splits inside a
-// thread-block cluster (fwd_kernel.cuh, merge_splits_in_cluster) instead of
+// thread-block cluster (fwd_merge.cuh, merge_splits_in_cluster) instead of
 // through a global workspace and the combine kernel: sm_90 code on an sm_90
 // device, the small-M decode tile, num_splits <= kMaxClusterSplits (6, see
 // fwd_kernel_traits.cuh), a padded batch, the cost model in fwd_dispatch.cu.
