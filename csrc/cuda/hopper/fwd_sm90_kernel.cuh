@@ -26,13 +26,15 @@
 //       The Q slices were released after the tile's last S = Q K^T, so the
 //       producer is already loading the next tile's Q, K and V meanwhile.
 //
-// Shared memory (every tile 1024-byte aligned, in 64-column chunks of
-// [rows x 128 bytes] with TMA's 128-byte swizzle, the layout wgmma reads):
-//   | Q slices [kQRing][kChunks][64][64] | K [kStages][kChunks][kBlockN][64] |
-//   | V [...] | mbarriers | tile index per Q slot |
-//
 // Key tiles are visited from the last to the first, so the tiles that need
 // the causal / sequence-end mask come first and the steady state has none.
+//
+// Where the pieces live: fwd_sm90_traits.cuh has the tile configuration
+// (FwdSm90TileConfig, FwdSm90Fp8TileConfig, with the measurements behind
+// them) and FwdSm90Traits (tile sizes, shared-memory layout, register
+// split); this file has the kernel: the tile scheduler, producer and
+// consumers (mainloop, softmax, epilogue) are one function, whose steps are
+// lambdas over its shared state. The rest of the code includes this file.
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -45,199 +47,10 @@
 #include "fwd_sm90.h"
 #include "sm90_primitives.cuh"
 #include "wgmma_ops.cuh"
+#include "fwd_sm90_traits.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {
-
-// Tile shape per (head dim, causal): kBlockM = 128 always (two consumer
-// warpgroups of 64 rows); kBlockN and the ring depth were measured (H200,
-// bf16, torch 2.11, one build per row, as bench/tune_tiles.sh "sm90 D BLOCK_N
-// STAGES" makes them; TFLOP/s as a fraction of cuDNN in the same run,
-// S = 512 / 2k / 8k, B = 16384 / S, H = 2048 / D; ping-pong off was a
-// run-time switch then, removed since):
-//
-//   D    kBlockN stages  ping-pong | non-causal          | causal
-//   64   128     4       on        | 0.73 0.85 0.88      | 0.71 0.87 0.92
-//   64   128     2       on        | 0.74 0.86 0.89  <-  | 0.72 0.87 0.92  <-
-//   64   192     3       on        | 0.66 0.83 0.90      | 0.62 0.80 0.91
-//   128  128     2       off       | 0.78 0.87 0.90      | 0.76 0.89 0.98
-//   128  128     2       on        | 0.81 0.92 0.92      | 0.82 0.93 0.93  <-
-//   128  176     2       on        | 0.81 0.88 0.98  <-  | 0.71 0.89 1.00
-//   256  64      2       on        | 0.87 0.92 0.93      | 0.91 0.88 0.90
-//   256  64      2       off       | 0.89 0.88 0.89      | 0.90 0.87 0.92
-//   256  80      2       on        | 0.93 0.98 0.99  <-  | 0.88 0.93 0.99  <-
-//
-// Since then (scale folded into exp2, Q released after the last Q K^T, the
-// dynamic causal scheduler) the full grid measured 0.96x cuDNN; D = 256 at
-// seqlen_k <= 512 takes kBlockNShort = 64 keys: 80-key tiles leave the last
-// key tile of a 512-key row 60% empty (causal: up to 25% of all visited keys).
-// Measured and dropped (24-config sample, same run): the producer claiming the
-// next tile when it starts the current one and prefetching that tile's Q and
-// first K/V into L2 (cp.async.bulk.prefetch.tensor): 0.88x against 0.92x
-// cuDNN (the early claim unbalances the causal tail; non-causal D = 128 lost
-// 2-4% too); 64-key D = 256 tiles at seqlen_k = 1024: 0.89-0.90x against 0.94x.
-// Session 8 (24 configs S 512-8k, rounds in alternating order): Q as two
-// 64-row slices with their own barriers (each warpgroup's next slice loads
-// after its own last Q K^T) and the tile's first K sent before its Q: 0.909x
-// against 0.889x for one 128-row Q; a deeper Q ring (4 slots at D = 64 and
-// D = 128 / 128 keys, 3 at D = 128 / 176 keys and D = 256 / 64 keys, so the
-// next tile's slices load a whole tile ahead): 0.934x against 0.944x for 2;
-// O stored 16 bytes per lane (store_accumulator_row) instead of 4: 0.976x
-// against 0.922x (D = 256, S = 512: 0.96-0.98x from 0.81-0.83x); 176-key
-// tiles at D = 64: +1% at S >= 8k, -4 to -14% at S <= 2k. Full grid after
-// all of it: 1.01x (bf16), 0.997x (fp16; 1.008x re-measured in session 9 with
-// three rotated rounds, as bf16).
-// Shared memory bounds the choice: Q + 2 x stages x kBlockN x D x 2 bytes
-// must fit 227 KB (D = 256, kBlockN = 80: 64 + 160 KB). FAE_SM90_BLOCK_N /
-// FAE_SM90_STAGES / FAE_SM90_Q_RING override every head dim at once
-// (bench/tune_tiles.sh "sm90 ...").
-//
-// Consumer warpgroups: three at D = 64 (192-row query tiles, 160 registers
-// each), as FlashAttention 3 / 4 run it. There a warpgroup's GEMMs are short
-// (64 x 128 x 64 twice per key tile) against its softmax (one exp2 per 256
-// FLOPs, twice D = 128's share), so with two warpgroups the tensor cores wait
-// for the softmax; with three, two warpgroups' GEMMs cover one's softmax, and
-// a K / V tile feeds 192 rows instead of 128. H200, bf16, same process,
-// forward TFLOP/s against FA4 / cuDNN: S = 16k 0.80 / 0.97 (two) -> 0.95 /
-// 1.14 (three), causal alike; S = 2k on par with both. Short causal calls
-// (seqlen_q <= kShortCausalRows) keep two: 192-row tiles there waste more of
-// the last tile and of the diagonal tiles (warpgroup 0 visits the key tiles
-// that only the tile's last rows see): S = 512 / 1k causal 0.84 / 0.87 of
-// cuDNN with three against 0.94 / 0.95 with two. The variant kernels keep two
-// (kHasVariants: their softmax state and score modifiers need the registers;
-// the attn_mask summary has two 64-row blocks per tile).
-template <int kHeadDim, bool kIsCausal, bool kHasVariants = false>
-struct FwdSm90TileConfig {
-  static constexpr int kConsumerWarpgroups = kHeadDim <= 64 && !kHasVariants ? 3 : 2;
-  static constexpr int kShortCausalRows = kConsumerWarpgroups == 3 && kIsCausal ? 1024 : 0;
-#ifdef FAE_SM90_BLOCK_N
-  static constexpr int kBlockN = FAE_SM90_BLOCK_N;
-#else
-  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : kHeadDim <= 128 ? (kIsCausal ? 128 : 176) : 80;
-#endif
-#ifdef FAE_SM90_STAGES
-  static constexpr int kStages = FAE_SM90_STAGES;
-#else
-  static constexpr int kStages = 2;
-#endif
-  // Key tile for short key sequences (seqlen_k <= kShortSeqlenK); 0 = none.
-  static constexpr int kBlockNShort = kHeadDim == 256 ? 64 : 0;
-  static constexpr int kShortSeqlenK = 512;
-  // Q ring slots (64-row slices, see FwdSm90Traits): one per consumer
-  // warpgroup; deeper rings (3-4 with two warpgroups, where shared memory
-  // allows) measured no better.
-#ifdef FAE_SM90_Q_RING
-  static constexpr int kQRing = FAE_SM90_Q_RING;
-#else
-  static constexpr int kQRing = kConsumerWarpgroups;
-#endif
-};
-
-// The FP8 (e4m3) forward's tiles: 128 keys (a whole 128-byte swizzle row of
-// the transposed V tile, see FwdSm90Traits::kFp8), 2 stages, both head dims.
-template <int kHeadDim>
-struct FwdSm90Fp8TileConfig {
-  static constexpr int kBlockN = 128;
-  static constexpr int kStages = 2;
-  static constexpr int kBlockNShort = 0;
-  static constexpr int kShortSeqlenK = 0;
-  static constexpr int kQRing = 2;
-};
-
-// T: the element type of q, k, v (16-bit, or e4m3); TOut: of out (T's,
-// or a 16-bit type for e4m3 inputs). kConsumerWarpgroups_: 2 or 3 (see
-// FwdSm90TileConfig).
-template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, int kQRing_ = 2,
-          typename TOut_ = T_, int kConsumerWarpgroups_ = 2>
-struct FwdSm90Traits {
-  using T = T_;
-  using TOut = TOut_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
-  static constexpr int kBlockM = 64 * kConsumerWarpgroups;  // one wgmma M per consumer
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kStages = kStages_;
-  static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);
-  static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
-
-  // FP8 (e4m3 inputs): m64nNk32 wgmmas, which read both operands K-major, so
-  // V arrives transposed ([head_dim rows x keys], params.v_transposed) and
-  // O += P V reads it like K; P goes to e4m3 with an exponent offset
-  // (kPExp2Offset); the descales scale the scores and O.
-  static constexpr bool kFp8 = sizeof(T) == 1;
-  static constexpr int kElemBytes = sizeof(T);
-  // 128-byte swizzle atoms hold 64 16-bit or 128 e4m3 columns: tiles are
-  // stored as kChunks chunks of [rows x kChunkCols].
-  static constexpr int kChunkCols = 128 / kElemBytes;
-  static constexpr int kChunks = kHeadDim / kChunkCols;
-  // One wgmma k-step reads 32 bytes of every row: 16 16-bit or 32 e4m3 columns.
-  static constexpr int kKStep = 32 / kElemBytes;
-  static constexpr int kKVTileBytes = kBlockN * kHeadDim * kElemBytes;
-  // FP8: the transposed V tile is kBlockN / 128 chunks of [kHeadDim x 128 keys].
-  static constexpr int kVtChunks = kFp8 ? kBlockN / 128 : 0;
-  // FP8: P = exp2(x + 8) (rows sum and O alike, so O / rowsum is unchanged):
-  // probabilities in [0, 256] use e4m3's range (max 448) instead of its
-  // subnormals below 2^-6; the LSE takes the 8 off again.
-  static constexpr int kPExp2Offset = kFp8 ? 8 : 0;
-  // Q travels in 64-row slices, one per consumer warpgroup, through a ring of
-  // kQRing slots with a full/empty barrier pair each: slice u = 2 * tile +
-  // warpgroup goes to slot u % kQRing. With 2 slots a warpgroup's next slice
-  // loads once that warpgroup ran its last Q K^T (not waiting for the other
-  // one); every slot beyond 2 lets one more slice load a whole tile ahead.
-  static constexpr int kQRing = kQRing_;
-  static constexpr int kQSliceRows = 64;
-  static_assert(kQSliceRows == kMaskBlock,
-                "a warpgroup's rows are one row block of the attn_mask summary");
-  static constexpr int kQSliceBytes = kQSliceRows * kHeadDim * kElemBytes;
-  // mbarriers, then what the producer hands to the consumers: per Q slot the
-  // tile index and its key-tile range (3 ints), per K stage which warpgroups
-  // must read the attn_mask there (attn_mask kernels).
-  static constexpr int kBarrierBytes = 8 * (2 * kQRing + 4 * kStages) + 12 * kQRing + 4 * kStages;
-  // +1024: the dynamic shared memory base is only 16-byte aligned.
-  static constexpr int kSmemBytes =
-      kQRing * kQSliceBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
-
-  // attn_mask kernels: scratch for a 16-bit additive mask's values, staged per
-  // consumer warp (fwd_softmax.cuh, stage_attn_mask) where shared memory has
-  // room (D = 64 / 128), in kMaskBuffers buffers of one key tile each: tile i's
-  // copies are issued kMaskBuffers - 1 tiles ahead, while tile
-  // i - kMaskBuffers + 1's GEMMs run. Two at D = 64, whose GEMMs are too short
-  // to hide the copies' latency (H100, [1, H, S, S] bf16 bias: 4% faster),
-  // one at D = 128 (two measured 2% slower); +16 aligns the scratch after the
-  // barriers (16-byte cp.async).
-  static constexpr int kMaskBuffers = kHeadDim <= 64 ? 2 : 1;
-  static constexpr int kMaskScratchBytes =
-      kConsumerWarps * kMaskBuffers * kStagedMaskWarpBytes<kBlockN>;
-  static constexpr bool kStageAttnMask =
-      kBlockN % 64 == 0 && kSmemBytes + kMaskScratchBytes + 16 <= 227 * 1024;
-  static constexpr int kSmemBytesAttnMask =
-      kSmemBytes + (kStageAttnMask ? kMaskScratchBytes + 16 : 0);
-
-  // setmaxnreg splits the 64K registers: 24 / 240 with two consumer
-  // warpgroups; 32 / 160 with three (24 would leave 162, and the counts
-  // must be multiples of 8).
-  static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32 : 24;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 3 ? 160 : 240;
-
-  static_assert(sizeof(T) == 2 || sizeof(T) == 1, "16-bit or e4m3 inputs");
-  static_assert(sizeof(TOut) == 2, "16-bit outputs");
-  static_assert(kFp8 || std::is_same<T, TOut>::value, "16-bit inputs give their own type");
-  static_assert(!kFp8 || kBlockN % 128 == 0,
-                "FP8: the transposed V tile is whole 128-key swizzle rows");
-  static_assert(kHeadDim % kChunkCols == 0, "head dim must be a whole number of 128-byte chunks");
-  static_assert(kBlockN % 16 == 0 && kBlockN >= 64 && kBlockN <= 256,
-                "wgmma N (key tile) must be a multiple of 16 in [64, 256]");
-  static_assert(kBlockN % 8 == 0, "swizzle atoms are 8 rows");
-  static_assert(kHeadDim <= 256, "wgmma N (head dim) is at most 256");
-  static_assert(kStages >= 2, "the ring needs at least two stages to overlap loads");
-  static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3,
-                "two or three consumer warpgroups (named barriers, register split)");
-  static_assert(kQRing >= kConsumerWarpgroups, "one Q slot per consumer warpgroup at least");
-  static_assert(kQSliceRows * kConsumerWarpgroups == kBlockM, "a Q slice per warpgroup's rows");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one CTA per SM");
-  static_assert(128 * kProducerRegs + 128 * kConsumerWarpgroups * kConsumerRegs <= 65536,
-                "register file split between producer and consumers");
-};
 
 // kHasVariants: window / softcap / ALiBi (csrc/mask.h) with causal as the
 // window's right bound (kIsCausal = false then): the key tiles of a query
