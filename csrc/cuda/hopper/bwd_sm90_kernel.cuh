@@ -83,6 +83,14 @@
 // computes them and hands them to consumer 1 as the sign bits of the fp32
 // P^T (softcap: P^T o df/ds; both >= 0), its 16-bit P^T fragments (softcap)
 // already times Z.
+//
+// Files: this one holds the kernel; its helpers (shared-memory addresses,
+// mbarriers, dS^T / dQ staging, row statistics, scores to probabilities) are
+// lambdas in its body and stay there (as functions they could compile
+// differently). The step walk (BwdSm90StepWalk) is in bwd_sm90_steps.cuh;
+// tile shapes, shared-memory layout and register budget in
+// bwd_sm90_traits.cuh; the variants' tile ranges, masks and dropout bits in
+// bwd_sm90_variants.cuh.
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -90,6 +98,7 @@
 #include "../../params.h"
 #include "../common/fwd_softmax.cuh"
 #include "../common/ptx.cuh"
+#include "bwd_sm90_steps.cuh"
 #include "bwd_sm90_traits.cuh"
 #include "bwd_sm90_variants.cuh"
 #include "sm90_primitives.cuh"
@@ -97,39 +106,6 @@
 
 namespace flash_attn_ext {
 namespace cuda {
-
-// The steps of a CTA, in the order that its loader, dQ writers and consumers
-// all walk them: query tiles [m_begin, m_end) of the first query head, then
-// the same tiles of the next head, ... (kWalkGroup: every query head of the
-// kv head's group, n_steps in all; else one head). The step index i runs on
-// across heads: it picks the Q/dO stage, the dS^T and dQ buffers and the
-// mbarrier phases, so all of those continue from one head to the next. A
-// Step's g is its head's place in the walk (query head h_first + g). Only the
-// loader tracks the walk; it publishes each step's (m_block, g) in shared
-// memory, where the consumers and the dQ writers read it (step_word in the
-// kernel): their registers are spent (the consumers' 240, the writers' 24).
-// Without kWalkGroup a step is (i, m_begin + i, 0), the expressions of the
-// loops before the walk, which therefore compile to the same code.
-template <bool kWalkGroup>
-struct BwdSm90StepWalk {
-  int m_begin, m_end, n_steps;
-  struct Step {
-    int i, m_block, g;
-  };
-  FAE_DEVICE bool more(int i) const { return kWalkGroup ? i < n_steps : m_begin + i < m_end; }
-  FAE_DEVICE Step first() const { return {0, m_begin, 0}; }
-  FAE_DEVICE void advance(Step& s) const {
-    ++s.i;
-    if constexpr (kWalkGroup) {
-      if (++s.m_block == m_end) {  // the next head, from its first tile
-        s.m_block = m_begin;
-        ++s.g;
-      }
-    } else {
-      s.m_block = m_begin + s.i;
-    }
-  }
-};
 
 template <typename Traits, bool kIsCausal, bool kVarSeq, bool kHasVariants = false,
           bool kHasAttnMask = false, bool kWalkGroup = false>
