@@ -450,7 +450,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Option
                            causal=causal, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, deterministic=deterministic,
                            return_attn_probs=return_attn_probs,
-                              learnable_sink=learnable_sink)
+                           learnable_sink=learnable_sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
@@ -470,7 +470,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: Optio
                            causal=causal, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, deterministic=deterministic,
                            return_attn_probs=return_attn_probs,
-                              learnable_sink=learnable_sink)
+                           learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen: int, dropout_p: float = 0.0,
@@ -494,7 +494,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen: int, dropout_p
                                   causal=causal, window_size=window_size, softcap=softcap,
                                   alibi_slopes=alibi_slopes, deterministic=deterministic,
                                   return_attn_probs=return_attn_probs,
-                              learnable_sink=learnable_sink)
+                                  learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -517,7 +517,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   causal=causal, window_size=window_size, softcap=softcap,
                                   alibi_slopes=alibi_slopes, deterministic=deterministic,
                                   return_attn_probs=return_attn_probs,
-                              learnable_sink=learnable_sink)
+                                  learnable_sink=learnable_sink)
 
 
 # ---- paged KV cache under autograd (flash_attn_varlen_func with block_table) -----------------
