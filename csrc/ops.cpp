@@ -82,7 +82,7 @@ void zero_rows_past_sequences(const at::Tensor& out, const AttentionFwdParams& p
 std::tuple<at::Tensor, at::Tensor> run_fwd_cpu(AttentionFwdParams p, const at::Tensor& q) {
   TORCH_CHECK(q.device().is_cpu(), "flash_attn_ext: fwd (CPU) got q on ", q.device());
   const bool varlen = p.cu_seqlens_q != nullptr;
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = empty_out(q, p.head_dim_v);
   zero_rows_past_sequences(out, p);
   at::Tensor lse = empty_lse(q);
   if (varlen) lse.fill_(-std::numeric_limits<float>::infinity());

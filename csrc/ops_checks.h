@@ -78,21 +78,23 @@ inline void check_seq_tensor(const at::Tensor& t, const char* name, const at::Te
   TORCH_CHECK(t.is_contiguous(), "flash_attn_ext: ", name, " must be contiguous");
 }
 
-// The shape rules every padded forward shares: k and v alike, heads a
-// multiple of heads_k, one head_dim; the batch sizes equal unless k / v are
-// indexed by a block table or cache_batch_idx (same_batch = false).
+// The shape rules every padded forward shares: k and v alike but for the
+// last dim (v's head dim may differ: DeepSeek MLA's 192 / 128), heads a
+// multiple of heads_k, q's head_dim k's; the batch sizes equal unless k / v
+// are indexed by a block table or cache_batch_idx (same_batch = false).
 inline void check_qkv_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              bool same_batch) {
-  TORCH_CHECK(k.sizes() == v.sizes(), "flash_attn_ext: k and v must have the same shape, got ",
-              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.dim() == v.dim() && k.sizes().slice(0, k.dim() - 1) == v.sizes().slice(0, v.dim() - 1),
+              "flash_attn_ext: k and v must have the same shape but for the last (head_dim) "
+              "dimension, got ", k.sizes(), " and ", v.sizes());
   if (same_batch) {
     TORCH_CHECK(q.size(0) == k.size(0),
                 "flash_attn_ext: q and k must have the same batch size, got ", q.size(0), " and ",
                 k.size(0));
   }
   check_heads(q.size(2), k.size(2));
-  TORCH_CHECK(q.size(3) == k.size(3), "flash_attn_ext: q, k and v must have the same head_dim, got ",
-              q.size(3), " (q) and ", k.size(3), " (k/v)");
+  TORCH_CHECK(q.size(3) == k.size(3), "flash_attn_ext: q and k must have the same head_dim, got ",
+              q.size(3), " (q) and ", k.size(3), " (k)");
 }
 
 // Variable-length batches: q [total_q, heads, dim], k/v [total_k, heads_k,

@@ -53,6 +53,8 @@ inline AttentionFwdParams make_fwd_fp8_params(const at::Tensor& q, const at::Ten
   const at::Tensor q4 = packed ? q.unsqueeze(0) : q, k4 = packed ? k.unsqueeze(0) : k,
                    v4 = packed ? v.unsqueeze(0) : v;
   check_qkv_shapes(q4, k4, v4, /*same_batch=*/true);
+  TORCH_CHECK_NOT_IMPLEMENTED(v.size(-1) == q.size(-1), "flash_attn_ext: the FP8 forward needs "
+                              "v's head_dim to be q's, got ", q.size(-1), " and ", v.size(-1));
   TORCH_CHECK(q.size(-1) % 16 == 0 && q.size(-1) <= 256,
               "flash_attn_ext: the FP8 forward needs head_dim to be a multiple of 16 up to 256 "
               "(16-byte rows), got ", q.size(-1));

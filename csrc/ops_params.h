@@ -311,6 +311,7 @@ inline void point_at_inputs(AttentionFwdParams& p, const at::Tensor& q, const at
   p.k_strides = strides_of(k);
   p.v_strides = strides_of(v);
   p.head_dim = static_cast<int>(q.size(-1));
+  p.head_dim_v = static_cast<int>(v.size(-1));
 }
 
 // Pointers, sizes, scale, causal alignment and the lse layout ([batch, heads,
@@ -468,8 +469,35 @@ inline void set_grad_outputs(AttentionBwdParams& p, const at::Tensor& dq, const 
   p.dv_strides = strides_of(dv);
 }
 
+// The forward's out shape (and dout's): q's, with v's head dim.
+inline std::vector<int64_t> out_shape(const at::Tensor& q, int64_t head_dim_v) {
+  std::vector<int64_t> shape = q.sizes().vec();
+  shape.back() = head_dim_v;
+  return shape;
+}
+
+// The forward's out: q's shape with v's head dim, in q's memory layout
+// (empty_like(q) where the head dims agree; e.g. SDPA's transposed views keep
+// [batch, heads, seqlen, head_dim] memory). Otherwise q's dimension order by
+// stride (outermost first, ties in dimension order; the head dim is innermost,
+// check_bshd), as ops.py's fake kernel orders them too.
+inline at::Tensor empty_out(const at::Tensor& q, int64_t head_dim_v) {
+  if (q.size(-1) == head_dim_v) return at::empty_like(q);
+  std::vector<int64_t> order(q.dim());
+  for (int64_t d = 0; d < q.dim(); ++d) order[d] = d;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return q.stride(a) > q.stride(b); });
+  std::vector<int64_t> sizes(q.dim()), inverse(q.dim());
+  for (int64_t i = 0; i < q.dim(); ++i) {
+    sizes[i] = order[i] == q.dim() - 1 ? head_dim_v : q.size(order[i]);
+    inverse[order[i]] = i;
+  }
+  return at::empty(sizes, q.options()).permute(inverse);
+}
+
 // The backward's own inputs on top of validated forward params. out / dout
-// have q's shape (4-D here; varlen callers pass the unsqueezed views).
+// have q's shape with v's head dim (4-D here; varlen callers pass the
+// unsqueezed views).
 inline AttentionBwdParams add_bwd_inputs(const AttentionFwdParams& fwd, const at::Tensor& q,
                                          const at::Tensor& dout, const at::Tensor& out,
                                          const at::Tensor& lse, at::IntArrayRef lse_shape,
@@ -478,10 +506,11 @@ inline AttentionBwdParams add_bwd_inputs(const AttentionFwdParams& fwd, const at
   check_bshd(dout, "dout");
   check_same(q, "q", out, "out");
   check_same(q, "q", dout, "dout");
-  TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn_ext: out must have the shape of q ",
-              q.sizes(), ", got ", out.sizes());
-  TORCH_CHECK(dout.sizes() == q.sizes(), "flash_attn_ext: dout must have the shape of q ",
-              q.sizes(), ", got ", dout.sizes());
+  const std::vector<int64_t> expected = out_shape(q, fwd.head_dim_v);
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(expected), "flash_attn_ext: out must have the shape "
+              "of q with v's head_dim, ", at::IntArrayRef(expected), ", got ", out.sizes());
+  TORCH_CHECK(dout.sizes() == at::IntArrayRef(expected), "flash_attn_ext: dout must have the "
+              "shape of q with v's head_dim, ", at::IntArrayRef(expected), ", got ", dout.sizes());
   TORCH_CHECK(lse.defined() && lse.scalar_type() == at::kFloat,
               "flash_attn_ext: lse must be a float32 tensor");
   TORCH_CHECK(lse.device() == q.device(), "flash_attn_ext: lse must be on the device of q (",

@@ -97,7 +97,11 @@ struct AttentionFwdParams {
   int heads_k = 0;   // key/value heads: query head h reads kv head h / (heads / heads_k)
   int seqlen_q = 0;  // varlen: the longest query sequence (sizes the grid)
   int seqlen_k = 0;  // varlen: the longest key sequence
-  int head_dim = 0;  // true head dim (kernels may pad internally)
+  int head_dim = 0;  // true head dim of q and k (kernels may pad internally)
+  // v's head dim, and out's, dout's and dv's (DeepSeek MLA: 192 / 128 in
+  // training, 576 / 512 decoding); equal to head_dim in most models. Set
+  // by point_at_inputs (ops_params.h) from v.
+  int head_dim_v = 0;
 
   DType dtype = DType::kFloat32;  // of q (and of k, v and out unless said below)
   // FP8 (kFloat8E4M3) calls: k / v may be e4m3 under a 16-bit q (an FP8 KV

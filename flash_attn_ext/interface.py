@@ -710,14 +710,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise RuntimeError("flash_attn_ext: appending k / v needs cache_seqlens (where each "
                                "batch entry's new keys go)")
         # (Checked here before anything is written; without an append the operator checks it.)
-        if k_cache.shape != v_cache.shape:
-            raise RuntimeError(f"flash_attn_ext: k_cache and v_cache must have the same shape, "
-                               f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-        for t, name in ((k, "k"), (v, "v")):
+        if k_cache.shape[:-1] != v_cache.shape[:-1]:
+            raise RuntimeError(f"flash_attn_ext: k_cache and v_cache must have the same shape "
+                               f"but for the last (head_dim) dimension, got "
+                               f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        for t, name, cache in ((k, "k", k_cache), (v, "v", v_cache)):
             _check_rank(t, name, "[batch, seqlen_new, heads_k, head_dim]")
-            if (t.shape[0], t.shape[2:]) != (batch, k_cache.shape[2:]):
+            if (t.shape[0], t.shape[2:]) != (batch, cache.shape[2:]):
                 raise RuntimeError(f"flash_attn_ext: {name} must have shape [batch, seqlen_new, "
-                                   f"{k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(t.shape)}")
+                                   f"{cache.shape[2]}, {cache.shape[3]}], got {tuple(t.shape)}")
         if k.shape[1] != v.shape[1]:
             raise RuntimeError(f"flash_attn_ext: k and v must have the same shape, got "
                                f"{tuple(k.shape)} and {tuple(v.shape)}")

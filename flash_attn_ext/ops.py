@@ -110,9 +110,9 @@ def _check_qkv(q, k, v, varlen=False, kv_batch_free=False, paged=False, fp8_kv=F
         if t.device != q.device:
             raise RuntimeError(f"flash_attn_ext: q and {name} must be on the same device, got "
                                f"{q.device} and {t.device}")
-    if k.shape != v.shape:
-        raise RuntimeError(f"flash_attn_ext: k and v must have the same shape, got "
-                           f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise RuntimeError(f"flash_attn_ext: k and v must have the same shape but for the last "
+                           f"(head_dim) dimension, got {tuple(k.shape)} and {tuple(v.shape)}")
     if not varlen and not kv_batch_free:
         torch._check(q.shape[0] == k.shape[0],
                      lambda: "flash_attn_ext: q and k must have the same batch size")
@@ -120,7 +120,18 @@ def _check_qkv(q, k, v, varlen=False, kv_batch_free=False, paged=False, fp8_kv=F
         "flash_attn_ext: the number of query heads must be a multiple of the number of "
         "key/value heads"))
     torch._check(q.shape[-1] == k.shape[-1],
-                 lambda: "flash_attn_ext: q, k and v must have the same head_dim")
+                 lambda: "flash_attn_ext: q and k must have the same head_dim")
+
+
+def _out_like(q, v):
+    """The forward's out: q's shape with v's head dim (they differ in DeepSeek MLA), in q's
+    memory layout, as the operators allocate it (ops_params.h, empty_out)."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q)
+    order = sorted(range(q.dim()), key=lambda d: -q.stride(d))  # stable: ties in dim order
+    sizes = [v.shape[-1] if d == q.dim() - 1 else q.shape[d] for d in order]
+    inverse = [order.index(d) for d in range(q.dim())]
+    return q.new_empty(sizes).permute(inverse)
 
 
 @torch.library.register_fake("flash_attn_ext::fwd")
@@ -131,7 +142,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, causal_bottom_right, num_splits=0,
               v_descale=None):
     _check_qkv(q, k, v, kv_batch_free=block_table is not None or cache_batch_idx is not None,
                fp8_kv=k_descale is not None and v_descale is not None)
-    out = torch.empty_like(q)
+    out = _out_like(q, v)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
     return out, lse
 
@@ -152,7 +163,7 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
                      attn_mask=None, learnable_sink=None, block_table=None):
     _check_qkv(q, k, v, varlen=True, kv_batch_free=True, paged=block_table is not None)
-    out = torch.empty_like(q)
+    out = _out_like(q, v)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return out, lse
 
@@ -173,7 +184,7 @@ def _sdpa_fwd_fake(query, key, value, softmax_scale, causal, dropout_p=0.0, rng_
                    attn_mask=None):
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     _check_qkv(q, k, v)
-    out = torch.empty_like(q).transpose(1, 2)  # as fwd's, transposed back
+    out = _out_like(q, v).transpose(1, 2)  # as fwd's, transposed back
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
     return out, lse
 

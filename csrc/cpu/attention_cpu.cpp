@@ -22,6 +22,10 @@
 //
 // Tiles are fp32: 16-bit inputs are widened on load (so all arithmetic is
 // fp32), fp32 inputs are used in place through their row stride.
+//
+// Head dims: D (params.head_dim) is q's and k's, Dv (value_head_dim) is v's,
+// out's, dout's and dv's (DeepSeek MLA: 192 / 128). Scores, dK and dQ have D
+// columns; O, dP = dO V^T's reduction and dV have Dv.
 #include "attention_cpu.h"
 
 #include "../dropout.h"
@@ -253,6 +257,12 @@ T* at_row(void* base, const TensorStrides& st, int b, int h, int64_t row) {
   return static_cast<T*>(base) + row_offset(st, b, h, row);
 }
 
+// v's head dim (params.h head_dim_v). A caller that leaves it unset (<= 0)
+// means q's, so such params keep working.
+int value_head_dim(const AttentionFwdParams& p) {
+  return p.head_dim_v > 0 ? p.head_dim_v : p.head_dim;
+}
+
 // ---- masking and score modifiers ---------------------------------------------
 // Rows and keys below are numbered within one sequence (SeqBounds, params.h:
 // varlen offsets, seqused_k and the causal alignment are all in there); Mask
@@ -338,13 +348,14 @@ void recompute_probs(const AttentionFwdParams& p, const Mask& mask, const Tile& 
 // v_descale into the output store (descale_at is 1 without them).
 template <typename T, typename TKV = T>
 void fwd_impl(const AttentionFwdParams& p) {
-  const int D = p.head_dim;
+  const int D = p.head_dim;          // of Q and K: the score GEMM's reduction
+  const int Dv = value_head_dim(p);  // of V and O: the accumulator's columns
   const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
   const int64_t tasks = static_cast<int64_t>(p.batch) * p.heads * m_blocks;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_buf, k_buf, v_buf;
     std::vector<float> scores(static_cast<size_t>(kBlockM) * kBlockN);
-    std::vector<float> acc(static_cast<size_t>(kBlockM) * D);
+    std::vector<float> acc(static_cast<size_t>(kBlockM) * Dv);
     float row_max[kBlockM], row_sum[kBlockM];
     for (int64_t task = begin; task < end; ++task) {
       const int m_block = static_cast<int>(task % m_blocks);
@@ -370,7 +381,7 @@ void fwd_impl(const AttentionFwdParams& p) {
         const int cols = std::min(kBlockN, keys.hi - n0);
         const int64_t k_row = s.row0_k + n0;
         const Tile k = load_kv_tile<TKV>(p, p.k, p.k_strides, b, kh, k_row, cols, D, k_buf);
-        const Tile v = load_kv_tile<TKV>(p, p.v, p.v_strides, b, kh, k_row, cols, D, v_buf);
+        const Tile v = load_kv_tile<TKV>(p, p.v, p.v_strides, b, kh, k_row, cols, Dv, v_buf);
         gemm_nt(rows, cols, D, score_scale, q.data, q.ld, k.data, k.ld, 0.f, scores.data(), cols);
         for (int r = 0; r < rows; ++r) {
           float* sc = scores.data() + static_cast<size_t>(r) * cols;
@@ -392,17 +403,17 @@ void fwd_impl(const AttentionFwdParams& p) {
           std::fill(sc + vis.hi, sc + cols, 0.f);
           row_sum[r] = row_sum[r] * correction + tile_sum;
           row_max[r] = new_max;
-          float* o = acc.data() + static_cast<size_t>(r) * D;
-          for (int d = 0; d < D; ++d) o[d] *= correction;
+          float* o = acc.data() + static_cast<size_t>(r) * Dv;
+          for (int d = 0; d < Dv; ++d) o[d] *= correction;
         }
         apply_dropout(dropout, scores.data(), m0, rows, n0, cols);  // after the row sums
-        gemm_nn(rows, D, cols, 1.f, scores.data(), cols, v.data, v.ld, 1.f, acc.data(), D);
+        gemm_nn(rows, Dv, cols, 1.f, scores.data(), cols, v.data, v.ld, 1.f, acc.data(), Dv);
       }
 
       float* lse = p.lse + s.lse_index(p, b, h, m0);
       const float sink_log2 = sink_log2_of(p, h);
       for (int r = 0; r < rows; ++r) {
-        float* o = acc.data() + static_cast<size_t>(r) * D;
+        float* o = acc.data() + static_cast<size_t>(r) * Dv;
         float sum = row_sum[r], o_factor = 1.f, lse_max = row_max[r];
         if (sink_log2 != kNegInf) {  // (row_max is natural-log here, the fold's max log2)
           float max_log2 = row_max[r] * kLog2e;
@@ -410,16 +421,16 @@ void fwd_impl(const AttentionFwdParams& p) {
           lse_max = max_log2 * kLn2;
         }
         if (sum == 0.f) {  // no visible key (and no sink): zeros and lse = -inf, never NaN
-          std::fill(o, o + D, 0.f);
+          std::fill(o, o + Dv, 0.f);
           lse[r] = kNegInf;
         } else {
           const float inv = o_factor / sum;
-          for (int d = 0; d < D; ++d) o[d] *= inv;
+          for (int d = 0; d < Dv; ++d) o[d] *= inv;
           lse[r] = lse_max + std::log(sum);
         }
       }
       store_rows(at_row<T>(p.out, p.out_strides, b, h, q_row), p.out_strides.row, acc.data(), rows,
-                 D, descale_at(p.v_descale, b, kh));
+                 Dv, descale_at(p.v_descale, b, kh));
     }
   });
 }
@@ -427,7 +438,8 @@ void fwd_impl(const AttentionFwdParams& p) {
 // ---- backward --------------------------------------------------------------
 template <typename T>
 void bwd_impl(const AttentionBwdParams& p) {
-  const int D = p.head_dim;
+  const int D = p.head_dim;          // of Q, K, dQ and dK
+  const int Dv = value_head_dim(p);  // of V, O, dO and dV
   const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
   const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
   const int kv_group = p.heads / p.heads_k;
@@ -437,7 +449,7 @@ void bwd_impl(const AttentionBwdParams& p) {
     return p.dsoftmax_sum + s.lse_index(p, b, h, 0);
   };
 
-  // D_i = rowsum(dO_i * O_i), in fp32.
+  // D_i = rowsum(dO_i * O_i) over the Dv columns of O, in fp32.
   at::parallel_for(0, static_cast<int64_t>(p.batch) * p.heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int b = static_cast<int>(bh / p.heads), h = static_cast<int>(bh % p.heads);
@@ -447,7 +459,7 @@ void bwd_impl(const AttentionBwdParams& p) {
         const T* o = at_row<T>(p.out, p.out_strides, b, h, s.row0_q + i);
         const T* dout = at_row<T>(p.dout, p.dout_strides, b, h, s.row0_q + i);
         float s = 0.f;
-        for (int d = 0; d < D; ++d) s += to_float(o[d]) * to_float(dout[d]);
+        for (int d = 0; d < Dv; ++d) s += to_float(o[d]) * to_float(dout[d]);
         dsum[i] = s;
       }
     }
@@ -474,15 +486,16 @@ void bwd_impl(const AttentionBwdParams& p) {
         : probs(static_cast<size_t>(kBlockM) * kBlockN), dprobs(probs.size()),
           dfds(p.softcap > 0.f ? probs.size() : 0), dropped(has_dropout(p) ? probs.size() : 0) {}
   };
-  // Query rows [m0, m0 + rows) of head h: the Q or dO tile (load_tile).
+  // Query rows [m0, m0 + rows) of head h: the Q tile (D columns) or the dO
+  // tile (Dv columns) (load_tile).
   auto query_rows = [&](const void* base, const TensorStrides& st, const SeqBounds& s, int b,
-                        int h, int m0, int rows, std::vector<float>& buffer) {
-    return load_tile(at_row<T>(base, st, b, h, s.row0_q + m0), st.row, rows, D, buffer);
+                        int h, int m0, int rows, int cols, std::vector<float>& buffer) {
+    return load_tile(at_row<T>(base, st, b, h, s.row0_q + m0), st.row, rows, cols, buffer);
   };
   // The gradients of query rows [m0, m0 + rows) of head h (tiles q, dout)
-  // against keys [n0, n0 + cols): dV += (P o Z)^T dO and dK += scale dS^T Q
-  // into the [cols, D] accumulators (when given), dQ += scale dS K into the
-  // [rows, D] one at dq_acc (when given).
+  // against keys [n0, n0 + cols): dV += (P o Z)^T dO into the [cols, Dv] and
+  // dK += scale dS^T Q into the [cols, D] accumulator (when given), dQ +=
+  // scale dS K into the [rows, D] one at dq_acc (when given).
   auto tile_grads = [&](Scratch& t, const SeqBounds& s, int b, int h, const Mask& mask,
                         const Dropout& dropout, const Tile& q, const Tile& dout, const Tile& k,
                         const Tile& v, int m0, int rows, int n0, int cols, float* dk_acc,
@@ -496,9 +509,9 @@ void bwd_impl(const AttentionBwdParams& p) {
         apply_dropout(dropout, t.dropped.data(), m0, rows, n0, cols);
         pv = t.dropped.data();
       }
-      gemm_tn(cols, D, rows, 1.f, pv, cols, dout.data, dout.ld, 1.f, dv_acc, D);
+      gemm_tn(cols, Dv, rows, 1.f, pv, cols, dout.data, dout.ld, 1.f, dv_acc, Dv);
     }
-    gemm_nt(rows, cols, D, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, t.dprobs.data(), cols);
+    gemm_nt(rows, cols, Dv, 1.f, dout.data, dout.ld, v.data, v.ld, 0.f, t.dprobs.data(), cols);
     apply_dropout(dropout, t.dprobs.data(), m0, rows, n0, cols);
     softmax_grad(t.dprobs.data(), t.probs.data(), dsum_row(s, b, h) + m0, rows, cols,
                  mask.has_softcap() ? t.dfds.data() : nullptr);
@@ -518,8 +531,8 @@ void bwd_impl(const AttentionBwdParams& p) {
     const int64_t k_row = s.row0_k + n0;
     const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, k_row), p.k_strides.row, cols, D,
                              t.k_buf);
-    const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols, D,
-                             t.v_buf);
+    const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols,
+                             Dv, t.v_buf);
     std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
     std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
     for (int h = kh * kv_group; h < (kh + 1) * kv_group; ++h) {
@@ -528,8 +541,8 @@ void bwd_impl(const AttentionBwdParams& p) {
       const RowRange queries = rows_for_keys(mask, n0, cols);
       for (int m0 = queries.lo; m0 < queries.hi; m0 += kBlockM) {
         const int rows = std::min(kBlockM, queries.hi - m0);
-        const Tile q = query_rows(p.q, p.q_strides, s, b, h, m0, rows, t.q_buf);
-        const Tile dout = query_rows(p.dout, p.dout_strides, s, b, h, m0, rows, t.do_buf);
+        const Tile q = query_rows(p.q, p.q_strides, s, b, h, m0, rows, D, t.q_buf);
+        const Tile dout = query_rows(p.dout, p.dout_strides, s, b, h, m0, rows, Dv, t.do_buf);
         float* dq = dq_ws == nullptr ? nullptr
                                      : dq_ws + (static_cast<size_t>(h - kh * kv_group) *
                                                     s.seqlen_q + m0) * D;
@@ -540,7 +553,7 @@ void bwd_impl(const AttentionBwdParams& p) {
     store_rows(at_row<T>(p.dk, p.dk_strides, b, kh, k_row), p.dk_strides.row, dk_acc.data(), cols,
                D, 1.f);
     store_rows(at_row<T>(p.dv, p.dv_strides, b, kh, k_row), p.dv_strides.row, dv_acc.data(), cols,
-               D, 1.f);
+               Dv, 1.f);
   };
 
   // One pass when there are enough (batch, kv head) tasks for the threads and
@@ -557,7 +570,8 @@ void bwd_impl(const AttentionBwdParams& p) {
   if (one_pass) {
     at::parallel_for(0, bh_tasks, 1, [&](int64_t begin, int64_t end) {
       Scratch t(p);
-      std::vector<float> dk_acc(static_cast<size_t>(kBlockN) * D), dv_acc(dk_acc.size());
+      std::vector<float> dk_acc(static_cast<size_t>(kBlockN) * D);
+      std::vector<float> dv_acc(static_cast<size_t>(kBlockN) * Dv);
       std::vector<float> dq_ws;
       for (int64_t task = begin; task < end; ++task) {
         const int kh = static_cast<int>(task % p.heads_k);
@@ -581,7 +595,8 @@ void bwd_impl(const AttentionBwdParams& p) {
   const int64_t kv_tasks = bh_tasks * n_blocks;
   at::parallel_for(0, kv_tasks, 1, [&](int64_t begin, int64_t end) {
     Scratch t(p);
-    std::vector<float> dk_acc(static_cast<size_t>(kBlockN) * D), dv_acc(dk_acc.size());
+    std::vector<float> dk_acc(static_cast<size_t>(kBlockN) * D);
+    std::vector<float> dv_acc(static_cast<size_t>(kBlockN) * Dv);
     for (int64_t task = begin; task < end; ++task) {
       const int n_block = static_cast<int>(task % n_blocks);
       const int kh = static_cast<int>((task / n_blocks) % p.heads_k);
@@ -606,8 +621,8 @@ void bwd_impl(const AttentionBwdParams& p) {
       const int m0 = m_block * kBlockM;
       if (m0 >= s.seqlen_q) continue;
       const int rows = std::min(kBlockM, s.seqlen_q - m0);
-      const Tile q = query_rows(p.q, p.q_strides, s, b, h, m0, rows, t.q_buf);
-      const Tile dout = query_rows(p.dout, p.dout_strides, s, b, h, m0, rows, t.do_buf);
+      const Tile q = query_rows(p.q, p.q_strides, s, b, h, m0, rows, D, t.q_buf);
+      const Tile dout = query_rows(p.dout, p.dout_strides, s, b, h, m0, rows, Dv, t.do_buf);
       std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
       const Mask mask = make_mask(p, s, b, h);
       const Dropout dropout = make_dropout(p, b, h);
@@ -618,7 +633,7 @@ void bwd_impl(const AttentionBwdParams& p) {
         const Tile k = load_tile(at_row<T>(p.k, p.k_strides, b, kh, k_row), p.k_strides.row, cols,
                                  D, t.k_buf);
         const Tile v = load_tile(at_row<T>(p.v, p.v_strides, b, kh, k_row), p.v_strides.row, cols,
-                                 D, t.v_buf);
+                                 Dv, t.v_buf);
         tile_grads(t, s, b, h, mask, dropout, q, dout, k, v, m0, rows, n0, cols, nullptr, nullptr,
                    dq_acc.data());
       }

@@ -22,6 +22,15 @@ namespace flash_attn_ext {
 namespace cuda {
 
 // ---- forward -------------------------------------------------------------
+// Whether a kernel takes the call's head dims as they are: always where v's
+// head dim is q's; where it differs (DeepSeek MLA's 192 / 128), when the
+// Hopper forward of that pair takes the call (compiled, an sm_90 device, no
+// window / softcap / ALiBi / attn_mask / dropout, not a decode tile, no
+// split-KV). Otherwise the op layer pads q / k / v to one head dim (the
+// narrower ones with zero columns). Decided on the params as the op layer
+// filled them (num_splits and fwd_tile as the caller gave them);
+// fwd_choose_tile and fwd_num_splits then keep such calls unsplit.
+bool fwd_runs_head_dims(const AttentionFwdParams& params);
 // Number of KV splits the forward will use for these params (>= 1): honours
 // params.num_splits when > 0, else a heuristic from the SM count.
 int fwd_num_splits(const AttentionFwdParams& params, int num_sms);

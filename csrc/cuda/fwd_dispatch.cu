@@ -167,17 +167,22 @@ int num_splits_heuristic(int64_t ctas, int slots, int n_blocks, int max_splits) 
 // the max), no broadcast (stride-0) dimension. Window / softcap / ALiBi /
 // attn_mask / dropout calls take its variant instantiation
 // (run_fwd_sm90_variants_impl). Never an FP8 KV cache (16-bit q, e4m3 K/V):
-// the mma.sync decode kernels.
+// the mma.sync decode kernels. A v head dim other than q's: the pairs of
+// fwd_sm90_head_dims_v, without variants (kernel_dim is not used then).
 bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 #ifdef FAE_HAS_SM90A
   if (kernel_impl_requested("FLASH_ATTN_EXT_FWD_IMPL") == KernelImpl::kMma) return false;
   if (params.kv_dtype == DType::kFloat8E4M3) return false;
+  const bool dims_ok = params.head_dim_v == params.head_dim
+                           ? fwd_sm90_head_dim(kernel_dim)
+                           : fwd_sm90_head_dims_v(params.head_dim, params.head_dim_v) &&
+                                 !has_variants(params);
   // Packed (varlen) tensors are one batch entry of all their rows.
   const bool packed = params.cu_seqlens_q != nullptr;
   const int64_t rows_q = packed ? params.total_q : params.seqlen_q;
   const int map_batch = packed ? 1 : params.batch;
   const KVMapShape kv = fwd_sm90_kv_map_shape(params);
-  return params.dtype != DType::kFloat32 && fwd_sm90_head_dim(kernel_dim) &&
+  return params.dtype != DType::kFloat32 && dims_ok &&
          fwd_sm90_takes_seqs(params) && params.num_splits <= 1 &&
          params.fwd_tile == kFwdTileAuto && !fwd_uses_decode_tile(params) &&
          params.scale_log2 > 0.f && params.heads <= 65535 && params.batch <= 65535 &&
@@ -193,8 +198,27 @@ bool use_sm90_forward(const AttentionFwdParams& params, int kernel_dim) {
 #endif
 }
 
+// A v head dim other than q's: the Hopper forward of that pair (the op layer
+// pads every call that fwd_runs_head_dims turns down to one head dim).
+template <typename T>
+void dispatch_head_dims_v(AttentionFwdParams& params, cudaStream_t stream) {
+#if defined(FAE_HAS_SM90A) && defined(FAE_HAS_HDIM_192)
+  if (use_sm90_forward(params, 0)) {
+    with_causal(params.causal, [&](auto causal_tag) {
+      run_fwd_sm90_impl<T, 192, decltype(causal_tag)::value, 128>(params, stream);
+    });
+    return;
+  }
+#endif
+  throw std::runtime_error("flash_attn_ext: internal error: head_dim " +
+                           std::to_string(params.head_dim) + " with head_dim_v " +
+                           std::to_string(params.head_dim_v) + " reached the forward without "
+                           "a kernel for the pair (the op layer pads such calls)");
+}
+
 template <typename T>
 void dispatch_head_dim(AttentionFwdParams& params, cudaStream_t stream) {
+  if (params.head_dim_v != params.head_dim) return dispatch_head_dims_v<T>(params, stream);
   const int kernel_dim = fwd_rounded_head_dim(params.head_dim);
   const bool sm90 = use_sm90_forward(params, kernel_dim);
   auto run = [&](auto dim_tag) {
@@ -354,6 +378,7 @@ static int heuristic_splits(const AttentionFwdParams& params, int num_sms) {
 // there instead of once per 128.
 void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {
   if (params.dtype == DType::kFloat32 || params.head_dim <= 0 || params.head_dim > 256) return;
+  if (params.head_dim_v != params.head_dim) return;  // the Hopper forward (fwd_runs_head_dims)
   if (fwd_runs_kvcache_kernels(params) && !fwd_uses_decode_tile(params) &&
       !use_sm90_forward(params, fwd_rounded_head_dim(params.head_dim))) {
     params.fwd_tile = kFwdTileSmallM;
@@ -372,10 +397,28 @@ void fwd_choose_tile(AttentionFwdParams& params, int num_sms) {
   }
 }
 
+bool fwd_runs_head_dims(const AttentionFwdParams& params) {
+  if (params.head_dim_v == params.head_dim) return true;
+#if defined(FAE_HAS_SM90A) && defined(FAE_HAS_HDIM_192)
+  const bool dtype_compiled =
+#ifdef FAE_HAS_FP16
+      params.dtype == DType::kFloat16 ||
+#endif
+#ifdef FAE_HAS_BF16
+      params.dtype == DType::kBFloat16 ||
+#endif
+      false;
+  return dtype_compiled && params.kv_dtype == params.dtype && use_sm90_forward(params, 0);
+#else
+  return false;
+#endif
+}
+
 int fwd_num_splits(const AttentionFwdParams& params, int num_sms) {
   // The fp32 SIMT path has no split-KV.
   if (params.dtype == DType::kFloat32) return 1;
   if (params.head_dim <= 0 || params.head_dim > 256) return 1;
+  if (params.head_dim_v != params.head_dim) return 1;  // the Hopper forward (fwd_runs_head_dims)
   // A KV cache call left on the auto tile past the decode rows: the Hopper
   // forward's (fwd_choose_tile), which does not split.
   if (params.num_splits <= 0 && fwd_runs_kvcache_kernels(params) && !fwd_uses_decode_tile(params)) {

@@ -49,12 +49,25 @@ at::Tensor kernel_friendly(const at::Tensor& t, int64_t padded_head_dim) {
 
 int64_t round_up_head_dim(int64_t d) { return (d + 7) / 8 * 8; }
 
-void check_cuda_inputs(const at::Tensor& q) {
+// The head dim the kernels run: q / k and v (out, dout) all padded to one
+// width. A value head dim other than q's (DeepSeek MLA's 192 / 128) runs as
+// max(head_dim, head_dim_v) with the narrower tensors zero-padded: zero q / k
+// columns leave QK^T unchanged, zero v / dout columns give zero out / dV
+// columns (sliced away) and leave dP = dO V^T and D = rowsum(dO o O) unchanged.
+int64_t kernel_head_dim(int64_t head_dim, int64_t head_dim_v, int64_t multiple = 8) {
+  const int64_t d = std::max(head_dim, head_dim_v);
+  return (d + multiple - 1) / multiple * multiple;
+}
+
+void check_cuda_inputs(const at::Tensor& q, int64_t head_dim_v = 0) {
   // Reached when any argument is a CUDA tensor (the dispatcher picks CUDA).
   TORCH_CHECK(q.is_cuda(), "flash_attn_ext: expected every tensor on one CUDA device, but q is on ",
               q.device());
-  TORCH_CHECK(q.size(-1) <= kMaxHeadDim, "flash_attn_ext: head_dim must be <= ", kMaxHeadDim,
-              " on CUDA, got ", q.size(-1));
+  TORCH_CHECK_NOT_IMPLEMENTED(q.size(-1) <= kMaxHeadDim && head_dim_v <= kMaxHeadDim,
+                              "flash_attn_ext: the CUDA kernels take head dims up to ",
+                              kMaxHeadDim, ", got ", q.size(-1), " (q / k) and ", head_dim_v,
+                              " (v); larger head dims (e.g. MLA's absorbed 576 / 512) run on "
+                              "the CPU only");
   const auto props = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(props->major >= 8, "flash_attn_ext: CUDA kernels need compute capability >= 8.0 (Ampere "
               "or newer), this GPU is ", props->major, ".", props->minor);
@@ -121,28 +134,36 @@ void regroup_decode(AttentionFwdParams& p, const at::Tensor& q, const at::Tensor
 std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::Tensor& q_in,
                                                 const at::Tensor& k_in, const at::Tensor& v_in,
                                                 int64_t num_splits, int64_t tile) {
-  check_cuda_inputs(q_in);
+  check_cuda_inputs(q_in, v_in.size(-1));
   check_fwd_tuning_args(num_splits, tile);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool varlen = p.cu_seqlens_q != nullptr;
 
-  const int64_t head_dim = q_in.size(-1);
+  const int64_t head_dim_v = v_in.size(-1);
   // An FP8 cache's rows are copied 16 elements (bytes) at a time
   // (sm80/fwd_tile_load.cuh, load_cache_tile_fp8_async): head dim a multiple of 16.
-  const int64_t head_dim_padded = p.kv_dtype == DType::kFloat8E4M3
-                                      ? (head_dim + 15) / 16 * 16
-                                      : round_up_head_dim(head_dim);
-  at::Tensor q = kernel_friendly(q_in, head_dim_padded);
-  at::Tensor k = kernel_friendly(k_in, head_dim_padded);
-  at::Tensor v = kernel_friendly(v_in, head_dim_padded);
+  const int64_t multiple = p.kv_dtype == DType::kFloat8E4M3 ? 16 : 8;
+  at::Tensor q = kernel_friendly(q_in, kernel_head_dim(q_in.size(-1), 0, multiple));
+  at::Tensor k = kernel_friendly(k_in, kernel_head_dim(k_in.size(-1), 0, multiple));
+  at::Tensor v = kernel_friendly(v_in, kernel_head_dim(head_dim_v, 0, multiple));
   point_at_inputs(p, q, k, v);
+  p.num_splits = static_cast<int>(num_splits);
+  p.fwd_tile = static_cast<int>(tile);
+  if (!cuda::fwd_runs_head_dims(p)) {  // one head dim for all (kernel_head_dim)
+    const int64_t width = kernel_head_dim(q_in.size(-1), head_dim_v, multiple);
+    q = kernel_friendly(q_in, width);
+    k = kernel_friendly(k_in, width);
+    v = kernel_friendly(v_in, width);
+    point_at_inputs(p, q, k, v);
+  }
 
-  // `out` has the layout the fake kernel promises (empty_like(q)); the kernel
+  // `out` has the layout the fake kernel promises (empty_out); the kernel
   // writes into it directly unless it needs a padded / aligned scratch copy.
   // Varlen: rows outside every sequence are zeros, lse -inf.
-  at::Tensor out = at::empty_like(q_in);
-  const bool write_direct = head_dim_padded == head_dim && is_aligned_16(out);
-  at::Tensor out_kernel = write_direct ? out : at::empty(q.sizes(), q.options());
+  at::Tensor out = empty_out(q_in, head_dim_v);
+  const bool write_direct = p.head_dim_v == head_dim_v && is_aligned_16(out);
+  at::Tensor out_kernel =
+      write_direct ? out : at::empty(out_shape(q, p.head_dim_v), q.options());
   at::Tensor lse = empty_lse(q);
   p.out = out_kernel.data_ptr();
   p.out_strides = strides_of(out_kernel);
@@ -153,8 +174,6 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
                                         at::cuda::getCurrentCUDAStream().stream());
     });
   }
-  p.num_splits = static_cast<int>(num_splits);
-  p.fwd_tile = static_cast<int>(tile);
   if (can_regroup_decode(p)) regroup_decode(p, q, out_kernel);
 
   if (p.seqlen_q > 0) {  // varlen with max_seqlen_q == 0: nothing to compute
@@ -176,7 +195,7 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
     call_kernels([&] { cuda::run_fwd(p, stream); });
   }
 
-  if (!write_direct) out.copy_(out_kernel.narrow(-1, 0, head_dim));
+  if (!write_direct) out.copy_(out_kernel.narrow(-1, 0, head_dim_v));
   return {out, lse};
 }
 
@@ -267,13 +286,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
     const std::optional<at::Tensor>& dq_accum, double softmax_scale,
     const std::optional<at::Tensor>& dsink) {
-  check_cuda_inputs(q_in);
+  check_cuda_inputs(q_in, v_in.size(-1));
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool partial = has_var_seqs(p);
   const int group = p.heads / p.heads_k;
 
   const int64_t head_dim = q_in.size(-1);
-  const int64_t head_dim_padded = round_up_head_dim(head_dim);
+  const int64_t head_dim_padded = kernel_head_dim(head_dim, v_in.size(-1));
   at::Tensor q = kernel_friendly(q_in, head_dim_padded);
   at::Tensor k = kernel_friendly(k_in, head_dim_padded);
   at::Tensor v = kernel_friendly(v_in, head_dim_padded);
@@ -287,7 +306,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
 
   // Gradients are allocated in the layout of their input (what the fake kernel
   // promises) and written directly unless a padded / aligned / expanded
-  // scratch is needed.
+  // scratch is needed. same_head_dim: dQ's columns are the kernel's.
   const bool same_head_dim = head_dim_padded == head_dim;
   const bool packed = p.cu_seqlens_q != nullptr;
   const bool adds_into_caller_accum = dq_accum.has_value() && same_head_dim &&
@@ -299,7 +318,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
   at::Tensor dq_user = adds_into_caller_accum ? at::Tensor() : alloc(q_in);
   at::Tensor dk_user = alloc(k_in), dv_user = alloc(v_in);
   auto kernel_grad = [&](const at::Tensor& user, const at::Tensor& kernel_in, bool per_query_head) {
-    if (!per_query_head && same_head_dim && is_aligned_16(user)) return user;
+    if (!per_query_head && user.size(-1) == head_dim_padded && is_aligned_16(user)) return user;
     std::vector<int64_t> sizes = kernel_in.sizes().vec();
     if (per_query_head) sizes[sizes.size() - 2] = p.heads;
     return partial ? at::zeros(sizes, kernel_in.options()) : at::empty(sizes, kernel_in.options());
@@ -335,11 +354,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
 
   auto to_user = [&](at::Tensor& user, const at::Tensor& g) {
     if (g.is_same(user)) return;
-    at::Tensor grad = g.narrow(-1, 0, head_dim);
+    const int64_t cols = user.size(-1);
+    at::Tensor grad = g.narrow(-1, 0, cols);
     if (grad.size(-2) != user.size(-2)) {  // GQA: sum the group's query heads
       std::vector<int64_t> sizes = grad.sizes().vec();
       sizes.back() = group;
-      sizes.push_back(head_dim);
+      sizes.push_back(cols);
       sizes[sizes.size() - 3] = p.heads_k;
       grad = grad.reshape(sizes).sum(-2);
     }

@@ -52,6 +52,11 @@ def _local_input_error(q, k, v, packed, cu_seqlens):
         if t.dtype != q.dtype or t.device != q.device:
             return RuntimeError, (f"q and {name} must have the same dtype and device, got "
                                   f"{q.dtype} on {q.device} and {t.dtype} on {t.device}")
+    if k.shape[:-1] == v.shape[:-1] and k.shape[-1] != v.shape[-1]:
+        # The K/V transport moves k and v as one kind of buffer.
+        return NotImplementedError, (f"ring attention with a value head dim other than the "
+                                     f"key's (k {tuple(k.shape)}, v {tuple(v.shape)}) is not "
+                                     f"implemented; flash_attn_func takes it on one GPU")
     if k.shape != v.shape:
         return RuntimeError, (f"k and v must have the same shape, got {tuple(k.shape)} and "
                               f"{tuple(v.shape)}")

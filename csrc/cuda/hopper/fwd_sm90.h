@@ -15,6 +15,12 @@ inline bool fwd_sm90_head_dim(int kernel_dim) {
   return kernel_dim == 64 || kernel_dim == 128 || kernel_dim == 256;
 }
 
+// (q / k, v) head-dim pairs with a Hopper forward of their own
+// (generate_instantiations.py HEAD_DIMS_V_SM90; plain calls only, no variants).
+inline bool fwd_sm90_head_dims_v(int head_dim, int head_dim_v) {
+  return head_dim == 192 && head_dim_v == 128;
+}
+
 // The sequence layouts the Hopper forward reads: a padded batch, packed
 // sequences (varlen, cu_seqlens), key counts cut by seqused_k (a KV cache's
 // cache_seqlens), and the KV cache addressing, a paged cache (block_table),
@@ -57,7 +63,9 @@ FAE_HOST_DEVICE int fwd_sm90_paged_box_rows(int page_size, int block_n) {
   return page_size < tile_pow2 ? page_size : tile_pow2;
 }
 
-template <typename T, int kHeadDim, bool kIsCausal>
+// kHeadDimV: v's and out's head dim (kHeadDim but for MLA's 192 / 128,
+// fwd_sm90_head_dims_v).
+template <typename T, int kHeadDim, bool kIsCausal, int kHeadDimV = kHeadDim>
 void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream);
 
 // Window / softcap / ALiBi (has_variants), causal or not.

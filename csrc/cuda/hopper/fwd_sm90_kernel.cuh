@@ -39,6 +39,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "../../params.h"
 #include "../common/ptx.cuh"
 #include "../common/dropout_tile.cuh"
@@ -93,8 +95,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimV = Traits::kHeadDimV;  // of V and O (kHeadDim unless MLA)
   constexpr int kStages = Traits::kStages;
   constexpr int kChunks = Traits::kChunks;
+  constexpr int kChunksV = Traits::kChunksV;
   using namespace sm90;
 
   extern __shared__ uint8_t smem_raw[];
@@ -102,10 +106,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kQRing = Traits::kQRing;
   auto q_smem = [&](int slot) { return smem_base + slot * Traits::kQSliceBytes; };
   const uint32_t k_smem0 = smem_base + kQRing * Traits::kQSliceBytes;
-  const uint32_t v_smem0 = k_smem0 + kStages * Traits::kKVTileBytes;
-  const uint32_t bar0 = v_smem0 + kStages * Traits::kKVTileBytes;
-  auto k_smem = [&](int stage) { return k_smem0 + stage * Traits::kKVTileBytes; };
-  auto v_smem = [&](int stage) { return v_smem0 + stage * Traits::kKVTileBytes; };
+  const uint32_t v_smem0 = k_smem0 + kStages * Traits::kKTileBytes;
+  const uint32_t bar0 = v_smem0 + kStages * Traits::kVTileBytes;
+  auto k_smem = [&](int stage) { return k_smem0 + stage * Traits::kKTileBytes; };
+  auto v_smem = [&](int stage) { return v_smem0 + stage * Traits::kVTileBytes; };
   auto q_full = [&](int slot) { return bar0 + 8 * slot; };
   auto k_full = [&](int stage) { return bar0 + 8 * (kQRing + stage); };
   auto v_full = [&](int stage) { return bar0 + 8 * (kQRing + kStages + stage); };
@@ -219,9 +223,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // row past seqused_k); table indices stay inside the row and page ids are
   // clamped to the pool, so a bad table reads wrong keys, never outside the
   // pool, as kv_row() does in the other kernels. cache_batch_idx: the batch
-  // entry's cache row, clamped alike.
+  // entry's cache row, clamped alike. chunks_tag: the tile's 64-column chunks
+  // (K's kChunks, V's kChunksV).
   auto load_kv_tile = [&](const CUtensorMap* map, uint32_t smem, uint32_t full, const Tile& tile,
-                          int n_block, int lane) {
+                          int n_block, int lane, auto chunks_tag) {
+    constexpr int kTileChunks = decltype(chunks_tag)::value;
     if constexpr (kVarSeq) {
       if (params.block_table != nullptr) {
         // One TMA box per page piece, lane i of the producer warp taking
@@ -238,7 +244,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           const int page = min(max(table[min(key >> page_shift, params.block_table_pages - 1)], 0),
                                params.num_pages - 1);
 #pragma unroll
-          for (int c = 0; c < kChunks; ++c) {
+          for (int c = 0; c < kTileChunks; ++c) {
             tma_load_4d(smem + (c * kBlockN + r) * 128, map, full, c * Traits::kChunkCols,
                         key & (params.page_size - 1), tile.h_k, page);
           }
@@ -251,8 +257,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       batch = min(max(params.kv_batch_idx[tile.b], 0), params.kv_batch - 1);
     }
     if (lane == 0) {
-      tma_load_tile<kChunks, Traits::kChunkCols>(map, smem, kBlockN, full,
-                                                 row0_k(tile) + n_block * kBlockN, tile.h_k, batch);
+      tma_load_tile<kTileChunks, Traits::kChunkCols>(map, smem, kBlockN, full,
+                                                     row0_k(tile) + n_block * kBlockN, tile.h_k,
+                                                     batch);
     }
   };
   // Warp-uniform (shuffled from lane 0), so the role branches below are
@@ -346,14 +353,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             }
             if (leader) st_shared_b32(mask_reads_slot(stage), reads);
           }
-          if (leader) mbar_arrive_expect_tx(k_full(stage), Traits::kKVTileBytes);
+          if (leader) mbar_arrive_expect_tx(k_full(stage), Traits::kKTileBytes);
           __syncwarp(kProducerMask);
-          load_kv_tile(&tmap_k, k_smem(stage), k_full(stage), tile, n_block, lane);
+          load_kv_tile(&tmap_k, k_smem(stage), k_full(stage), tile, n_block, lane,
+                       std::integral_constant<int, kChunks>());
         };
         auto load_v = [&](int n_block, int count) {
           const int stage = count % kStages;
           mbar_wait(v_empty(stage), ((count / kStages) & 1) ^ 1);
-          if (leader) mbar_arrive_expect_tx(v_full(stage), Traits::kKVTileBytes);
+          if (leader) mbar_arrive_expect_tx(v_full(stage), Traits::kVTileBytes);
           __syncwarp(kProducerMask);
           if constexpr (kFp8) {
             if (!leader) return;
@@ -366,7 +374,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                           n_block * kBlockN + c * 128, 0, tile.h_k, tile.b);
             }
           } else {
-            load_kv_tile(&tmap_v, v_smem(stage), v_full(stage), tile, n_block, lane);
+            load_kv_tile(&tmap_v, v_smem(stage), v_full(stage), tile, n_block, lane,
+                         std::integral_constant<int, kChunksV>());
           }
         };
         // The tile's first K goes out before its Q: its stage was freed by
@@ -413,7 +422,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // O += P V: kBlockN / 16 k-steps of 16 V rows (2048 bytes) each; the head
   // dim (wgmma N) spans the chunks, LBO apart. FP8: kBlockN / 32 k-steps
   // along the keys of V^T, addressed like K in S = Q K^T.
-  auto issue_pv = [&](float (&o)[1][kHeadDim / 8][4],
+  auto issue_pv = [&](float (&o)[1][kHeadDimV / 8][4],
                       const uint32_t (&p)[kBlockN / Traits::kKStep][4], int stage) {
     if constexpr (kFp8) {
       const uint64_t desc_vt = smem_desc_sw128(v_smem(stage), 16, 1024);
@@ -427,7 +436,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const uint64_t desc_v = smem_desc_sw128(v_smem(stage), kBlockN * 128, 1024);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        WgmmaOps<T, kHeadDim>::rs_mnmajor(&o[0][0][0], p[kk],
+        WgmmaOps<T, kHeadDimV>::rs_mnmajor(&o[0][0][0], p[kk],
                                            smem_desc_advance(desc_v, kk * 2048), 1);
       }
     }
@@ -533,7 +542,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // worth a vote (H100, bf16, same machine: forward 1.5-4% faster at D = 256;
     // D = 128 within +-2%, D = 64 3-5% slower). The FP8 kernel's P, 2^8-scaled
     // already, always rescales.
-    constexpr bool kLazyRescale = !kFp8 && kHeadDim >= 256;
+    constexpr bool kLazyRescale = !kFp8 && kHeadDimV >= 256;
     auto softmax_tile = [&](Softmax& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
                             float (&rescale)[1][2], bool mask_reads) -> bool {
       const int col_base = n_block * kBlockN + 2 * (lane % 4);
@@ -595,9 +604,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     };
 
-    float o[1][kHeadDim / 8][4];
+    float o[1][kHeadDimV / 8][4];
 #pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
+    for (int j = 0; j < kHeadDimV / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[0][j][e] = 0.f;
     }
@@ -642,7 +651,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int valid_keys = seq.seqlen_k - (tile.keys.end - 1) * kBlockN;
         if (valid_keys < kBlockN) {
           mbar_wait(v_full(stage_of(0)), parity_of(0));
-          zero_swizzled_tile_rows<kChunks>(v_smem(stage_of(0)), kBlockN, valid_keys,
+          zero_swizzled_tile_rows<kChunksV>(v_smem(stage_of(0)), kBlockN, valid_keys,
                                            wg * 128 + tid, kConsumerThreads);
           fence_proxy_async_smem();  // the wgmma reads through the async proxy
           named_barrier_sync(kZeroedBarrier, kConsumerThreads);
@@ -668,7 +677,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const bool rescale_o =
             softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale, mask_reads);
         wgmma_wait<0>();
-        fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
+        fence_registers(reinterpret_cast<float(&)[kHeadDimV / 2]>(o));
         fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
         if (lane == 0) mbar_arrive(v_empty(stage_of(i - 1)));
         if (rescale_o) Softmax::rescale_rows(o, rescale);
@@ -682,7 +691,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       issue_pv(o, p, stage_of(last));
       gemm_turn_end();
       wgmma_wait<0>();
-      fence_registers(reinterpret_cast<float(&)[kHeadDim / 2]>(o));
+      fence_registers(reinterpret_cast<float(&)[kHeadDimV / 2]>(o));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
       if (lane == 0) mbar_arrive(v_empty(stage_of(last)));
       kv_count += n_tiles;
@@ -712,8 +721,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const bool row_ok = row < seq.seqlen_q;
       TOut* out_row =
           out + row_offset(params.out_strides, tile.b, tile.h, seq.row0_q + (row_ok ? row : 0));
-      store_accumulator_row<TOut, kHeadDim>(out_row, o[0], hh, out_scale, 0, params.head_dim,
-                                            row_ok, lane);
+      store_accumulator_row<TOut, kHeadDimV>(out_row, o[0], hh, out_scale, 0, params.head_dim_v,
+                                             row_ok, lane);
     }
   }
   if (wg == 0) gemm_turn_begin();  // the turn left over (see above)

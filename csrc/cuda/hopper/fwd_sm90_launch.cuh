@@ -51,7 +51,7 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
                                        map_batch, params.q_strides, Traits::kQSliceRows);
     tmap_k = make_attention_tensor_map(params.k, kBf16, params.head_dim, rows_k, params.heads_k,
                                        kv_batch, params.k_strides, kv_box_rows);
-    tmap_v = make_attention_tensor_map(params.v, kBf16, params.head_dim, rows_k, params.heads_k,
+    tmap_v = make_attention_tensor_map(params.v, kBf16, params.head_dim_v, rows_k, params.heads_k,
                                        kv_batch, params.v_strides, kv_box_rows);
   }
 
@@ -121,41 +121,48 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
 // configuration (FwdSm90TileConfig); with fewer warpgroups than it has, one
 // Q slot per warpgroup.
 template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, typename Config, int kBlockN,
-          int kWarpgroups = Config::kConsumerWarpgroups>
+          int kWarpgroups = Config::kConsumerWarpgroups, int kHeadDimV = kHeadDim>
 void launch_fwd_sm90_block_n(const AttentionFwdParams& params, cudaStream_t stream) {
   constexpr int kQRing = kWarpgroups == Config::kConsumerWarpgroups ? Config::kQRing : kWarpgroups;
-  launch_fwd_sm90<FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, kQRing, T, kWarpgroups>,
-                  kIsCausal, kHasVariants>(params, stream);
+  launch_fwd_sm90<
+      FwdSm90Traits<T, kHeadDim, kBlockN, Config::kStages, kQRing, T, kWarpgroups, kHeadDimV>,
+      kIsCausal, kHasVariants>(params, stream);
 }
 
-template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, typename Config>
+// kHeadDimV: v's head dim where it is not q's (MLA): exactly these dims.
+template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, typename Config,
+          int kHeadDimV = kHeadDim>
 void run_fwd_sm90_config(const AttentionFwdParams& params, cudaStream_t stream) {
-  if (params.head_dim > kHeadDim || params.num_splits > 1 || !fwd_sm90_takes_seqs(params) ||
+  const bool dims_ok = kHeadDimV == kHeadDim
+                           ? params.head_dim <= kHeadDim && params.head_dim_v == params.head_dim
+                           : params.head_dim == kHeadDim && params.head_dim_v == kHeadDimV;
+  if (!dims_ok || params.num_splits > 1 || !fwd_sm90_takes_seqs(params) ||
       has_variants(params) != kHasVariants) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "Hopper forward");
   }
   if constexpr (Config::kShortCausalRows > 0) {
     if (params.seqlen_q <= Config::kShortCausalRows) {  // (varlen: the longest sequence)
-      launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, kHasVariants, Config, Config::kBlockN, 2>(
-          params, stream);
+      launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, kHasVariants, Config, Config::kBlockN, 2,
+                              kHeadDimV>(params, stream);
       return;
     }
   }
   if constexpr (Config::kBlockNShort > 0) {
     if (params.seqlen_k <= Config::kShortSeqlenK) {
-      launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, kHasVariants, Config, Config::kBlockNShort>(
-          params, stream);
+      launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, kHasVariants, Config, Config::kBlockNShort,
+                              Config::kConsumerWarpgroups, kHeadDimV>(params, stream);
       return;
     }
   }
-  launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, kHasVariants, Config, Config::kBlockN>(params,
-                                                                                      stream);
+  launch_fwd_sm90_block_n<T, kHeadDim, kIsCausal, kHasVariants, Config, Config::kBlockN,
+                          Config::kConsumerWarpgroups, kHeadDimV>(params, stream);
 }
 
-template <typename T, int kHeadDim, bool kIsCausal>
+template <typename T, int kHeadDim, bool kIsCausal, int kHeadDimV>
 void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
-  run_fwd_sm90_config<T, kHeadDim, kIsCausal, false, FwdSm90TileConfig<kHeadDim, kIsCausal>>(
+  run_fwd_sm90_config<T, kHeadDim, kIsCausal, false,
+                      FwdSm90TileConfig<kHeadDim, kIsCausal, false, kHeadDimV>, kHeadDimV>(
       params, stream);
 }
 

@@ -7,7 +7,7 @@
 // Shared memory (every tile 1024-byte aligned, in 64-column chunks of
 // [rows x 128 bytes] with TMA's 128-byte swizzle, the layout wgmma reads):
 //   | Q slices [kQRing][kChunks][64][64] | K [kStages][kChunks][kBlockN][64] |
-//   | V [...] | mbarriers | tile index per Q slot |
+//   | V [kStages][kChunksV][kBlockN][64] | mbarriers | tile index per Q slot |
 #pragma once
 #include <type_traits>
 
@@ -74,14 +74,20 @@ namespace cuda {
 // cuDNN with three against 0.94 / 0.95 with two. The variant kernels keep two
 // (kHasVariants: their softmax state and score modifiers need the registers;
 // the attn_mask summary has two 64-row blocks per tile).
-template <int kHeadDim, bool kIsCausal, bool kHasVariants = false>
+// kHeadDimV: v's head dim where it is not q's (MLA's 192 / 128): 128-key
+// tiles as at D = 128, as FA4 runs that shape (its V and O are D = 128's;
+// 2 stages of 192-column K and 128-column V tiles fill 208 KB).
+template <int kHeadDim, bool kIsCausal, bool kHasVariants = false, int kHeadDimV = kHeadDim>
 struct FwdSm90TileConfig {
   static constexpr int kConsumerWarpgroups = kHeadDim <= 64 && !kHasVariants ? 3 : 2;
   static constexpr int kShortCausalRows = kConsumerWarpgroups == 3 && kIsCausal ? 1024 : 0;
 #ifdef FAE_SM90_BLOCK_N
   static constexpr int kBlockN = FAE_SM90_BLOCK_N;
 #else
-  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : kHeadDim <= 128 ? (kIsCausal ? 128 : 176) : 80;
+  static constexpr int kBlockN = kHeadDim <= 64    ? 128
+                                 : kHeadDim <= 128 ? (kIsCausal ? 128 : 176)
+                                 : kHeadDimV < kHeadDim && kHeadDimV <= 128 ? 128
+                                                                            : 80;
 #endif
 #ifdef FAE_SM90_STAGES
   static constexpr int kStages = FAE_SM90_STAGES;
@@ -114,13 +120,16 @@ struct FwdSm90Fp8TileConfig {
 
 // T: the element type of q, k, v (16-bit, or e4m3); TOut: of out (T's,
 // or a 16-bit type for e4m3 inputs). kConsumerWarpgroups_: 2 or 3 (see
-// FwdSm90TileConfig).
+// FwdSm90TileConfig). kHeadDimV_: v's and out's head dim where it is not q's
+// and k's (DeepSeek MLA, 192 / 128): V tiles, O and the P V product are
+// kHeadDimV wide.
 template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, int kQRing_ = 2,
-          typename TOut_ = T_, int kConsumerWarpgroups_ = 2>
+          typename TOut_ = T_, int kConsumerWarpgroups_ = 2, int kHeadDimV_ = kHeadDim_>
 struct FwdSm90Traits {
   using T = T_;
   using TOut = TOut_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;  // one wgmma M per consumer
   static constexpr int kBlockN = kBlockN_;
@@ -138,9 +147,11 @@ struct FwdSm90Traits {
   // stored as kChunks chunks of [rows x kChunkCols].
   static constexpr int kChunkCols = 128 / kElemBytes;
   static constexpr int kChunks = kHeadDim / kChunkCols;
+  static constexpr int kChunksV = kHeadDimV / kChunkCols;
   // One wgmma k-step reads 32 bytes of every row: 16 16-bit or 32 e4m3 columns.
   static constexpr int kKStep = 32 / kElemBytes;
-  static constexpr int kKVTileBytes = kBlockN * kHeadDim * kElemBytes;
+  static constexpr int kKTileBytes = kBlockN * kHeadDim * kElemBytes;
+  static constexpr int kVTileBytes = kBlockN * kHeadDimV * kElemBytes;
   // FP8: the transposed V tile is kBlockN / 128 chunks of [kHeadDim x 128 keys].
   static constexpr int kVtChunks = kFp8 ? kBlockN / 128 : 0;
   // FP8: P = exp2(x + 8) (rows sum and O alike, so O / rowsum is unchanged):
@@ -163,7 +174,7 @@ struct FwdSm90Traits {
   static constexpr int kBarrierBytes = 8 * (2 * kQRing + 4 * kStages) + 12 * kQRing + 4 * kStages;
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes =
-      kQRing * kQSliceBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 1024;
+      kQRing * kQSliceBytes + kStages * (kKTileBytes + kVTileBytes) + kBarrierBytes + 1024;
 
   // attn_mask kernels: scratch for a 16-bit additive mask's values, staged per
   // consumer warp (fwd_softmax.cuh, stage_attn_mask) where shared memory has
@@ -192,11 +203,13 @@ struct FwdSm90Traits {
   static_assert(kFp8 || std::is_same<T, TOut>::value, "16-bit inputs give their own type");
   static_assert(!kFp8 || kBlockN % 128 == 0,
                 "FP8: the transposed V tile is whole 128-key swizzle rows");
-  static_assert(kHeadDim % kChunkCols == 0, "head dim must be a whole number of 128-byte chunks");
+  static_assert(kHeadDim % kChunkCols == 0 && kHeadDimV % kChunkCols == 0,
+                "head dims must be whole numbers of 128-byte chunks");
+  static_assert(!kFp8 || kHeadDimV == kHeadDim, "FP8: V^T tiles are laid out like K's");
   static_assert(kBlockN % 16 == 0 && kBlockN >= 64 && kBlockN <= 256,
                 "wgmma N (key tile) must be a multiple of 16 in [64, 256]");
   static_assert(kBlockN % 8 == 0, "swizzle atoms are 8 rows");
-  static_assert(kHeadDim <= 256, "wgmma N (head dim) is at most 256");
+  static_assert(kHeadDim <= 256 && kHeadDimV <= 256, "wgmma N (head dim) is at most 256");
   static_assert(kStages >= 2, "the ring needs at least two stages to overlap loads");
   static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3,
                 "two or three consumer warpgroups (named barriers, register split)");
