@@ -46,8 +46,9 @@ PASS_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
 def flops(cfg, pass_):
     """FLOPs of one call in FlashAttention's convention: fwd 4*B*H*Sq*Sk*D (halved when
-    causal and Sq == Sk), bwd 2.5x that, fwd_bwd 3.5x; cfg has B, H, Sq, Sk, D, causal."""
-    f = 4.0 * cfg["B"] * cfg["H"] * cfg["Sq"] * cfg["Sk"] * cfg["D"]
+    causal and Sq == Sk), bwd 2.5x that, fwd_bwd 3.5x; cfg has B, H, Sq, Sk, D, causal (and
+    Dv, v's head dim, where it is not D: fwd 2*B*H*Sq*Sk*(D + Dv))."""
+    f = 2.0 * cfg["B"] * cfg["H"] * cfg["Sq"] * cfg["Sk"] * (cfg["D"] + cfg.get("Dv", cfg["D"]))
     if cfg["causal"] and cfg["Sq"] == cfg["Sk"]:
         f /= 2
     return f * PASS_FLOP_FACTOR[pass_]
@@ -57,8 +58,9 @@ def min_bytes(cfg, pass_, elt):
     """Bytes that any implementation has to move through DRAM at least once (elt bytes per
     element): fwd reads q [B, H, Sq, D], k, v [B, Hk, Sk, D] and writes o; bwd also reads o
     and do and writes dq, dk, dv."""
-    q_like = cfg["B"] * cfg["H"] * cfg["Sq"] * cfg["D"] * elt  # q, o, do, dq
-    k_like = cfg["B"] * cfg.get("Hk", cfg["H"]) * cfg["Sk"] * cfg["D"] * elt  # k, v, dk, dv
+    D, Dv = cfg["D"], cfg.get("Dv", cfg["D"])
+    q_like = cfg["B"] * cfg["H"] * cfg["Sq"] * (D + Dv) * elt // 2  # q, o, do, dq
+    k_like = cfg["B"] * cfg.get("Hk", cfg["H"]) * cfg["Sk"] * (D + Dv) * elt // 2  # k, v, dk, dv
     fwd = 2 * q_like + 2 * k_like                # read q, k, v; write o
     bwd = 4 * q_like + 4 * k_like                # read q, k, v, o, do; write dq, dk, dv
     return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}[pass_]
@@ -202,12 +204,12 @@ def make_inputs(cfg, layout, n_sets, device, dtype, seed=0):
     layout bshd these are transposed views of [B, S, heads, D] storage, as a model using
     flash-attn's layout has them."""
     gen = torch.Generator().manual_seed(seed)
-    B, D = cfg["B"], cfg["D"]
+    B = cfg["B"]
     sets = []
     for _ in range(n_sets):
         t = []
-        for n, H in ((cfg["Sq"], cfg["H"]), (cfg["Sk"], cfg.get("Hk", cfg["H"])),
-                     (cfg["Sk"], cfg.get("Hk", cfg["H"]))):
+        for n, H, D in ((cfg["Sq"], cfg["H"], cfg["D"]), (cfg["Sk"], cfg.get("Hk", cfg["H"]), cfg["D"]),
+                        (cfg["Sk"], cfg.get("Hk", cfg["H"]), cfg.get("Dv", cfg["D"]))):
             shape = (B, H, n, D) if layout == "bhsd" else (B, n, H, D)
             x = torch.randn(shape, generator=gen).to(device, dtype)
             if layout == "bshd":

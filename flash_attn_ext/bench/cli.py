@@ -58,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--hdims", default=None, help="comma list (default 64,128,256 on GPU, 64 on CPU)")
+    p.add_argument("--hdim-v", type=int, default=None,
+                   help="v's head dim where it is not q's (DeepSeek MLA: --hdims 192 --hdim-v 128)")
     p.add_argument("--seqlens", default=None, help="comma list (default 512..16384 on GPU, 2048 on CPU)")
     p.add_argument("--causal", default="0,1", help="comma list of 0/1")
     p.add_argument("--pass", dest="passes", default="fwd,bwd", help="fwd, bwd, fwd_bwd (comma list)")
@@ -151,7 +153,8 @@ def configs(run, args):
                     H = args.heads or (max(1, 2048 // D) if gpu else 8)
                     if args.heads_k and H % args.heads_k:
                         raise SystemExit(f"--heads-k {args.heads_k} does not divide {H} heads")
-                    yield dict(layout=layout, D=D, Sk=S, causal=causal, Sq=args.seqlen_q or S,
+                    yield dict(layout=layout, D=D, Dv=args.hdim_v or D, Sk=S, causal=causal,
+                               Sq=args.seqlen_q or S,
                                B=args.batch or (max(1, 16384 // S) if gpu else 1),
                                H=H, Hk=args.heads_k or H)
 
@@ -196,7 +199,8 @@ def run_bench(args):
                 r = results[be][p]
                 ms = r["ms"]
                 rows.append(dict(
-                    dtype=meta["dtype"], layout=cfg["layout"], hdim=cfg["D"], B=cfg["B"],
+                    dtype=meta["dtype"], layout=cfg["layout"], hdim=cfg["D"],
+                    hdim_v=cfg["Dv"], B=cfg["B"],
                     H=cfg["H"], Hk=cfg["Hk"],
                     Sq=cfg["Sq"], S=cfg["Sk"], causal=int(cfg["causal"]), pass_=p, backend=be,
                     ms=ms, tflops=f / ms / 1e9 if ms else None,

@@ -16,7 +16,7 @@ FLOPS_NOTE = ("FLOPs: fwd 4*B*H*Sq*Sk*D (halved when causal and Sq == Sk), bwd 2
 # number format; scripts read them by name.
 CSV_FIELDS = ["dtype", "hdim", "B", "H", "Sq", "S", "causal", "pass_", "backend", "ms", "tflops",
               "ours_speedup", "peak_extra_mb", "note", "layout", "flops", "min_bytes", "intensity",
-              "bound", "roof_pct", "Hk"]
+              "bound", "roof_pct", "Hk", "hdim_v"]
 
 
 def _fmt(v, spec):
@@ -31,7 +31,8 @@ def csv_row(r):
                 peak_extra_mb=_fmt(r["peak_extra_mb"], ".1f"), note=r["note"], layout=r["layout"],
                 flops=_fmt(r["flops"], ".6g"), min_bytes=r["min_bytes"],
                 intensity=_fmt(r["intensity"], ".4g"), bound=r["bound"] or "",
-                roof_pct=_fmt(r["roof_pct"], ".1f"), Hk=r.get("Hk", r["H"]))
+                roof_pct=_fmt(r["roof_pct"], ".1f"), Hk=r.get("Hk", r["H"]),
+                hdim_v=r.get("hdim_v", r["hdim"]))
 
 
 def write_csv(rows, path):
@@ -138,10 +139,13 @@ def print_table(rows, meta):
     for r in rows:
         # H shows "query heads/kv heads" under GQA (--heads-k; runs saved before it have no Hk).
         heads = r["H"] if r.get("Hk", r["H"]) == r["H"] else f"{r['H']}/{r['Hk']}"
-        key = (r["pass_"], r["dtype"], r["layout"], r["hdim"], r["B"], heads, r["Sq"], r["S"], r["causal"])
+        # D shows "qk/v" where v's head dim differs (--hdim-v).
+        dims = r["hdim"] if r.get("hdim_v", r["hdim"]) == r["hdim"] else f"{r['hdim']}/{r['hdim_v']}"
+        key = (r["pass_"], r["dtype"], r["layout"], dims, r["B"], heads, r["Sq"], r["S"], r["causal"])
         by.setdefault(key, {})[r["backend"]] = r
     pass_order = list(dict.fromkeys(r["pass_"] for r in rows))
-    keys = sorted(by, key=lambda t: (pass_order.index(t[0]), t[2], t[3], t[8], t[7], t[6]))
+    keys = sorted(by, key=lambda t: (pass_order.index(t[0]), t[2], str(t[3]).zfill(8), t[8], t[7],
+                                     t[6]))
     # Memory is measured on CUDA only: no columns of dashes on the CPU.
     mem_cols = [b for b in ("ours", "naive") if b in backends and
                 any(r["peak_extra_mb"] is not None for r in rows if r["backend"] == b)]
