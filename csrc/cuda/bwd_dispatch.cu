@@ -151,6 +151,19 @@ void run_head_dim_switch(const AttentionBwdParams& p, cudaStream_t stream) {
 
 }  // namespace
 
+int bwd_kernel_head_dim(const AttentionBwdParams& params, int width) {
+#ifdef FAE_HAS_SM90A
+  const int hopper_dim = width <= 64 ? 64 : width <= 128 ? 128 : 256;
+  if (width > 64 && width < hopper_dim && with_compiled_head_dim(hopper_dim, [](auto) {})) {
+    AttentionBwdParams padded = params;
+    padded.head_dim = padded.head_dim_v = hopper_dim;
+    if (use_sm90_backward(padded)) return hopper_dim;
+  }
+#endif
+  (void)params;
+  return width;
+}
+
 bool bwd_adds_into_caller_dq_accum(const AttentionBwdParams& params) {
 #ifdef FAE_HAS_SM90A
   return use_sm90_backward(params);

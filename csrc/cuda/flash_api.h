@@ -91,6 +91,15 @@ void sum_partial(const SumPartialParams& params, bool vectorized, cudaStream_t s
 // accumulator (params.dq_accum_external; the Hopper backward), so that the op
 // layer may hand it one; other calls get dq and the op layer adds it.
 bool bwd_adds_into_caller_dq_accum(const AttentionBwdParams& params);
+
+// The head dim the backward runs a call of (padded) head dim `width` at: the
+// next Hopper backward's (128 or 256) where that kernel takes the call and
+// width lies between its head dims (96, 160, 192, 224; MLA's 192 / 128
+// padded to one head dim), else width (the mma.sync kernels have those
+// dims). Zero columns cost the Hopper kernel up to 1.6x the FLOPs of the
+// call, still about twice the mma.sync kernels' speed (H200,
+// docs/PERFORMANCE.md).
+int bwd_kernel_head_dim(const AttentionBwdParams& params, int width);
 // GQA (heads > heads_k): whether the backward that takes this call sums dK /
 // dV over each kv head's group of query heads itself and writes them per kv
 // head into params.dk / dv ([.., heads_k, D]; the Hopper backward). Otherwise

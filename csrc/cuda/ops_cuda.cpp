@@ -292,7 +292,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
   const int group = p.heads / p.heads_k;
 
   const int64_t head_dim = q_in.size(-1);
-  const int64_t head_dim_padded = kernel_head_dim(head_dim, v_in.size(-1));
+  const int64_t head_dim_padded =
+      cuda::bwd_kernel_head_dim(p, static_cast<int>(kernel_head_dim(head_dim, v_in.size(-1))));
   at::Tensor q = kernel_friendly(q_in, head_dim_padded);
   at::Tensor k = kernel_friendly(k_in, head_dim_padded);
   at::Tensor v = kernel_friendly(v_in, head_dim_padded);
