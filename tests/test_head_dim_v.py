@@ -36,7 +36,7 @@ DEVICE_DTYPES = [
     pytest.param("cuda", torch.float16, id="cuda-fp16", marks=GPU),
 ]
 DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
-# MLA's absorbed decode dims: beyond the CUDA kernels (NotImplementedError there).
+# MLA's absorbed decode dims: on CUDA a forward of their own (no backward there).
 MLA_DECODE = (576, 512)
 
 
@@ -71,7 +71,7 @@ DENSE = [
     pytest.param((2, 37, 53, 4, 2, 192, 128), id="192-128-sq<sk-gqa"),
     pytest.param((1, 61, 29, 4, 2, 48, 32), id="48-32-sq>sk-gqa"),  # first rows see no key
     pytest.param((2, 33, 33, 2, 2, 32, 48), id="32-48-mha"),        # v wider than q / k
-    pytest.param((1, 9, 40, 4, 1, *MLA_DECODE), id="576-512-mqa"),   # CPU only
+    pytest.param((1, 9, 40, 4, 1, *MLA_DECODE), id="576-512-mqa"),   # CUDA: forward only
 ]
 
 
@@ -82,7 +82,7 @@ def test_dense_values_and_grads(device, dtype, shape, causal):
     _need(device)
     b, sq, sk, h, hk, d, dv = shape
     if device == "cuda" and max(d, dv) > 256:
-        pytest.skip("head dims > 256 raise on CUDA (test_cuda_large_head_dims_not_implemented)")
+        pytest.skip("no CUDA backward for 576 / 512 (test_cuda_mla_forward)")
     q, k, v = _qkv(b, sq, sk, h, hk, d, dv, dtype, device)
     dout = randn((b, sq, h, dv), dtype, device, 4)
     out, lse = fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
@@ -353,33 +353,44 @@ def test_kvcache_append(device, dtype, paged, causal):
                        table)
 
 
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("seqlen_q", [1, 2])
-def test_kvcache_mla_latent_cache(paged, seqlen_q):
-    """MLA's absorbed decode on the CPU: k_cache the latent cache [.., 1, 576] and v_cache
-    = k_cache[..., :512], views of one tensor; the new latent token is appended through both
-    views (v_new = kv_new[..., :512], the same values) and the cache holds it once."""
-    b, h, cap, page = 2, 8, 48, 16
+@pytest.mark.parametrize("sink", [False, True], ids=["", "sink"])
+def test_kvcache_mla_latent_cache(device, dtype, paged, seqlen_q, sink):
+    """MLA's absorbed decode: k_cache the latent cache [.., 1, 576] and v_cache =
+    k_cache[..., :512], views of one tensor; the new latent token is appended through both
+    views (v_new = kv_new[..., :512], the same values) and the cache holds it once. On CUDA
+    the MLA forward (one query: the heads regrouped into rows; two: causal rows; a sink:
+    not regrouped), its key splits spanning the longer cache."""
+    _need(device)
+    gpu = device == "cuda"
+    b, h, page = 2, 16 if gpu else 8, 16
+    cap, lengths = (640, [531, 77]) if gpu else (48, [31, 16])
     d, dv = MLA_DECODE
-    dense = randn((b, cap, 1, d), torch.float32, "cpu", 2)
+    dense = randn((b, cap, 1, d), dtype, device, 2)
     if paged:
         kv_cache, _, table = _paged_pools(dense, dense, page)
     else:
         kv_cache, table = dense, None
     k_cache, v_cache = kv_cache, kv_cache[..., :dv]
     assert v_cache.data_ptr() == k_cache.data_ptr()
-    kv_new = randn((b, 1, 1, d), torch.float32, "cpu", 4)
-    q = randn((b, seqlen_q, h, d), torch.float32, "cpu", 1)
-    lengths = [31, 16]
+    kv_new = randn((b, 1, 1, d), dtype, device, 4)
+    q = randn((b, seqlen_q, h, d), dtype, device, 1)
+    learnable_sink = _sink(h, device).detach() if sink else None
     out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, kv_new, kv_new[..., :dv],
-                                          cache_seqlens=_i32(lengths, "cpu"), causal=True,
+                                          cache_seqlens=_i32(lengths, device), causal=True,
                                           softmax_scale=0.1, block_table=table,
+                                          learnable_sink=learnable_sink,
                                           return_softmax_lse=True)
     assert out.shape == (b, seqlen_q, h, dv)
     for i, n in enumerate(lengths):
         assert torch.equal(_cache_rows(kv_cache, i, [n], table), kv_new[i])
+    variant = {"scale": 0.1}
+    if sink:
+        variant["learnable_sink"] = learnable_sink
     _check_kvcache_out(out, lse, q, k_cache, v_cache, [n + 1 for n in lengths], True, table,
-                       scale=0.1)
+                       **variant)
 
 
 # ---- scaled_dot_product_attention ---------------------------------------------------------
@@ -635,21 +646,57 @@ def test_fp8_forward_not_implemented():
 # ---- CUDA: head dims above 256, long rows, split-KV decode --------------------------------
 @GPU
 def test_cuda_large_head_dims_not_implemented():
+    """Above 256 CUDA has MLA's 576 / 512 forward only: other pairs, its backward, its
+    variants and float32 raise."""
     _need("cuda")
     d, dv = MLA_DECODE
-    q, k, v = _qkv(1, 16, 16, 2, 1, d, dv, torch.bfloat16, "cuda", requires_grad=False)
-    with pytest.raises(NotImplementedError, match="head dims up to 256"):
-        fa.flash_attn_func(q, k, v)
     q2, k2, v2 = _qkv(1, 16, 16, 2, 1, 128, 320, torch.bfloat16, "cuda", requires_grad=False)
     with pytest.raises(NotImplementedError, match="head dims up to 256"):
         fa.flash_attn_func(q2, k2, v2)
-    cu = _i32([0, 16], "cuda")
-    with pytest.raises(NotImplementedError, match="head dims up to 256"):
-        fa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 16, 16)
-    kv_cache = torch.zeros((1, 64, 1, d), dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(NotImplementedError, match="head dims up to 256"):
-        fa.flash_attn_with_kvcache(q[:, :1], kv_cache, kv_cache[..., :dv],
-                                   cache_seqlens=_i32([10], "cuda"))
+    q, k, v = _qkv(1, 16, 16, 2, 1, d, dv, torch.bfloat16, "cuda")
+    out = fa.flash_attn_func(q, k, v)
+    with pytest.raises(NotImplementedError, match="forward \\(decode\\) only"):
+        out.sum().backward()
+    with torch.no_grad():
+        with pytest.raises(NotImplementedError, match="576 / 512"):
+            fa.flash_attn_func(q, k, v, softcap=5.0)
+        with pytest.raises(NotImplementedError, match="576 / 512"):
+            fa.flash_attn_func(q.float(), k.float(), v.float())
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("latent", [False, True], ids=["separate-kv", "latent"])
+def test_cuda_mla_forward(dtype, causal, latent):
+    """The MLA forward on padded batches (causal both alignments, a key split per few tiles,
+    separate k / v tensors or v a view of k) and on packed sequences (one empty)."""
+    _need("cuda")
+    d, dv = MLA_DECODE
+    for sq, sk, h in ((37, 300, 4), (300, 129, 2), (1, 1000, 16)):
+        q = randn((2, sq, h, d), dtype, "cuda", 1)
+        k = randn((2, sk, 1, d), dtype, "cuda", 2)
+        v = k[..., :dv] if latent else randn((2, sk, 1, dv), dtype, "cuda", 3)
+        for num_splits in (0, 1, 5):
+            out, lse = fa.flash_attn_func(q, k, v, causal=causal, return_lse=True,
+                                          num_splits=num_splits)
+            ref, base = ref_and_base(lambda q, k, v: gqa_attention(q, k, v, causal), (q, k, v))
+            assert_fa_rule(out, ref[0], base[0], 2)
+            check_lse(lse, ref[1], dtype)
+    starts_q, starts_k = [0, 20, 20, 57], [0, 100, 130, 300]
+    cu_q, cu_k = _i32(starts_q, "cuda"), _i32(starts_k, "cuda")
+    q = randn((57, 4, d), dtype, "cuda", 1)
+    k = randn((300, 1, d), dtype, "cuda", 2)
+    v = k[..., :dv] if latent else randn((300, 1, dv), dtype, "cuda", 3)
+    out, lse = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 37, 170, causal=causal,
+                                         return_lse=True)
+    for i in range(3):
+        rq, rk = slice(starts_q[i], starts_q[i + 1]), slice(starts_k[i], starts_k[i + 1])
+        if rq.start == rq.stop:
+            continue
+        ref, base = ref_and_base(lambda q, k, v: gqa_attention(q, k, v, causal),
+                                 (q[None, rq], k[None, rk], v[None, rk]))
+        assert_fa_rule(out[None, rq], ref[0], base[0], 2)
 
 
 @GPU

@@ -48,6 +48,16 @@ void fwd_set_workspace(AttentionFwdParams& params, float* workspace, int num_spl
 // with `l2_cache_bytes` of L2 (the rule and its measurements: fwd_dispatch.cu).
 void fwd_set_kv_l2_policy(AttentionFwdParams& params, int64_t l2_cache_bytes);
 
+// DeepSeek MLA's absorbed decode shape, q / k head dim 576 and v 512 (v
+// usually the first 512 columns of k's latent cache): a forward of its own
+// (sm80/fwd_mla.cu; 16-bit, no window / softcap / ALiBi / attn_mask /
+// dropout), always split-KV into fp32 partials that a combine kernel merges.
+bool fwd_mla_head_dims(int head_dim, int head_dim_v);
+int fwd_mla_num_splits(const AttentionFwdParams& params, int num_sms);
+int64_t fwd_mla_workspace_floats(const AttentionFwdParams& params, int num_splits);
+void fwd_mla_set_workspace(AttentionFwdParams& params, float* workspace, int num_splits);
+void run_fwd_mla(const AttentionFwdParams& params, int num_splits, cudaStream_t stream);
+
 // Launches the forward (and the split-KV combine when num_splits > 1).
 // Throws std::runtime_error with a clear message for unsupported configs
 // (e.g. a head dim that was not compiled in).

@@ -59,15 +59,22 @@ int64_t kernel_head_dim(int64_t head_dim, int64_t head_dim_v, int64_t multiple =
   return (d + multiple - 1) / multiple * multiple;
 }
 
-void check_cuda_inputs(const at::Tensor& q, int64_t head_dim_v = 0) {
+// forward: MLA's absorbed decode dims (576 / 512) have a CUDA forward too.
+void check_cuda_inputs(const at::Tensor& q, int64_t head_dim_v = 0, bool forward = false) {
   // Reached when any argument is a CUDA tensor (the dispatcher picks CUDA).
   TORCH_CHECK(q.is_cuda(), "flash_attn_ext: expected every tensor on one CUDA device, but q is on ",
               q.device());
-  TORCH_CHECK_NOT_IMPLEMENTED(q.size(-1) <= kMaxHeadDim && head_dim_v <= kMaxHeadDim,
-                              "flash_attn_ext: the CUDA kernels take head dims up to ",
-                              kMaxHeadDim, ", got ", q.size(-1), " (q / k) and ", head_dim_v,
-                              " (v); larger head dims (e.g. MLA's absorbed 576 / 512) run on "
-                              "the CPU only");
+  const bool mla = cuda::fwd_mla_head_dims(static_cast<int>(q.size(-1)),
+                                           static_cast<int>(head_dim_v));
+  TORCH_CHECK_NOT_IMPLEMENTED((q.size(-1) <= kMaxHeadDim && head_dim_v <= kMaxHeadDim) ||
+                                  (forward && mla),
+                              "flash_attn_ext: the CUDA ", forward ? "forward" : "backward",
+                              " takes head dims up to ", kMaxHeadDim,
+                              forward ? " and DeepSeek MLA's 576 / 512" : "", ", got ",
+                              q.size(-1), " (q / k) and ", head_dim_v, " (v)",
+                              mla ? "; MLA's absorbed 576 / 512 has a CUDA forward (decode) "
+                                    "only, the CPU computes its backward"
+                                  : "");
   const auto props = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(props->major >= 8, "flash_attn_ext: CUDA kernels need compute capability >= 8.0 (Ampere "
               "or newer), this GPU is ", props->major, ".", props->minor);
@@ -130,14 +137,59 @@ void regroup_decode(AttentionFwdParams& p, const at::Tensor& q, const at::Tensor
   // q_rows_total (batch * heads) is unchanged.
 }
 
+// MLA's absorbed decode dims (576 / 512, cuda::fwd_mla_head_dims): their own
+// forward, which writes out directly (rows of 1 KB: 16-byte aligned) and
+// always runs split-KV through an fp32 workspace. A GQA decode's heads become
+// rows as in run_fwd_cuda (MLA decodes with one latent kv head).
+std::tuple<at::Tensor, at::Tensor> run_mla_fwd_cuda(AttentionFwdParams p, const at::Tensor& q_in,
+                                                    const at::Tensor& k_in,
+                                                    const at::Tensor& v_in, int64_t num_splits) {
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !has_variants(p), "flash_attn_ext: window_size, softcap, alibi_slopes, attn_mask and "
+      "dropout with head dims 576 / 512 (MLA) are not implemented on CUDA");
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      p.dtype != DType::kFloat32 && p.kv_dtype == p.dtype,
+      "flash_attn_ext: the CUDA forward of head dims 576 / 512 (MLA) takes float16 or bfloat16 "
+      "q, k and v (no float32, no FP8 KV cache)");
+  const at::Tensor q = kernel_friendly(q_in, q_in.size(-1));
+  const at::Tensor k = kernel_friendly(k_in, k_in.size(-1));
+  // v a view of k's first columns (the latent cache) stays one: the kernel then reads it once.
+  const at::Tensor v = v_in.data_ptr() == k_in.data_ptr() && v_in.strides() == k_in.strides()
+                           ? k.narrow(-1, 0, v_in.size(-1))
+                           : kernel_friendly(v_in, v_in.size(-1));
+  point_at_inputs(p, q, k, v);
+  at::Tensor out = empty_out(q_in, p.head_dim_v);
+  at::Tensor lse = empty_lse(q);
+  p.out = out.data_ptr();
+  p.out_strides = strides_of(out);
+  p.lse = lse.data_ptr<float>();
+  p.num_splits = static_cast<int>(num_splits);
+  auto stream = at::cuda::getCurrentCUDAStream().stream();
+  if (p.cu_seqlens_q != nullptr) {
+    call_kernels([&] { cuda::finish_rows_past_sequences(p, p.head_dim_v, stream); });
+  }
+  if (can_regroup_decode(p)) regroup_decode(p, q, out);
+  if (p.seqlen_q > 0) {
+    const int splits = cuda::fwd_mla_num_splits(p, num_sms());
+    at::Tensor workspace = at::empty({cuda::fwd_mla_workspace_floats(p, splits)},
+                                     q.options().dtype(at::kFloat));
+    cuda::fwd_mla_set_workspace(p, workspace.data_ptr<float>(), splits);
+    call_kernels([&] { cuda::run_fwd_mla(p, splits, stream); });
+  }
+  return {out, lse};
+}
+
 // Shared by fwd and varlen_fwd: `p` is validated against the user's tensors.
 std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::Tensor& q_in,
                                                 const at::Tensor& k_in, const at::Tensor& v_in,
                                                 int64_t num_splits, int64_t tile) {
-  check_cuda_inputs(q_in, v_in.size(-1));
+  check_cuda_inputs(q_in, v_in.size(-1), /*forward=*/true);
   check_fwd_tuning_args(num_splits, tile);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool varlen = p.cu_seqlens_q != nullptr;
+  if (cuda::fwd_mla_head_dims(p.head_dim, p.head_dim_v)) {
+    return run_mla_fwd_cuda(p, q_in, k_in, v_in, num_splits);
+  }
 
   const int64_t head_dim_v = v_in.size(-1);
   // An FP8 cache's rows are copied 16 elements (bytes) at a time
@@ -241,7 +293,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
     const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& block_table) {
-  check_cuda_inputs(q);
+  check_cuda_inputs(q, v.size(-1), /*forward=*/true);
   const VariantArgs var{window_left, window_right, softcap,   alibi_slopes,
                          dropout_p,   rng_state,    attn_mask, learnable_sink};
   const AttentionFwdParams p = make_varlen_fwd_params(
