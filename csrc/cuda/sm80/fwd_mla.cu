@@ -4,22 +4,25 @@
 // dims above 256 exceed every other kernel here (wgmma N, the registers of a
 // 16-row O), so this one splits both products across the warps of a CTA:
 //
-//   CTA = 4 warps, 16 query rows (a GQA decode's heads, regrouped into rows by
+//   CTA = 8 warps, 16 query rows (a GQA decode's heads, regrouped into rows by
 //         the op layer), one split of the keys; grid (row blocks, splits,
 //         batch * heads)
 //
-//                     Q.K^T columns (576)             O / V columns (512)
-//   warp 0   | 0 .. 143   -> S partial      |   0 .. 127   O += P V
-//   warp 1   | 144 .. 287 -> S partial      | 128 .. 255
-//   warp 2   | 288 .. 431 -> S partial      | 256 .. 383
-//   warp 3   | 432 .. 575 -> S partial      | 384 .. 511
+//              S = Q K^T partial: keys x Q.K^T columns (576)   O / V columns (512)
+//   warp 0   | first half of the tile's keys,   0 .. 143  |   0 ..  63  O += P V
+//   warp 1   | first half,                    144 .. 287  |  64 .. 127
+//   warp 2   | first half,                    288 .. 431  | 128 .. 191
+//   warp 3   | first half,                    432 .. 575  | 192 .. 255
+//   warp 4-7 | second half of the keys, the same columns  | 256 .. 511
 //
 // Per key tile (kBlockN keys, cp.async double-buffered): each warp forms its
-// 16 x kBlockN partial of S = Q K^T over its 144 columns (mma.sync m16n8k16,
-// Q fragments held in registers for the whole CTA), the partials are summed
-// through shared memory (every warp adds all four in the same order, so all
-// hold the same S), every warp runs the same online softmax on it and adds
-// P V for its 128 columns of V. K and V are one tile when v is a view of k's
+// 16 x kBlockN / 2 partial of S = Q K^T over its 144 columns (mma.sync
+// m16n8k16, Q fragments held in registers for the whole CTA), the partials
+// are summed through shared memory (every warp adds the four of each key half
+// in the same order, so all hold the same S), every warp runs the same online
+// softmax on it and adds P V for its 64 columns of V. Eight warps rather than
+// four: the mma chains of one tile are short, so the SM needs more warps in
+// flight (H200, 16 heads, 64k cache: 2.0 TB/s with four). K and V are one tile when v is a view of k's
 // first 512 columns (same pointer and strides: the latent cache, read once
 // from HBM), two tiles otherwise.
 //
@@ -52,13 +55,16 @@ struct MlaConfig {
   static constexpr int kHeadDim = 576;   // q / k
   static constexpr int kHeadDimV = 512;  // v / out
   static constexpr int kBlockM = 16;     // query rows per CTA (one mma M)
-  static constexpr int kWarps = 4;
+  static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kKeyGroups = 2;  // S: warps 0-3 the first half of a tile's keys
+  static constexpr int kDimGroups = kWarps / kKeyGroups;
   // Keys per tile: two stages of K (and V when it is a tile of its own) must
   // fit the 99 KB an sm_86 / sm_89 block may have.
   static constexpr int kBlockN = kSharedKV ? 32 : 16;
-  static constexpr int kStages = 2;
-  static constexpr int kQkCols = kHeadDim / kWarps;  // a warp's share of the Q.K^T sum
+  static constexpr int kStages = 2;  // the tile computed and the next one loading
+  static constexpr int kQkCols = kHeadDim / kDimGroups;  // a warp's share of the Q.K^T sum
+  static constexpr int kGroupTiles = kBlockN / kKeyGroups / 8;  // S n-tiles of a warp
   static constexpr int kVCols = kHeadDimV / kWarps;  // a warp's O columns
   // Rows padded by 16 bytes: ldmatrix's 8 row addresses then fall into
   // different bank groups (1152 bytes is a multiple of 128).
@@ -68,23 +74,28 @@ struct MlaConfig {
   static constexpr int kVTileBytes = kSharedKV ? 0 : kBlockN * kVRowBytes;
   static constexpr int kStageBytes = kKTileBytes + kVTileBytes;
   // S partials: [warp][n-tile][lane] float4, the accumulator layout as is.
-  static constexpr int kExchangeBytes = kWarps * (kBlockN / 8) * 32 * 16;
+  static constexpr int kExchangeBytes = kWarps * kGroupTiles * 32 * 16;
   static constexpr int kSmemBytes = kStages * kStageBytes + kExchangeBytes;
 
   static_assert(kQkCols % 16 == 0, "a warp's Q.K^T columns are whole k-steps");
   static_assert(kVCols % 16 == 0, "a warp's O columns are whole ldmatrix.x4.trans pairs");
   static_assert(kBlockN % 16 == 0, "P V k-steps of 16 keys");
+  static_assert(kGroupTiles == 1 || kGroupTiles == 2, "a warp's keys: one ldmatrix x2 or x4");
+  static_assert(kThreads % kBlockN == 0, "whole threads per tile row (the loads)");
   static_assert(kSmemBytes <= 99 * 1024, "fits an sm_86 / sm_89 block");
 };
 
+// Two CTAs per SM (at most 128 registers): 16 warps to hide the mma and
+// shared-memory latencies of the short per-tile chains.
 template <typename T, bool kSharedKV>
-__global__ void __launch_bounds__(MlaConfig<kSharedKV>::kThreads)
+__global__ void __launch_bounds__(MlaConfig<kSharedKV>::kThreads, 2)
     flash_fwd_mla_kernel(const __grid_constant__ AttentionFwdParams params, int num_splits,
                          int tiles_per_split) {
   using Cfg = MlaConfig<kSharedKV>;
   constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kQkSteps = Cfg::kQkCols / 16;
   constexpr int kNTiles = kBlockN / 8;
+  constexpr int kGroupTiles = Cfg::kGroupTiles;
   constexpr int kOTiles = Cfg::kVCols / 8;
   extern __shared__ __align__(16) uint8_t smem[];
 
@@ -93,6 +104,7 @@ __global__ void __launch_bounds__(MlaConfig<kSharedKV>::kThreads)
   const int h_k = h / (params.heads / params.heads_k);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q4 = lane % 4;
+  const int key_group = warp / Cfg::kDimGroups, dim_group = warp % Cfg::kDimGroups;
 
   const SeqBounds seq = seq_bounds<true, true>(params, b);
   const int row0 = m_block * Cfg::kBlockM;
@@ -118,7 +130,7 @@ __global__ void __launch_bounds__(MlaConfig<kSharedKV>::kThreads)
     const bool lo_ok = row0 + g < seq.seqlen_q, hi_ok = row0 + g + 8 < seq.seqlen_q;
 #pragma unroll
     for (int ks = 0; ks < kQkSteps; ++ks) {
-      const int col = warp * Cfg::kQkCols + ks * 16 + 2 * q4;
+      const int col = dim_group * Cfg::kQkCols + ks * 16 + 2 * q4;
       qa[ks][0] = lo_ok ? *reinterpret_cast<const uint32_t*>(row_lo + col) : 0u;
       qa[ks][1] = hi_ok ? *reinterpret_cast<const uint32_t*>(row_hi + col) : 0u;
       qa[ks][2] = lo_ok ? *reinterpret_cast<const uint32_t*>(row_lo + col + 8) : 0u;
@@ -126,31 +138,33 @@ __global__ void __launch_bounds__(MlaConfig<kSharedKV>::kThreads)
     }
   }
 
-  // K (and V) tile n into stage `stage`: 16-byte pieces, rows past the
-  // sequence zero-filled (their scores are masked; zero V keeps P V finite).
+  // K (and V) tile n into stage `stage`: 16-byte pieces, kThreads / kBlockN
+  // threads per key row (its address found once: a paged cache's table read),
+  // rows past the sequence zero-filled (their scores are masked; zero V keeps
+  // P V finite).
   const T* k = static_cast<const T*>(params.k);
   const T* v = static_cast<const T*>(params.v);
+  constexpr int kThreadsPerRow = Cfg::kThreads / kBlockN;
+  const int load_row = threadIdx.x / kThreadsPerRow, load_piece = threadIdx.x % kThreadsPerRow;
   auto load_tile = [&](int n, int stage) {
-    uint8_t* k_smem = smem + stage * Cfg::kStageBytes;
+    uint8_t* k_smem = smem + stage * Cfg::kStageBytes + load_row * Cfg::kKRowBytes;
+    const int key = n * kBlockN + load_row;
+    const bool ok = key < seq.seqlen_k;
+    const KVRow kv = kv_row(params, b, ok ? seq.row0_k + key : 0);
+    const T* k_src = k + kv_offset(params.k_strides, kv, h_k);
     constexpr int kKPieces = Cfg::kHeadDim * 2 / 16;  // 72 per row
-    for (int i = threadIdx.x; i < kBlockN * kKPieces; i += Cfg::kThreads) {
-      const int r = i / kKPieces, c = i % kKPieces;
-      const int key = n * kBlockN + r;
-      const bool ok = key < seq.seqlen_k;
-      const T* src = k + (ok ? kv_row_offset(params, params.k_strides, b, h_k, seq.row0_k + key)
-                             : 0) + c * 8;
-      cp_async_16(k_smem + r * Cfg::kKRowBytes + c * 16, src, ok);
+#pragma unroll
+    for (int c = load_piece; c < kKPieces; c += kThreadsPerRow) {
+      cp_async_16(k_smem + c * 16, k_src + c * 8, ok);
     }
     if constexpr (!kSharedKV) {
-      uint8_t* v_smem = k_smem + Cfg::kKTileBytes;
+      uint8_t* v_smem = smem + stage * Cfg::kStageBytes + Cfg::kKTileBytes +
+                        load_row * Cfg::kVRowBytes;
+      const T* v_src = v + kv_offset(params.v_strides, kv, h_k);
       constexpr int kVPieces = Cfg::kHeadDimV * 2 / 16;  // 64 per row
-      for (int i = threadIdx.x; i < kBlockN * kVPieces; i += Cfg::kThreads) {
-        const int r = i / kVPieces, c = i % kVPieces;
-        const int key = n * kBlockN + r;
-        const bool ok = key < seq.seqlen_k;
-        const T* src = v + (ok ? kv_row_offset(params, params.v_strides, b, h_k, seq.row0_k + key)
-                               : 0) + c * 8;
-        cp_async_16(v_smem + r * Cfg::kVRowBytes + c * 16, src, ok);
+#pragma unroll
+      for (int c = load_piece; c < kVPieces; c += kThreadsPerRow) {
+        cp_async_16(v_smem + c * 16, v_src + c * 8, ok);
       }
     }
   };
@@ -161,52 +175,64 @@ __global__ void __launch_bounds__(MlaConfig<kSharedKV>::kThreads)
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   float4* exchange = reinterpret_cast<float4*>(smem + Cfg::kStages * Cfg::kStageBytes);
 
+  // One tile ahead: tile n + 1 loads into the stage tile n - 1 used, once
+  // every warp is past tile n - 1 (the barrier that also publishes tile n),
+  // so that a tile costs two barriers, not three; 2 CTAs x ~37 KB in flight
+  // per SM cover HBM's latency.
   if (n_begin < n_stop) load_tile(n_begin, 0);
-  cp_async_commit();
-  if (n_begin + 1 < n_stop) load_tile(n_begin + 1, 1);
   cp_async_commit();
 
   for (int n = n_begin; n < n_stop; ++n) {
     const int stage = (n - n_begin) % Cfg::kStages;
-    cp_async_wait<1>();
-    __syncthreads();  // tile n is in; the previous tile's exchange reads are done
+    cp_async_wait<0>();
+    __syncthreads();  // tile n is in; every warp is done with tile n - 1 (stage, exchange)
+    if (n + 1 < n_stop) load_tile(n + 1, stage ^ 1);
+    cp_async_commit();
     const uint8_t* k_smem = smem + stage * Cfg::kStageBytes;
     const uint8_t* v_smem = kSharedKV ? k_smem : k_smem + Cfg::kKTileBytes;
     constexpr int kVRowBytes = kSharedKV ? Cfg::kKRowBytes : Cfg::kVRowBytes;
 
-    // This warp's partial S over its 144 columns. ldmatrix.x4 on K rows gives
-    // the B fragments of n-tiles (2p, 2p + 1) for one k-step: matrix j is key
-    // rows 16p + 8 (j / 2) .. + 7 at columns + 8 (j % 2).
-    float s[kNTiles][4];
+    // This warp's partial S: its key half, its 144 columns. ldmatrix on K
+    // rows gives the B fragments of one k-step: x4 for n-tiles (0, 1) of the
+    // half (matrix j: key rows + 8 (j / 2), columns + 8 (j % 2)), x2 for one.
+    float part[kGroupTiles][4];
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    for (int j = 0; j < kGroupTiles; ++j) part[j][0] = part[j][1] = part[j][2] = part[j][3] = 0.f;
+    const uint8_t* k_rows = k_smem + key_group * (kBlockN / Cfg::kKeyGroups) * Cfg::kKRowBytes;
 #pragma unroll
     for (int ks = 0; ks < kQkSteps; ++ks) {
-      const int col = warp * Cfg::kQkCols + ks * 16;
-#pragma unroll
-      for (int p = 0; p < kNTiles / 2; ++p) {
-        const int mat = lane / 8;
-        const uint8_t* addr = k_smem + (16 * p + 8 * (mat / 2) + lane % 8) * Cfg::kKRowBytes +
-                              (col + 8 * (mat % 2)) * 2;
+      const int col = dim_group * Cfg::kQkCols + ks * 16;
+      const int mat = lane / 8;
+      if constexpr (kGroupTiles == 2) {
         uint32_t r[4];
-        ldmatrix_x4(r, addr);
+        ldmatrix_x4(r, k_rows + (8 * (mat / 2) + lane % 8) * Cfg::kKRowBytes +
+                           (col + 8 * (mat % 2)) * 2);
         const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-        mma_16816<T>(s[2 * p], qa[ks], b0);
-        mma_16816<T>(s[2 * p + 1], qa[ks], b1);
+        mma_16816<T>(part[0], qa[ks], b0);
+        mma_16816<T>(part[kGroupTiles - 1], qa[ks], b1);
+      } else {
+        uint32_t r[2];
+        ldmatrix_x2(r, k_rows + (lane % 8) * Cfg::kKRowBytes + (col + 8 * (mat % 2)) * 2);
+        mma_16816<T>(part[0], qa[ks], r);
       }
     }
-    // The four partials summed in warp order by every warp (all hold the same S).
+    // Each key half's four partials summed in warp order by every warp (all
+    // hold the same S): n-tile j of S is tile j % kGroupTiles of key half
+    // j / kGroupTiles.
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) {
-      exchange[(warp * kNTiles + j) * 32 + lane] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
+    for (int j = 0; j < kGroupTiles; ++j) {
+      exchange[(warp * kGroupTiles + j) * 32 + lane] =
+          make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
     }
     __syncthreads();
+    float s[kNTiles][4];
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
-      float4 sum = exchange[j * 32 + lane];
+      const int first_warp = (j / kGroupTiles) * Cfg::kDimGroups;
+      float4 sum = exchange[(first_warp * kGroupTiles + j % kGroupTiles) * 32 + lane];
 #pragma unroll
-      for (int w = 1; w < Cfg::kWarps; ++w) {
-        const float4 x = exchange[(w * kNTiles + j) * 32 + lane];
+      for (int w = 1; w < Cfg::kDimGroups; ++w) {
+        const float4 x = exchange[((first_warp + w) * kGroupTiles + j % kGroupTiles) * 32 + lane];
         sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;
       }
       s[j][0] = sum.x, s[j][1] = sum.y, s[j][2] = sum.z, s[j][3] = sum.w;
@@ -254,7 +280,7 @@ __global__ void __launch_bounds__(MlaConfig<kSharedKV>::kThreads)
       }
     }
 
-    // O += P V over this warp's 128 columns: P from the S accumulators (A
+    // O += P V over this warp's 64 columns: P from the S accumulators (A
     // fragments of 16-key k-steps), V by ldmatrix.x4.trans: matrix j is key
     // rows 16 kk + 8 (j % 2) .. + 7 at columns 16 p + 8 (j / 2).
 #pragma unroll
@@ -275,9 +301,6 @@ __global__ void __launch_bounds__(MlaConfig<kSharedKV>::kThreads)
         mma_16816<T>(o[2 * p + 1], pa, b1);
       }
     }
-    __syncthreads();  // every warp is done with this stage before it is refilled
-    if (n + Cfg::kStages < n_stop) load_tile(n + Cfg::kStages, stage);
-    cp_async_commit();
   }
   cp_async_wait<0>();
 
