@@ -129,6 +129,7 @@ CPU_RUNS = {
     "host-overhead": (["--device", "cpu", "--calls", "20", "--rounds", "1"],
                       "flash_attn_with_kvcache"),
     "paged-prefill": (["--device", "cpu", "--quick"], "paged256"),
+    "mla-decode": (["--device", "cpu", "--quick"], "paged16"),
     "decode": (["--device", "cpu", "--quick", "--no-peaks"], "decode geomean ours/best_sdpa"),
     "varlen": (["--device", "cpu", "--quick", "--no-peaks"], "varlen geomean ours/sdpa_flash"),
 }
@@ -150,6 +151,7 @@ def test_suite_cpu_runs(suite, tmp_path, capsys):
 CUDA_ONLY = [["fp8"], ["varlen-variants"], ["--device", "cuda", "--quick"],
              ["decode", "--device", "cuda"], ["variants", "--device", "cuda"],
              ["paged-prefill", "--device", "cuda"], ["host-overhead", "--device", "cuda"],
+             ["mla-decode", "--device", "cuda"],
              ["ring", "--device", "cuda", "--all"]]
 
 

@@ -29,6 +29,8 @@ SUITES = {
                         "varlen forward with variants: Hopper kernels vs mma.sync (CUDA)"),
     "paged-prefill": ("flash_attn_ext.bench.suites.paged_prefill", "main",
                       "a prefill chunk against a contiguous vs paged KV cache"),
+    "mla-decode": ("flash_attn_ext.bench.suites.mla_decode", "main",
+                   "DeepSeek MLA's absorbed decode (576 / 512 latent cache) in GB/s"),
     "fp8": ("flash_attn_ext.bench.suites.fp8", "main",
             "FP8 (e4m3) forward vs our bf16 forward, cuDNN and FA2 (CUDA, Hopper)"),
     "host-overhead": ("flash_attn_ext.bench.suites.host_overhead", "main",
