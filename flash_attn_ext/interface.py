@@ -169,8 +169,9 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
 
     q: [batch, seqlen_q, heads, head_dim]; k, v: [batch, seqlen_k, heads_k, head_dim] with
     heads % heads_k == 0 (GQA; heads_k = 1 is MQA: query head h uses kv head
-    h // (heads // heads_k)); float16, bfloat16 or float32, on CPU or CUDA. softmax_scale
-    defaults to 1/sqrt(head_dim). causal=True masks key j for query i unless
+    h // (heads // heads_k)); v may have a head dim of its own (DeepSeek MLA, e.g. 192 / 128),
+    which out then has; float16, bfloat16 or float32, on CPU or CUDA. softmax_scale
+    defaults to 1/sqrt(head_dim) (q's). causal=True masks key j for query i unless
     j <= i + seqlen_k - seqlen_q (bottom-right alignment, as flash-attn >= 2.1).
     window_size=(left, right): sliding window, key j visible to query i iff
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1 = unbounded;
@@ -191,7 +192,7 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     q's device (torch.manual_seed reproduces it) and the backward regenerates it. Pass 0.0
     at evaluation time, as with flash-attn.
 
-    Returns out [batch, seqlen_q, heads, head_dim]; with return_lse=True (out, lse) and with
+    Returns out [batch, seqlen_q, heads, head_dim of v]; with return_lse=True (out, lse) and with
     return_attn_probs=True (out, lse, keep), lse being float32 [batch, heads, seqlen_q]
     (natural log of the softmax denominator before dropout; -inf for rows that see no key)
     and keep the bool dropout keep-mask [batch, heads, seqlen_q, seqlen_k] (None without
@@ -327,7 +328,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            learnable_sink: Optional[torch.Tensor] = None):
     """Exact attention over a batch of packed variable-length sequences (flash-attn's API).
 
-    q: [total_q, heads, head_dim]; k, v: [total_k, heads_k, head_dim] (heads % heads_k == 0).
+    q: [total_q, heads, head_dim]; k, v: [total_k, heads_k, head_dim] (heads % heads_k == 0;
+    v's head dim may differ, as in flash_attn_func).
     cu_seqlens_q / cu_seqlens_k: int32 [batch + 1] on q's device, starting at 0 and
     non-decreasing: sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] (zero-length sequences
     are allowed). max_seqlen_q / max_seqlen_k: at least the longest sequence. causal is
