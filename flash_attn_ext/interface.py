@@ -704,6 +704,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise RuntimeError("flash_attn_ext: pass both k and v to append to the cache, or neither")
     batch = q.shape[0]
     fp8 = _kvcache.check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
+    _kvcache.check_cuda_head_dims(q, v_cache, fp8, variants != _NO_VARIANTS)
     layout = _kvcache.CacheLayout(q, k_cache, block_table, cache_batch_idx, cache_leftpad)
     lengths = _cache_lengths(cache_seqlens, batch, layout.capacity, q.device)
     seqlen_new = 0

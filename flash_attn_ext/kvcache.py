@@ -234,6 +234,30 @@ def rotary_per_token(causal, window_size, capacity):
     return bool(causal) or 0 <= left < capacity or 0 <= right < capacity
 
 
+# ---- head dims ---------------------------------------------------------------------------
+CUDA_MAX_HEAD_DIM = 256
+MLA_HEAD_DIMS = (576, 512)  # DeepSeek MLA's absorbed decode: a CUDA forward of its own
+
+
+def check_cuda_head_dims(q, v_cache, fp8, has_variants):
+    """The head dims the CUDA forward takes (ops_cuda.cpp: up to 256 each, or MLA's 576 / 512
+    in 16 bits without window / softcap / ALiBi), checked before anything is appended so that
+    a call the operator would refuse leaves the cache as it was."""
+    if not q.is_cuda:
+        return
+    dims = (q.shape[-1], v_cache.shape[-1])
+    if max(dims) <= CUDA_MAX_HEAD_DIM:
+        return
+    if dims != MLA_HEAD_DIMS:
+        raise NotImplementedError(
+            f"flash_attn_ext: the CUDA forward takes head dims up to {CUDA_MAX_HEAD_DIM} and "
+            f"DeepSeek MLA's 576 / 512, got {dims[0]} (q / k) and {dims[1]} (v)")
+    if has_variants or fp8 or q.dtype not in (torch.float16, torch.bfloat16):
+        raise NotImplementedError(
+            "flash_attn_ext: the CUDA forward of head dims 576 / 512 (MLA) takes float16 or "
+            "bfloat16 q, k and v without window_size, softcap or alibi_slopes (no FP8 KV cache)")
+
+
 # ---- FP8 (e4m3) KV cache ------------------------------------------------------------------
 def check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale):
     """Validates an FP8 cache's k_descale / v_descale (float32 on q's device, [] / [1] or

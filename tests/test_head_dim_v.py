@@ -589,6 +589,23 @@ def test_bad_kvcache_append_shapes_leave_the_cache_alone(device):
     assert not k_cache.any() and not v_cache.any()
 
 
+@GPU
+def test_cuda_unsupported_head_dims_leave_the_cache_alone():
+    """A v head dim above the CUDA limit, or MLA's 576 / 512 with softcap, raises before the
+    append: the caches keep their contents."""
+    _need("cuda")
+    for d, dv, kw in ((128, 320, {}), (576, 512, {"softcap": 5.0})):
+        q = randn((1, 1, 16, d), torch.bfloat16, "cuda", 1)
+        k_cache = torch.zeros((1, 32, 1, d), dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.zeros((1, 32, 1, dv), dtype=torch.bfloat16, device="cuda")
+        k_new = randn((1, 2, 1, d), torch.bfloat16, "cuda", 2)
+        v_new = randn((1, 2, 1, dv), torch.bfloat16, "cuda", 3)
+        with pytest.raises(NotImplementedError, match="head dims"):
+            fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                       cache_seqlens=_i32([4], "cuda"), **kw)
+        assert not k_cache.any() and not v_cache.any()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bwd_dout_must_have_the_value_head_dim(device):
     _need(device)
