@@ -5,6 +5,7 @@
 // those of every query head of the kv head's group in turn.
 #pragma once
 #include "../common/ptx.cuh"
+#include "sm90_primitives.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {
@@ -17,8 +18,9 @@ namespace cuda {
 // mbarrier phases, so all of those continue from one head to the next. A
 // Step's g is its head's place in the walk (query head h_first + g). Only the
 // loader tracks the walk; it publishes each step's (m_block, g) in shared
-// memory, where the consumers and the dQ writers read it (step_word in the
-// kernel): their registers are spent (the consumers' 240, the writers' 24).
+// memory (publish / published, at BwdSm90Smem::step_word), where the
+// consumers and the dQ writers read it: their registers are spent (the
+// consumers' 240, the writers' 24).
 // Without kWalkGroup a step is (i, m_begin + i, 0), the expressions of the
 // loops before the walk, which therefore compile to the same code.
 template <bool kWalkGroup>
@@ -38,6 +40,25 @@ struct BwdSm90StepWalk {
       }
     } else {
       s.m_block = m_begin + s.i;
+    }
+  }
+  // The loader: step s's (m_block, g) into its word pair `words`
+  // (kWalkGroup), before qdo_full's arrive of step s.i.
+  FAE_DEVICE void publish(const Step& s, uint32_t words) const {
+    if constexpr (kWalkGroup) {
+      sm90::st_shared_b32(words, s.m_block);
+      sm90::st_shared_b32(words + 4, s.g);
+    }
+  }
+  // Step i as the consumers and dQ writers see it (after the step's qdo_full
+  // or dq_full wait; words: step i's pair): published by the loader with
+  // kWalkGroup, else as before the walk.
+  FAE_DEVICE Step published(int i, uint32_t words) const {
+    if constexpr (kWalkGroup) {
+      return Step{i, static_cast<int>(sm90::ld_shared_b32(words)),
+                  static_cast<int>(sm90::ld_shared_b32(words + 4))};
+    } else {
+      return Step{i, m_begin + i, 0};
     }
   }
 };

@@ -275,7 +275,7 @@ FAE_DEVICE BwdSm90DropoutBits<kCols> bwd_sm90_dropout_bits(const Dropout& d, int
 }
 
 // acc[j][e] = 0 where dropped (the kernel folds the scale elsewhere:
-// bwd_sm90_kernel.cuh's scores_to_probs).
+// BwdSm90Softmax::scores_to_probs, bwd_sm90_softmax.cuh).
 template <int kCols>
 FAE_DEVICE void bwd_sm90_drop(float (&acc)[kCols / 8][4], BwdSm90DropoutBits<kCols> bits) {
 #pragma unroll

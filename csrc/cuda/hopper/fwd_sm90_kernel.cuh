@@ -32,9 +32,11 @@
 // Where the pieces live: fwd_sm90_traits.cuh has the tile configuration
 // (FwdSm90TileConfig, FwdSm90Fp8TileConfig, with the measurements behind
 // them) and FwdSm90Traits (tile sizes, shared-memory layout, register
-// split); this file has the kernel: the tile scheduler, producer and
-// consumers (mainloop, softmax, epilogue) are one function, whose steps are
-// lambdas over its shared state. The rest of the code includes this file.
+// split); fwd_sm90_smem.cuh the shared-memory addresses and mbarriers
+// (FwdSm90Smem); fwd_sm90_scheduler.cuh the tile list (FwdSm90Tile,
+// fwd_sm90_tile_at); this file has the kernel: the producer and consumers
+// (mainloop, softmax, epilogue) are one function, whose steps are lambdas
+// over its shared state. The rest of the code includes this file.
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -49,6 +51,8 @@
 #include "fwd_sm90.h"
 #include "sm90_primitives.cuh"
 #include "wgmma_ops.cuh"
+#include "fwd_sm90_scheduler.cuh"
+#include "fwd_sm90_smem.cuh"
 #include "fwd_sm90_traits.cuh"
 
 namespace flash_attn_ext {
@@ -102,41 +106,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using namespace sm90;
 
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t smem_base = smem_align_1024(smem_raw);
   constexpr int kQRing = Traits::kQRing;
-  auto q_smem = [&](int slot) { return smem_base + slot * Traits::kQSliceBytes; };
-  const uint32_t k_smem0 = smem_base + kQRing * Traits::kQSliceBytes;
-  const uint32_t v_smem0 = k_smem0 + kStages * Traits::kKTileBytes;
-  const uint32_t bar0 = v_smem0 + kStages * Traits::kVTileBytes;
-  auto k_smem = [&](int stage) { return k_smem0 + stage * Traits::kKTileBytes; };
-  auto v_smem = [&](int stage) { return v_smem0 + stage * Traits::kVTileBytes; };
-  auto q_full = [&](int slot) { return bar0 + 8 * slot; };
-  auto k_full = [&](int stage) { return bar0 + 8 * (kQRing + stage); };
-  auto v_full = [&](int stage) { return bar0 + 8 * (kQRing + kStages + stage); };
-  // K and V stages are released separately: K_i as soon as S_i is done, V_i
-  // after O += P_i V_i, which (pipelined) completes one iteration later. With
-  // one shared "empty" barrier, 2 stages would leave the next K load no slack.
-  auto k_empty = [&](int stage) { return bar0 + 8 * (kQRing + 2 * kStages + stage); };
-  auto v_empty = [&](int stage) { return bar0 + 8 * (kQRing + 3 * kStages + stage); };
-
-  // q_empty(slot): the 4 warps reading the slice held there have finished
-  // their last S = Q K^T of the tile.
-  auto q_empty = [&](int slot) { return bar0 + 8 * (kQRing + 4 * kStages + slot); };
-  // The tile index travels with each Q slice: the producer writes it before
-  // arriving on q_full (mbarrier arrive = release, the consumers' wait =
-  // acquire) and rewrites it only after q_empty, i.e. after every consumer of
-  // the slice has read it. An index >= num_tiles (sent without a Q load)
-  // tells the consumers to stop.
-  auto tile_slot = [&](int slot) { return bar0 + 8 * (2 * kQRing + 4 * kStages) + 12 * slot; };
-  // attn_mask kernels: bit w set = consumer warpgroup w reads the mask on the
-  // K tile of this stage (written before k_full's arrive, read before k_empty's).
-  auto mask_reads_slot = [&](int stage) {
-    return bar0 + 8 * (2 * kQRing + 4 * kStages) + 12 * kQRing + 4 * stage;
-  };
-  const uint32_t mask_scratch = (bar0 + Traits::kBarrierBytes + 15) & ~15u;  // kStageAttnMask
-  // Slice u (= kWarpgroups * tile_count + warpgroup) of the ring: slot and phase.
-  auto q_slot_of = [&](int u) { return u % kQRing; };
-  auto q_phase_of = [&](int u) { return static_cast<uint32_t>((u / kQRing) & 1); };
+  const FwdSm90Smem<Traits> smem(smem_raw);  // addresses, mbarriers: fwd_sm90_smem.cuh
 
   // Persistent grid over the list of tiles (m_block, head, batch), m_block
   // fastest, so the CTAs running at one time share a few heads' K/V in L2,
@@ -147,53 +118,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // under causal masking go to whichever CTA is free first).
   const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
   const int num_tiles = num_m_blocks * params.heads * params.batch;
-  struct Tile {
-    int m_block, h, b, h_k;
-    KeyTileRange keys;
-    bool has_rows;  // kVarSeq: the tile starts inside its sequence
-  };
-  // trim (attn_mask kernels, producer only: the consumers get the range
-  // through the tile slot; the trimming loop would cost them registers).
+  // The tile list and tile t of it (fwd_sm90_scheduler.cuh).
+  using Tile = FwdSm90Tile;
   auto tile_at = [&](int t, bool trim) {
-    Tile tile;
-    if constexpr (kAttnMask) {  // batch / heads first where the mask broadcasts
-      const MaskGridTile g = attn_mask_grid_tile(params, t, num_m_blocks);
-      tile.m_block = num_m_blocks - 1 - g.block;
-      tile.h = g.h;
-      tile.b = g.b;
-    } else {
-      tile.m_block = num_m_blocks - 1 - t % num_m_blocks;
-      const int bh = t / num_m_blocks;
-      tile.h = bh % params.heads;
-      tile.b = bh / params.heads;
-    }
-    tile.h_k = tile.h / (params.heads / params.heads_k);
-    const SeqBounds seq = seq_bounds<kVarSeq, kVarSeq>(params, tile.b);
-    tile.has_rows = !kVarSeq || tile.m_block * kBlockM < seq.seqlen_q;
-    if constexpr (kHasVariants) {
-      tile.keys = key_tile_range_variants<kBlockM, kBlockN>(seq, make_window(params, seq),
-                                                            tile.m_block, 0, 1);
-      if constexpr (kAttnMask) {
-        // A boolean attn_mask's summary: key tiles at either end that no row
-        // of the tile attends to are dropped (a padding mask's tail).
-        if (trim && params.attn_mask_blocks != nullptr) {
-          // Row blocks of the summary (kMaskBlock = 64 rows, one per warpgroup).
-          // The tile's second row block only where it has rows.
-          const int row0 = attn_mask_block_row(params, tile.b, tile.h, tile.m_block * 2);
-          const bool two_rows = (tile.m_block * 2 + 1) * kMaskBlock < seq.seqlen_q;
-          const int row1 = two_rows ? row0 + params.attn_mask_block_strides.row : row0;
-          auto attends = [&](int n) {
-            return ((attn_mask_block_at(params, row0, n) | attn_mask_block_at(params, row1, n)) &
-                    kMaskBlockAttends) != 0u;
-          };
-          while (tile.keys.end > tile.keys.begin && !attends(tile.keys.end - 1)) --tile.keys.end;
-          while (tile.keys.begin < tile.keys.end && !attends(tile.keys.begin)) ++tile.keys.begin;
-        }
-      }
-    } else {
-      tile.keys = key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, 0, 1);
-    }
-    return tile;
+    return fwd_sm90_tile_at<kBlockM, kBlockN, kIsCausal, kHasVariants, kAttnMask, kVarSeq>(
+        params, num_m_blocks, t, trim);
   };
   // TMA coordinates: packed sequences are one batch entry of all rows, each
   // starting at its first row (re-read from cu_seqlens where a load needs it:
@@ -225,7 +154,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // pool, as kv_row() does in the other kernels. cache_batch_idx: the batch
   // entry's cache row, clamped alike. chunks_tag: the tile's 64-column chunks
   // (K's kChunks, V's kChunksV).
-  auto load_kv_tile = [&](const CUtensorMap* map, uint32_t smem, uint32_t full, const Tile& tile,
+  auto load_kv_tile = [&](const CUtensorMap* map, uint32_t dst, uint32_t full, const Tile& tile,
                           int n_block, int lane, auto chunks_tag) {
     constexpr int kTileChunks = decltype(chunks_tag)::value;
     if constexpr (kVarSeq) {
@@ -245,7 +174,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                params.num_pages - 1);
 #pragma unroll
           for (int c = 0; c < kTileChunks; ++c) {
-            tma_load_4d(smem + (c * kBlockN + r) * 128, map, full, c * Traits::kChunkCols,
+            tma_load_4d(dst + (c * kBlockN + r) * 128, map, full, c * Traits::kChunkCols,
                         key & (params.page_size - 1), tile.h_k, page);
           }
         }
@@ -257,7 +186,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       batch = min(max(params.kv_batch_idx[tile.b], 0), params.kv_batch - 1);
     }
     if (lane == 0) {
-      tma_load_tile<kTileChunks, Traits::kChunkCols>(map, smem, kBlockN, full,
+      tma_load_tile<kTileChunks, Traits::kChunkCols>(map, dst, kBlockN, full,
                                                      row0_k(tile) + n_block * kBlockN, tile.h_k,
                                                      batch);
     }
@@ -268,14 +197,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int slot = 0; slot < kQRing; ++slot) {
-      mbar_init(q_full(slot), 1);
-      mbar_init(q_empty(slot), Traits::kConsumerWarps / Traits::kConsumerWarpgroups);
+      mbar_init(smem.q_full(slot), 1);
+      mbar_init(smem.q_empty(slot), Traits::kConsumerWarps / Traits::kConsumerWarpgroups);
     }
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(k_full(s), 1);
-      mbar_init(v_full(s), 1);
-      mbar_init(k_empty(s), Traits::kConsumerWarps);
-      mbar_init(v_empty(s), Traits::kConsumerWarps);
+      mbar_init(smem.k_full(s), 1);
+      mbar_init(smem.v_full(s), 1);
+      mbar_init(smem.k_empty(s), Traits::kConsumerWarps);
+      mbar_init(smem.v_empty(s), Traits::kConsumerWarps);
     }
     fence_barrier_init();
   }
@@ -306,22 +235,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         auto send_q = [&](const Tile* tile) {
           for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
             const int u = Traits::kConsumerWarpgroups * tile_count + wg;
-            const int slot = q_slot_of(u);
-            mbar_wait(q_empty(slot), q_phase_of(u) ^ 1);
+            const int slot = smem.q_slot_of(u);
+            mbar_wait(smem.q_empty(slot), smem.q_phase_of(u) ^ 1);
             if (!leader) continue;
-            st_shared_b32(tile_slot(slot), static_cast<uint32_t>(t));
+            st_shared_b32(smem.tile_slot(slot), static_cast<uint32_t>(t));
             if (kAttnMask && tile != nullptr) {
-              st_shared_b32(tile_slot(slot) + 4, static_cast<uint32_t>(tile->keys.begin));
-              st_shared_b32(tile_slot(slot) + 8, static_cast<uint32_t>(tile->keys.end));
+              st_shared_b32(smem.tile_slot(slot) + 4, static_cast<uint32_t>(tile->keys.begin));
+              st_shared_b32(smem.tile_slot(slot) + 8, static_cast<uint32_t>(tile->keys.end));
             }
             if (tile == nullptr) {
-              mbar_arrive(q_full(slot));
+              mbar_arrive(smem.q_full(slot));
               continue;
             }
             constexpr int kRows = Traits::kQSliceRows;
-            mbar_arrive_expect_tx(q_full(slot), Traits::kQSliceBytes);
+            mbar_arrive_expect_tx(smem.q_full(slot), Traits::kQSliceBytes);
             tma_load_tile<kChunks, Traits::kChunkCols>(
-                &tmap_q, q_smem(slot), kRows, q_full(slot),
+                &tmap_q, smem.q(slot), kRows, smem.q_full(slot),
                 row0_q(*tile) + tile->m_block * kBlockM + wg * kRows, tile->h, map_batch(*tile));
           }
         };
@@ -337,7 +266,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // consumers released the K / V held there kStages key tiles earlier.
         auto load_k = [&](int n_block, int count) {
           const int stage = count % kStages;
-          mbar_wait(k_empty(stage), ((count / kStages) & 1) ^ 1);
+          mbar_wait(smem.k_empty(stage), ((count / kStages) & 1) ^ 1);
           if constexpr (kAttnMask) {
             uint32_t reads = 3u;  // without a summary both warpgroups read
             if (params.attn_mask_blocks != nullptr) {
@@ -351,17 +280,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               reads = (attn_mask_block_at(params, row0, n_block) & kMaskBlockMasks ? 1u : 0u) |
                       (attn_mask_block_at(params, row1, n_block) & kMaskBlockMasks ? 2u : 0u);
             }
-            if (leader) st_shared_b32(mask_reads_slot(stage), reads);
+            if (leader) st_shared_b32(smem.mask_reads(stage), reads);
           }
-          if (leader) mbar_arrive_expect_tx(k_full(stage), Traits::kKTileBytes);
+          if (leader) mbar_arrive_expect_tx(smem.k_full(stage), Traits::kKTileBytes);
           __syncwarp(kProducerMask);
-          load_kv_tile(&tmap_k, k_smem(stage), k_full(stage), tile, n_block, lane,
+          load_kv_tile(&tmap_k, smem.k(stage), smem.k_full(stage), tile, n_block, lane,
                        std::integral_constant<int, kChunks>());
         };
         auto load_v = [&](int n_block, int count) {
           const int stage = count % kStages;
-          mbar_wait(v_empty(stage), ((count / kStages) & 1) ^ 1);
-          if (leader) mbar_arrive_expect_tx(v_full(stage), Traits::kVTileBytes);
+          mbar_wait(smem.v_empty(stage), ((count / kStages) & 1) ^ 1);
+          if (leader) mbar_arrive_expect_tx(smem.v_full(stage), Traits::kVTileBytes);
           __syncwarp(kProducerMask);
           if constexpr (kFp8) {
             if (!leader) return;
@@ -370,11 +299,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // the sequence's and the keys start at 0).
 #pragma unroll
             for (int c = 0; c < Traits::kVtChunks; ++c) {
-              tma_load_4d(v_smem(stage) + c * kHeadDim * 128, &tmap_v, v_full(stage),
+              tma_load_4d(smem.v(stage) + c * kHeadDim * 128, &tmap_v, smem.v_full(stage),
                           n_block * kBlockN + c * 128, 0, tile.h_k, tile.b);
             }
           } else {
-            load_kv_tile(&tmap_v, v_smem(stage), v_full(stage), tile, n_block, lane,
+            load_kv_tile(&tmap_v, smem.v(stage), smem.v_full(stage), tile, n_block, lane,
                          std::integral_constant<int, kChunksV>());
           }
         };
@@ -408,7 +337,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // warpgroup's Q slice (set per tile).
   uint64_t desc_q = 0;
   auto issue_qk = [&](float (&s)[1][kBlockN / 8][4], int stage) {
-    const uint64_t desc_k = smem_desc_sw128(k_smem(stage), 16, 1024);
+    const uint64_t desc_k = smem_desc_sw128(smem.k(stage), 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / Traits::kKStep; ++kk) {
       const uint32_t chunk_offset = (kk % 4) * 32;
@@ -425,7 +354,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto issue_pv = [&](float (&o)[1][kHeadDimV / 8][4],
                       const uint32_t (&p)[kBlockN / Traits::kKStep][4], int stage) {
     if constexpr (kFp8) {
-      const uint64_t desc_vt = smem_desc_sw128(v_smem(stage), 16, 1024);
+      const uint64_t desc_vt = smem_desc_sw128(smem.v(stage), 16, 1024);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / Traits::kKStep; ++kk) {
         WgmmaOps<T, kHeadDim>::rs_kmajor(
@@ -433,7 +362,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             smem_desc_advance(desc_vt, (kk / 4) * kHeadDim * 128 + (kk % 4) * 32), 1);
       }
     } else {
-      const uint64_t desc_v = smem_desc_sw128(v_smem(stage), kBlockN * 128, 1024);
+      const uint64_t desc_v = smem_desc_sw128(smem.v(stage), kBlockN * 128, 1024);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         WgmmaOps<T, kHeadDimV>::rs_mnmajor(&o[0][0][0], p[kk],
@@ -464,20 +393,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int kv_count = 0;  // K/V tiles consumed so far (same sequence as the producer)
   for (int tile_count = 0;; ++tile_count) {
     const int q_slice = Traits::kConsumerWarpgroups * tile_count + wg;
-    const int q_slot = q_slot_of(q_slice);
-    mbar_wait(q_full(q_slot), q_phase_of(q_slice));
+    const int q_slot = smem.q_slot_of(q_slice);
+    mbar_wait(smem.q_full(q_slot), smem.q_phase_of(q_slice));
     // Lane 0 reads the slot for its warp (and is the lane that later arrives
     // on q_empty, which lets the producer rewrite it).
     const int t = __shfl_sync(
-        0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot(q_slot))) : 0, 0);
+        0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(smem.tile_slot(q_slot))) : 0,
+        0);
     if (t >= num_tiles) break;
-    desc_q = smem_desc_sw128(q_smem(q_slot), 16, 1024);
+    desc_q = smem_desc_sw128(smem.q(q_slot), 16, 1024);
     Tile tile = tile_at(t, false);
     if constexpr (kAttnMask) {  // the producer's range (trimmed to the mask)
       tile.keys.begin = __shfl_sync(
-          0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot(q_slot) + 4)) : 0, 0);
+          0xffffffffu,
+          lane == 0 ? static_cast<int>(ld_shared_b32(smem.tile_slot(q_slot) + 4)) : 0, 0);
       tile.keys.end = __shfl_sync(
-          0xffffffffu, lane == 0 ? static_cast<int>(ld_shared_b32(tile_slot(q_slot) + 8)) : 0, 0);
+          0xffffffffu,
+          lane == 0 ? static_cast<int>(ld_shared_b32(smem.tile_slot(q_slot) + 8)) : 0, 0);
     }
     const SeqBounds seq = seq_bounds<kVarSeq, kVarSeq>(params, tile.b);
     const int n_tiles = tile.keys.end - tile.keys.begin;
@@ -500,7 +432,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     constexpr int kMaskBufferBytes = kStagedMaskWarpBytes<kBlockN>;
     constexpr int kMaskBuffers = Traits::kMaskBuffers;
-    const uint32_t warp_scratch = mask_scratch + (wg * 4 + warp) * kMaskBuffers * kMaskBufferBytes;
+    const uint32_t warp_scratch =
+        smem.mask_scratch + (wg * 4 + warp) * kMaskBuffers * kMaskBufferBytes;
     auto stage_mask = [&](int i) {
       if constexpr (kAttnMask && Traits::kStageAttnMask) {
         if (staged) {
@@ -529,7 +462,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // their ~30 registers made the D = 128 / 256 consumers spill inside the
     // softmax (5x slower with ALiBi, H100).
     // mask_reads: this warpgroup reads the attn_mask on the tile (attn_mask
-    // kernels; from the producer's mask_reads_slot).
+    // kernels; from the producer's word at smem.mask_reads).
     using Softmax = OnlineSoftmax<1, Traits::kPExp2Offset>;
     // Softcapped bf16 calls without additive terms skip the running max and the
     // rescaling of O (update_scores_unshifted; fp16 P has too narrow a range):
@@ -591,7 +524,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // after which the producer may rewrite it.
     auto read_mask_flag = [&](int stage) {
       if constexpr (!kAttnMask) return false;
-      const uint32_t reads = __shfl_sync(0xffffffffu, lane == 0 ? ld_shared_b32(mask_reads_slot(stage)) : 0u, 0);
+      const uint32_t reads = __shfl_sync(0xffffffffu, lane == 0 ? ld_shared_b32(smem.mask_reads(stage)) : 0u, 0);
       return ((reads >> wg) & 1u) != 0u;
     };
 
@@ -614,7 +547,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Every consumer warp arrives on q_empty once per tile, right after its
     // last Q K^T (or now, for a tile without keys).
-    if (n_tiles == 0 && lane == 0) mbar_arrive(q_empty(q_slot));
+    if (n_tiles == 0 && lane == 0) mbar_arrive(smem.q_empty(q_slot));
     if (n_tiles > 0) {
       // Software pipeline (intra-warpgroup overlap): iteration i issues
       // S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, then runs the
@@ -627,7 +560,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
 #pragma unroll
       for (int i = 0; i < Traits::kMaskBuffers; ++i) stage_mask(i);
-      mbar_wait(k_full(stage_of(0)), parity_of(0));
+      mbar_wait(smem.k_full(stage_of(0)), parity_of(0));
       gemm_turn_begin();
       wgmma_fence();
       issue_qk(s, stage_of(0));
@@ -636,8 +569,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
       bool mask_reads = read_mask_flag(stage_of(0));
       if (lane == 0) {
-        mbar_arrive(k_empty(stage_of(0)));
-        if (n_tiles == 1) mbar_arrive(q_empty(q_slot));
+        mbar_arrive(smem.k_empty(stage_of(0)));
+        if (n_tiles == 1) mbar_arrive(smem.q_empty(q_slot));
       }
       softmax_tile(softmax, s, tile.keys.end - 1, rescale, mask_reads);  // O is 0: no rescale
       to_p_fragments(s, p);  // P: A operand of P V
@@ -650,8 +583,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // here on the same tile (same key range), each past its first turn.
         const int valid_keys = seq.seqlen_k - (tile.keys.end - 1) * kBlockN;
         if (valid_keys < kBlockN) {
-          mbar_wait(v_full(stage_of(0)), parity_of(0));
-          zero_swizzled_tile_rows<kChunksV>(v_smem(stage_of(0)), kBlockN, valid_keys,
+          mbar_wait(smem.v_full(stage_of(0)), parity_of(0));
+          zero_swizzled_tile_rows<kChunksV>(smem.v(stage_of(0)), kBlockN, valid_keys,
                                            wg * 128 + tid, kConsumerThreads);
           fence_proxy_async_smem();  // the wgmma reads through the async proxy
           named_barrier_sync(kZeroedBarrier, kConsumerThreads);
@@ -659,8 +592,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
 
       for (int i = 1; i < n_tiles; ++i) {
-        mbar_wait(k_full(stage_of(i)), parity_of(i));
-        mbar_wait(v_full(stage_of(i - 1)), parity_of(i - 1));
+        mbar_wait(smem.k_full(stage_of(i)), parity_of(i));
+        mbar_wait(smem.v_full(stage_of(i - 1)), parity_of(i - 1));
         gemm_turn_begin();
         wgmma_fence();
         issue_qk(s, stage_of(i));
@@ -671,21 +604,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
         mask_reads = read_mask_flag(stage_of(i));
         if (lane == 0) {
-          mbar_arrive(k_empty(stage_of(i)));
-          if (i == n_tiles - 1) mbar_arrive(q_empty(q_slot));
+          mbar_arrive(smem.k_empty(stage_of(i)));
+          if (i == n_tiles - 1) mbar_arrive(smem.q_empty(q_slot));
         }
         const bool rescale_o =
             softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale, mask_reads);
         wgmma_wait<0>();
         fence_registers(reinterpret_cast<float(&)[kHeadDimV / 2]>(o));
         fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
-        if (lane == 0) mbar_arrive(v_empty(stage_of(i - 1)));
+        if (lane == 0) mbar_arrive(smem.v_empty(stage_of(i - 1)));
         if (rescale_o) Softmax::rescale_rows(o, rescale);
         to_p_fragments(s, p);  // P: A operand of P V
       }
 
       const int last = n_tiles - 1;
-      mbar_wait(v_full(stage_of(last)), parity_of(last));
+      mbar_wait(smem.v_full(stage_of(last)), parity_of(last));
       gemm_turn_begin();
       wgmma_fence();
       issue_pv(o, p, stage_of(last));
@@ -693,7 +626,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kHeadDimV / 2]>(o));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
-      if (lane == 0) mbar_arrive(v_empty(stage_of(last)));
+      if (lane == 0) mbar_arrive(smem.v_empty(stage_of(last)));
       kv_count += n_tiles;
     }
 

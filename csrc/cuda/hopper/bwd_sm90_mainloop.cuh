@@ -1,0 +1,210 @@
+// Hopper backward: the consumers' GEMMs and shared-memory staging in
+// bwd_sm90_kernel.cuh's step loops (BwdSm90Consumer): the wgmmas of S^T /
+// dP^T, of dV / dK and of the dQ chunks, dS^T into and out of shared memory
+// in the layout the dQ wgmma reads, the dQ chunks' staging for the dQ
+// writers, and the zeroing of tile rows past a sequence. The step loops
+// themselves (which product when, the waits and barriers) are the kernel's.
+#pragma once
+#include <cstdint>
+
+#include "../common/ptx.cuh"
+#include "bwd_sm90_smem.cuh"
+#include "sm90_primitives.cuh"
+#include "wgmma_ops.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+// A consumer thread's place: warpgroup wg (consumer 0 or 1), its thread tid
+// (warp, lane), its 64 keys from wg_key0 (rows of S^T, dK, dV within the
+// tile), its first dK / dV column wg_col0, and key_row, the tile row of its
+// accumulator elements e = 0, 1 (+ 8 for e = 2, 3).
+//
+// Accumulator layout of m64nN (per warp 16 rows, as mma.sync m16n8):
+// acc[j][e], lane = 4g + q: e = 0,1 -> row g, cols 8j + 2q + {0,1};
+// e = 2,3 -> row g + 8. Rows are keys here, columns queries (or head dim).
+template <typename Traits>
+struct BwdSm90Consumer {
+  using T = typename Traits::T;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kGradCols = Traits::kGradCols;
+  static constexpr int kDqCols = Traits::kDqCols;
+  static constexpr int kDqRows = Traits::kDqRows;
+  static constexpr int kDqBuffers = Traits::kDqBuffers;
+
+  // References to the kernel's locals, as captured by the kernel's lambdas
+  // that these steps used to be: copies compiled to different SASS
+  // (registers assigned otherwise; in an attn_mask kernel, more spills).
+  const BwdSm90Smem<Traits>& smem;
+  const int &wg, &tid, &warp, &lane;
+  const int &wg_key0, &wg_col0, &key_row;
+
+  // X^T = A B^T for K-major A (this warpgroup's 64 keys) and B (queries):
+  // kHeadDim / 16 k-steps, 32 bytes apart inside a 64-column chunk.
+  FAE_DEVICE void issue_transposed_scores(float (&acc)[kBlockM / 8][4], uint32_t a_tile,
+                                          uint32_t b_tile) const {
+    using namespace sm90;
+    const uint32_t a_rows = a_tile + wg_key0 * 128;
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t chunk_offset = (kk % 4) * 32;
+      const uint64_t desc_a =
+          smem_desc_sw128(a_rows + (kk / 4) * kBlockN * 128 + chunk_offset, 16, 1024);
+      const uint64_t desc_b =
+          smem_desc_sw128(b_tile + (kk / 4) * kBlockM * 128 + chunk_offset, 16, 1024);
+      WgmmaOps<T, kBlockM>::ss_kmajor(&acc[0][0], desc_a, desc_b, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+  }
+  // acc += A^T B[:, this warpgroup's columns] with A^T from registers (query
+  // k-steps of 16 rows = 2048 B of the MN-major B tile; its head-dim chunks
+  // are kBlockM * 128 B apart).
+  FAE_DEVICE void issue_grad_update(float (&acc)[kGradCols / 8][4],
+                                    const uint32_t (&a)[kBlockM / 16][4], uint32_t b_tile) const {
+    using namespace sm90;
+    const uint32_t b_cols = b_tile + (wg_col0 / 64) * kBlockM * 128;
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const uint64_t desc_b = smem_desc_sw128(b_cols + kk * 2048, kBlockM * 128, 1024);
+      WgmmaOps<T, kGradCols>::rs_mnmajor(&acc[0][0], a[kk], desc_b, 1);
+    }
+  }
+
+  // dS^T (kBlockN keys x kBlockM queries, queries contiguous) in shared
+  // memory, in the swizzled layout the dQ wgmma reads: 64-query chunks of
+  // [kBlockN rows x 128 B], 16-byte unit u of row r at unit u ^ (r % 8). A
+  // quad touches one unit per row, the 8 rows of a warp 8 different units:
+  // conflict-free. A-fragment word (kk, w) of a thread holds row
+  // key_row + 8 (w % 2), chunk kk / 4, unit 2 (kk % 4) + w / 2.
+  FAE_DEVICE uint32_t ds_word_addr(uint32_t ds_buf, int kk, int w) const {
+    const int r = key_row + 8 * (w % 2);
+    return ds_buf + (kk / 4) * kBlockN * 128 + r * 128 + (((2 * (kk % 4) + w / 2) ^ (r % 8)) * 16) +
+           (lane % 4) * 4;
+  }
+  // The key split stores a fragment with one stmatrix.x4 (a quarter of the
+  // shared-memory instructions; ncu showed our consumers stalled on a full MIO
+  // queue, cuDNN's not): lane l addresses row l % 8 of 8x8 matrix l / 8, which
+  // receives words w = l / 8 (rows + 8 (w % 2), unit + w / 2). The head-dim
+  // split keeps 32-bit stores and loads: there stmatrix / ldmatrix measured
+  // 1-6% slower (H100, 6 configs, same process).
+  FAE_DEVICE uint32_t ds_row_addr(uint32_t ds_buf, int kk) const {
+    const int r = wg_key0 + warp * 16 + lane % 8 + 8 * ((lane / 8) % 2);
+    return ds_buf + (kk / 4) * kBlockN * 128 + r * 128 +
+           (((2 * (kk % 4) + lane / 16) ^ (r % 8)) * 16);
+  }
+  FAE_DEVICE void store_ds(uint32_t ds_buf, const uint32_t (&ds_frag)[kBlockM / 16][4]) const {
+    using namespace sm90;
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      if constexpr (!Traits::kSplitHeadDim) {
+        stmatrix_x4(ds_row_addr(ds_buf, kk), ds_frag[kk]);
+      } else {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) st_shared_b32(ds_word_addr(ds_buf, kk, w), ds_frag[kk][w]);
+      }
+    }
+  }
+  FAE_DEVICE void load_ds(uint32_t ds_buf, uint32_t (&ds_frag)[kBlockM / 16][4]) const {
+    using namespace sm90;
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) ds_frag[kk][w] = ld_shared_b32(ds_word_addr(ds_buf, kk, w));
+    }
+  }
+
+  // dQ_i (64 queries x this warpgroup's dQ columns) = dS K, kDqCols columns
+  // (chunk c) at a time: A = dS^T read transposed (k-steps of 16 keys = 2048
+  // B), B = K read transposed from column dq_col0(c) of its 64-column chunk
+  // (32 columns: +64 B inside the 128-byte swizzle row, as the K-major k-steps
+  // step by 32 B; the swizzle applies to the absolute address). Issued and
+  // committed here; staged and sent after the wait.
+  FAE_DEVICE void issue_dq_chunk(float (&dq)[kDqCols / 8][4], uint32_t ds_buf, int c) const {
+    using namespace sm90;
+    const int col0 = smem.dq_col0(wg, c);
+    const uint32_t k_cols = smem.k + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2;
+    ds_buf += (smem.dq_row0(wg) / 64) * kBlockN * 128;  // this consumer's query chunk of dS^T
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t desc_a = smem_desc_sw128(ds_buf + kk * 2048, kBlockM * 128, 1024);
+      const uint64_t desc_b = smem_desc_sw128(k_cols + kk * 2048, kBlockN * 128, 1024);
+      WgmmaOps<T, kDqCols>::ss_mnmajor(&dq[0][0], desc_a, desc_b, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+  }
+  static FAE_DEVICE void fence_grads(float (&dk)[kGradCols / 8][4],
+                                     float (&dv)[kGradCols / 8][4]) {
+    sm90::fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dk));
+    sm90::fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dv));
+  }
+  // A chunk is kDqCols / 32 boxes of [64 rows x 128 B] in the 128-byte swizzle
+  // of the dQ tensor map: 16-byte unit u of row r sits at unit u ^ (r % 8).
+  // The float2 of (row r, columns 8j + 2q) is unit 2 (j % 4) + q / 2, byte
+  // 8 (q % 2): for one j a warp's 8 rows x 4 quads cover all 32 banks twice.
+  FAE_DEVICE void stage_dq(uint32_t buf, const float (&dq)[kDqCols / 8][4]) const {
+#pragma unroll
+    for (int j = 0; j < kDqCols / 8; ++j) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = warp * 16 + lane / 4 + 8 * hh;
+        const int unit = 2 * (j % 4) + (lane % 4) / 2;
+        const uint32_t addr = buf + (j / 4) * kDqRows * 128 + r * 128 + ((unit ^ (r % 8)) * 16) +
+                              (lane % 2) * 8;
+        sm90::st_shared_v2_f32(addr, dq[j][2 * hh], dq[j][2 * hh + 1]);
+      }
+    }
+  }
+  // Staged dQ chunks of step i go to this consumer's dQ writer (dq_full).
+  FAE_DEVICE void hand_dq_to_writer(int i) const {
+    sm90::fence_proxy_async_smem();
+    sm90::mbar_arrive(smem.dq_full(wg, i % kDqBuffers));
+  }
+  // Head-dim split: every chunk in turn, issued after the step's dK. The
+  // first wait also retires the step's dV / dK products; the chunks are staged
+  // in the step's Q/dO stage, which the writer releases after the TMA read.
+  FAE_DEVICE void accumulate_dq_in_stage(uint32_t ds_buf, int stage, int i,
+                                         float (&dk)[kGradCols / 8][4],
+                                         float (&dv)[kGradCols / 8][4]) const {
+    using namespace sm90;
+#pragma unroll
+    for (int c = 0; c < Traits::kDqChunks; ++c) {
+      float dq[kDqCols / 8][4];
+      issue_dq_chunk(dq, ds_buf, c);
+      wgmma_wait<0>();
+      fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
+      fence_grads(dk, dv);
+      if (c == 0) mbar_arrive(smem.qdo_empty(stage));
+      stage_dq(smem.dq_buffer(wg, stage, 0, c), dq);
+    }
+    hand_dq_to_writer(i);
+  }
+
+  // Packed sequences and key padding: rows of a tile past the sequence hold
+  // other sequences' rows (or unused cache rows) instead of TMA's zeros.
+  // They are zeroed in shared memory, so that every product sees what it
+  // sees in a padded batch: P = 0 for padded queries (lse = +inf), and zero
+  // contributions from padded keys (their dK / dV rows are not written).
+  // Rows [row_begin, kRows) of every 64-column chunk, whole 128-byte rows (so
+  // the swizzle does not matter), by the 256 consumer threads; the caller
+  // syncs them (kZeroedBarrier) before any wgmma reads the tile.
+  static constexpr int kZeroedBarrier = 5;
+  FAE_DEVICE void zero_tile_rows(uint32_t tile, int tile_rows, int row_begin) const {
+    sm90::zero_swizzled_tile_rows<Traits::kChunks>(tile, tile_rows, row_begin, wg * 128 + tid, 256);
+  }
+  // The step's Q and dO rows past seqlen_q (packed sequences).
+  FAE_DEVICE void zero_rows_past_sequence(const bool& packed, const int& seqlen_q, int m_block,
+                                          int stage) const {
+    if (packed && (m_block + 1) * kBlockM > seqlen_q) {
+      zero_tile_rows(smem.q(stage), kBlockM, seqlen_q - m_block * kBlockM);
+      zero_tile_rows(smem.dO(stage), kBlockM, seqlen_q - m_block * kBlockM);
+      sm90::fence_proxy_async_smem();
+      sm90::named_barrier_sync(kZeroedBarrier, 256);
+    }
+  }
+};
+
+}  // namespace cuda
+}  // namespace flash_attn_ext
