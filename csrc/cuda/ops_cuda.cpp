@@ -169,6 +169,11 @@ std::tuple<at::Tensor, at::Tensor> run_mla_fwd_cuda(AttentionFwdParams p, const 
     call_kernels([&] { cuda::finish_rows_past_sequences(p, p.head_dim_v, stream); });
   }
   if (can_regroup_decode(p)) regroup_decode(p, q, out);
+  // Its grid's z dimension is (batch, head) pairs, its combine's y / z heads and batch.
+  TORCH_CHECK_NOT_IMPLEMENTED(static_cast<int64_t>(p.batch) * p.heads <= 65535,
+                              "flash_attn_ext: the CUDA forward of head dims 576 / 512 (MLA) "
+                              "takes batch * heads <= 65535 (a decode step's heads per kv head "
+                              "count as rows), got ", p.batch, " x ", p.heads);
   if (p.seqlen_q > 0) {
     const int splits = cuda::fwd_mla_num_splits(p, num_sms());
     at::Tensor workspace = at::empty({cuda::fwd_mla_workspace_floats(p, splits)},
