@@ -169,6 +169,15 @@ def test_hf_gpt_oss_example(tmp_path):
     assert "max |d sinks diff|" in proc.stdout
 
 
+def test_deepseek_mla_example(tmp_path):
+    """MLA's training form (192 / 128) against torch's attention and its absorbed decode (576 /
+    512, contiguous and paged latent caches) against the training form."""
+    proc = run([os.path.join(ROOT, "examples", "deepseek_mla.py"), "--device", "cpu",
+                "--seqlen", "40", "--heads", "4"], cwd=tmp_path)
+    assert proc.stdout.strip().endswith("OK")
+    assert "absorbed decode (paged latent cache" in proc.stdout
+
+
 def test_hf_llama_example(tmp_path):
     pytest.importorskip("transformers")
     proc = run([os.path.join(ROOT, "examples", "hf_llama.py"), "--device", "cpu", "--seqlen", "64"],
