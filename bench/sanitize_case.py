@@ -10,7 +10,8 @@ the Hopper kernel (two more cases give its persistent loop several tiles per CTA
 16-bit varlen cases its packed-sequence instance; last the FP8 forward, padded and
 varlen), and the
 16-bit backward cases with head dim 40, 64, 128 or 256 the Hopper backward (deterministic,
-varlen and seqused_k included).
+varlen and seqused_k included). Last, v head dims of their own: 192 / 128 (fwd + bwd) and
+MLA's 576 / 512 forward (latent cache, separate v, paged decode).
 
   compute-sanitizer --tool memcheck python bench/sanitize_case.py
 """
@@ -235,5 +236,22 @@ if torch.cuda.get_device_capability() == (9, 0):
                                q_descale=one, k_descale=one, v_descale=one)
             fa.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k),
                                       causal=causal, q_descale=one, k_descale=one, v_descale=one)
+# v's own head dim: 192 / 128 (on sm_90 the Hopper forward of that pair; the backward padded to
+# the D = 256 Hopper kernel), GQA, odd lengths, causal; MLA's 576 / 512 forward (its own
+# kernel), v a view of k's latent cache and a separate v, a paged decode with split-KV.
+q = torch.randn(1, 129, 4, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+k = torch.randn(1, 257, 2, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+v = torch.randn(1, 257, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+out = fa.flash_attn_func(q, k, v, causal=True)
+out.backward(torch.randn_like(out))
+kv = torch.randn(2, 300, 1, 576, device="cuda", dtype=torch.bfloat16)
+q = torch.randn(2, 37, 4, 576, device="cuda", dtype=torch.bfloat16)
+fa.flash_attn_func(q, kv, kv[..., :512], causal=True)
+fa.flash_attn_func(q, kv, torch.randn(2, 300, 1, 512, device="cuda", dtype=torch.bfloat16))
+pool = torch.randn(16, 64, 1, 576, device="cuda", dtype=torch.bfloat16)
+table = torch.randperm(16, device="cuda", dtype=torch.int32).view(2, 8)
+fa.flash_attn_with_kvcache(q[:, :1].repeat(1, 1, 4, 1), pool, pool[..., :512],
+                           cache_seqlens=torch.tensor([300, 77], dtype=torch.int32, device="cuda"),
+                           block_table=table)
 torch.cuda.synchronize()
 print("sanitize cases done")
