@@ -200,19 +200,20 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_cuda(AttentionFwdParams p, const at::
   // An FP8 cache's rows are copied 16 elements (bytes) at a time
   // (sm80/fwd_tile_load.cuh, load_cache_tile_fp8_async): head dim a multiple of 16.
   const int64_t multiple = p.kv_dtype == DType::kFloat8E4M3 ? 16 : 8;
-  at::Tensor q = kernel_friendly(q_in, kernel_head_dim(q_in.size(-1), 0, multiple));
-  at::Tensor k = kernel_friendly(k_in, kernel_head_dim(k_in.size(-1), 0, multiple));
-  at::Tensor v = kernel_friendly(v_in, kernel_head_dim(head_dim_v, 0, multiple));
-  point_at_inputs(p, q, k, v);
+  // p points at the caller's tensors here: a pair with a kernel of its own
+  // (fwd_runs_head_dims) keeps its head dims, every other pair runs one padded
+  // head dim (kernel_head_dim), decided before anything is copied.
   p.num_splits = static_cast<int>(num_splits);
   p.fwd_tile = static_cast<int>(tile);
-  if (!cuda::fwd_runs_head_dims(p)) {  // one head dim for all (kernel_head_dim)
-    const int64_t width = kernel_head_dim(q_in.size(-1), head_dim_v, multiple);
-    q = kernel_friendly(q_in, width);
-    k = kernel_friendly(k_in, width);
-    v = kernel_friendly(v_in, width);
-    point_at_inputs(p, q, k, v);
-  }
+  const bool own_dims = cuda::fwd_runs_head_dims(p);
+  const int64_t width = kernel_head_dim(q_in.size(-1), head_dim_v, multiple);
+  auto kernel_width = [&](const at::Tensor& t) {
+    return own_dims ? kernel_head_dim(t.size(-1), 0, multiple) : width;
+  };
+  at::Tensor q = kernel_friendly(q_in, kernel_width(q_in));
+  at::Tensor k = kernel_friendly(k_in, kernel_width(k_in));
+  at::Tensor v = kernel_friendly(v_in, kernel_width(v_in));
+  point_at_inputs(p, q, k, v);
 
   // `out` has the layout the fake kernel promises (empty_out); the kernel
   // writes into it directly unless it needs a padded / aligned scratch copy.
