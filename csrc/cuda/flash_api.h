@@ -88,6 +88,18 @@ void set_attn_mask_blocks(AttentionFwdParams& params, uint8_t* blocks);
 // after the caller allocated them. cu_seqlens_q[batch] is read on the device,
 // so that a varlen call needs no host copy (and can be captured).
 void finish_rows_past_sequences(const AttentionFwdParams& params, int cols, cudaStream_t stream);
+// The backward's gradients (dQ, dK, dV in `rows`, any of them null to skip):
+// zeros in every row outside a sequence (past the last one, keys past
+// seqused_k), on the stream after the backward's kernels, so that they can be
+// allocated uninitialised. Not for KV-cache addressing (paged / leftpad keys),
+// whose gradient rows the caller zero-fills.
+struct GradRows {
+  void* ptr[3];
+  TensorStrides strides[3];
+  int heads[3], cols[3];
+};
+void finish_grad_rows_outside_sequences(const AttentionBwdParams& params, const GradRows& rows,
+                                        int elem_bytes, cudaStream_t stream);
 
 // ---- ring attention: partial results (partial_results.cu) ----
 // One pass over the rows of params (MergePartialParams / SumPartialParams,

@@ -347,6 +347,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
   check_cuda_inputs(q_in, v_in.size(-1));
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool partial = has_var_seqs(p);
+  // Rows outside every sequence get zero gradients: written after the kernels
+  // (finish_grad_rows_outside_sequences) where they are known on the device,
+  // else by zero-filled buffers (KV-cache addressing; no kernel runs).
+  const bool zero_filled = partial && (has_kv_cache_addressing(p) || p.seqlen_q <= 0 || p.seqlen_k <= 0);
   const int group = p.heads / p.heads_k;
 
   const int64_t head_dim = q_in.size(-1);
@@ -372,7 +376,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
                                       cuda::bwd_adds_into_caller_dq_accum(p) &&
                                       point_at_caller_dq_accum(p, *dq_accum, packed);
   auto alloc = [&](const at::Tensor& like) {
-    return partial ? at::zeros_like(like) : at::empty_like(like);
+    return zero_filled ? at::zeros_like(like) : at::empty_like(like);
   };
   at::Tensor dq_user = adds_into_caller_accum ? at::Tensor() : alloc(q_in);
   at::Tensor dk_user = alloc(k_in), dv_user = alloc(v_in);
@@ -380,7 +384,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     if (!per_query_head && user.size(-1) == head_dim_padded && is_aligned_16(user)) return user;
     std::vector<int64_t> sizes = kernel_in.sizes().vec();
     if (per_query_head) sizes[sizes.size() - 2] = p.heads;
-    return partial ? at::zeros(sizes, kernel_in.options()) : at::empty(sizes, kernel_in.options());
+    return zero_filled ? at::zeros(sizes, kernel_in.options()) : at::empty(sizes, kernel_in.options());
   };
   at::Tensor dq = adds_into_caller_accum ? at::Tensor() : kernel_grad(dq_user, q, false);
   p.dkv_per_kv_head = group > 1 && cuda::bwd_sums_gqa_groups_in_kernel(p, num_sms());
@@ -406,6 +410,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     const at::Tensor mask_blocks = attach_attn_mask_blocks(p, q);
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     call_kernels([&] { cuda::run_bwd(p, sms, stream); });
+    if (partial && !zero_filled) {
+      cuda::GradRows rows{};
+      const at::Tensor* grads[3] = {&dq, &dk, &dv};
+      for (int i = 0; i < 3; ++i) {
+        if (!grads[i]->defined()) continue;
+        rows.ptr[i] = grads[i]->data_ptr();
+        rows.strides[i] = i == 0 ? p.dq_strides : i == 1 ? p.dk_strides : p.dv_strides;
+        rows.heads[i] = static_cast<int>(grads[i]->size(-2));
+        rows.cols[i] = static_cast<int>(grads[i]->size(-1));
+      }
+      call_kernels([&] {
+        cuda::finish_grad_rows_outside_sequences(p, rows, static_cast<int>(q.element_size()), stream);
+      });
+    }
     if (dsink.has_value()) {
       add_sink_grad_partials(*dsink, dsink_partials, p.batch, p.heads);
     }

@@ -46,15 +46,18 @@ struct BwdSm90Consumer {
   FAE_DEVICE void issue_transposed_scores(float (&acc)[kBlockM / 8][4], uint32_t a_tile,
                                           uint32_t b_tile) const {
     using namespace sm90;
-    const uint32_t a_rows = a_tile + wg_key0 * 128;
+    // Descriptors built once and advanced by one add per k-step (smem_desc_advance):
+    // rebuilt per wgmma they took ~10 uniform instructions each, half of a
+    // consumer warp's instructions per step (SASS, D = 128).
+    const uint64_t desc_a = smem_desc_sw128(a_tile + wg_key0 * 128, 16, 1024);
+    const uint64_t desc_b = smem_desc_sw128(b_tile, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t chunk_offset = (kk % 4) * 32;
-      const uint64_t desc_a =
-          smem_desc_sw128(a_rows + (kk / 4) * kBlockN * 128 + chunk_offset, 16, 1024);
-      const uint64_t desc_b =
-          smem_desc_sw128(b_tile + (kk / 4) * kBlockM * 128 + chunk_offset, 16, 1024);
-      WgmmaOps<T, kBlockM>::ss_kmajor(&acc[0][0], desc_a, desc_b, kk > 0 ? 1 : 0);
+      WgmmaOps<T, kBlockM>::ss_kmajor(&acc[0][0],
+                                      smem_desc_advance(desc_a, (kk / 4) * kBlockN * 128 + chunk_offset),
+                                      smem_desc_advance(desc_b, (kk / 4) * kBlockM * 128 + chunk_offset),
+                                      kk > 0 ? 1 : 0);
     }
     wgmma_commit();
   }
@@ -64,11 +67,10 @@ struct BwdSm90Consumer {
   FAE_DEVICE void issue_grad_update(float (&acc)[kGradCols / 8][4],
                                     const uint32_t (&a)[kBlockM / 16][4], uint32_t b_tile) const {
     using namespace sm90;
-    const uint32_t b_cols = b_tile + (wg_col0 / 64) * kBlockM * 128;
+    const uint64_t desc_b = smem_desc_sw128(b_tile + (wg_col0 / 64) * kBlockM * 128, kBlockM * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint64_t desc_b = smem_desc_sw128(b_cols + kk * 2048, kBlockM * 128, 1024);
-      WgmmaOps<T, kGradCols>::rs_mnmajor(&acc[0][0], a[kk], desc_b, 1);
+      WgmmaOps<T, kGradCols>::rs_mnmajor(&acc[0][0], a[kk], smem_desc_advance(desc_b, kk * 2048), 1);
     }
   }
 
@@ -127,11 +129,12 @@ struct BwdSm90Consumer {
     const uint32_t k_cols = smem.k + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2;
     ds_buf += (smem.dq_row0(wg) / 64) * kBlockN * 128;  // this consumer's query chunk of dS^T
     wgmma_fence();
+    const uint64_t desc_a = smem_desc_sw128(ds_buf, kBlockM * 128, 1024);
+    const uint64_t desc_b = smem_desc_sw128(k_cols, kBlockN * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t desc_a = smem_desc_sw128(ds_buf + kk * 2048, kBlockM * 128, 1024);
-      const uint64_t desc_b = smem_desc_sw128(k_cols + kk * 2048, kBlockN * 128, 1024);
-      WgmmaOps<T, kDqCols>::ss_mnmajor(&dq[0][0], desc_a, desc_b, kk > 0 ? 1 : 0);
+      WgmmaOps<T, kDqCols>::ss_mnmajor(&dq[0][0], smem_desc_advance(desc_a, kk * 2048),
+                                       smem_desc_advance(desc_b, kk * 2048), kk > 0 ? 1 : 0);
     }
     wgmma_commit();
   }

@@ -140,7 +140,10 @@ FAE_DEVICE void bwd_sm90_write_dq(const CUtensorMap* tmap_dq_accum,
       release_flag_increment(turn);
     }
   }
-  bulk_wait_group<0>();  // the CTA's adds are done before it retires
+  // No wait for the last adds to complete: their shared-memory sources were
+  // read (above), and the kernel's end orders them before the dQ convert
+  // kernel, as a TMA store epilogue relies on; waiting held the CTA's SM
+  // until the L2 had applied them.
 }
 
 }  // namespace cuda
