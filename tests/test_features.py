@@ -476,6 +476,37 @@ def test_cuda_varlen_graph_capture(dtype, head_dim, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,heads,kv_heads", [
+    (torch.bfloat16, 128, 4, 2), (torch.float16, 64, 2, 2), (torch.bfloat16, 96, 4, 1),
+    (torch.float32, 64, 2, 1)], ids=str)
+def test_cuda_varlen_grads_outside_sequences(dtype, head_dim, heads, kv_heads):
+    """The backward writes the zero gradients of rows outside every sequence (past the last
+    one, keys past seqused_k) itself, into uninitialised buffers: checked on memory the
+    caching allocator hands back NaN-poisoned, against the reference inside the sequences."""
+    lens_q, lens_k = [37, 0, 130, 5], [50, 9, 200, 1]
+    used = _i32([50, 3, 129, 0], "cuda")
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, heads, kv_heads, head_dim,
+                                                    dtype, "cuda", pad_q=11, pad_k=13)
+    out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                    seqused_k=used)
+    dout = randn(out.shape, dtype, "cuda", 3)
+    dout[sum(lens_q):] = 0
+    poison = torch.full((1 << 22,), float("nan"), device="cuda")
+    del poison  # its block is what the gradients' allocations get next
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    ref, base = ref_and_base(
+        lambda q, k, v: varlen_attention(q, k, v, cu_q, cu_k, True, seqused_k=used), (q, k, v),
+        dout)
+    check_out_and_grads(out, (dq, dk, dv), ref, base, dtype, rows=sum(lens_q))
+    assert torch.all(dq[sum(lens_q):] == 0)
+    starts = cu_k[:-1] + used
+    for b in range(len(lens_k)):
+        gap = slice(starts[b].item(), cu_k[b + 1].item())
+        assert torch.all(dk[gap] == 0) and torch.all(dv[gap] == 0), f"sequence {b}"
+    assert torch.all(dk[sum(lens_k):] == 0) and torch.all(dv[sum(lens_k):] == 0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q_device,cu_name,cu_device", [
     ("cuda", "cu_seqlens_q", "cpu"), ("cuda", "cu_seqlens_k", "cpu"),
     ("cpu", "cu_seqlens_k", "cuda")])
