@@ -336,7 +336,7 @@ bool point_at_caller_dq_accum(AttentionBwdParams& p, const at::Tensor& acc, bool
 // (p.dkv_per_kv_head); otherwise the kernels write dK / dV per query head
 // (expanded [.., heads, D] buffers) and the group sum happens here, as
 // FlashAttention-2 does. Varlen / seqused_k: keys or rows outside every
-// sequence get zero gradients (buffers are zero-filled first). dq_accum
+// sequence get zero gradients (written after the kernels, see zero_filled). dq_accum
 // (checked, check_dq_accum): dQ / softmax_scale is added into it, by the
 // Hopper kernel where it takes the call, else here, and dq is returned empty.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
