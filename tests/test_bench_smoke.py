@@ -173,3 +173,35 @@ def test_cuda_suite_message_not_traceback(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert "fp8: needs a CUDA device" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_dtype_fp8_hands_over_to_the_fp8_suite():
+    """--dtype fp8 runs the fp8 suite: the attention suite's options translated (ours = the FP8
+    forward and our bf16 forward; backends without an FP8 column dropped with a notice)."""
+    from flash_attn_ext.bench.cli import fp8_suite_args, parse_args
+    from flash_attn_ext.bench.suites import fp8
+    args = parse_args(["--device", "cuda", "--dtype", "fp8", "--hdims", "128", "--seqlens", "8192",
+                       "--causal", "1", "--rounds", "2", "--backends", "ours,cudnn,flex,fa4",
+                       "--csv", "x.csv"])
+    argv = fp8_suite_args(args)
+    assert argv == ["--rounds", "2", "--causal", "1", "--head-dims", "128", "--seqlens", "8192",
+                    "--backends", "fp8,bf16,cudnn,fa4", "--csv", "x.csv"]
+    suite_args = fp8.parse_args(argv)
+    assert (suite_args.causal, suite_args.head_dims, suite_args.backends) == ("1", "128",
+                                                                             "fp8,bf16,cudnn,fa4")
+    assert fp8.parse_args([]).backends == "fp8,bf16,cudnn,fa2,fa4"
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--device", "cpu", "--dtype", "fp8"], "Hopper GPUs"),
+    (["--device", "cuda", "--dtype", "fp8", "--pass", "bwd"], "forward only"),
+    (["--device", "cuda", "--dtype", "fp8", "--backends", "flex"], "runs ours")])
+def test_dtype_fp8_bad_options(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        main(argv)
+
+
+def test_dtype_fp8_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="fp8: needs a CUDA device"):
+        main(["--device", "cuda", "--dtype", "fp8"])

@@ -56,7 +56,11 @@ def parse_args(argv=None):
                                 description=suite_list() + "\n\n" + __doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--dtype", default=None,
+                   help="bf16, fp16 or fp32 (default bf16 on GPU, fp32 on CPU); fp8: the FP8 (e4m3) "
+                        "forward next to our bf16 forward, cuDNN, FA2 and FA4's FP8 where it runs "
+                        "(Hopper; hands --hdims, --seqlens, --causal, --rounds, --backends and --csv "
+                        "to the fp8 suite, `python -m flash_attn_ext.bench fp8 --help`)")
     p.add_argument("--hdims", default=None, help="comma list (default 64,128,256 on GPU, 64 on CPU)")
     p.add_argument("--hdim-v", type=int, default=None,
                    help="v's head dim where it is not q's (DeepSeek MLA: --hdims 192 --hdim-v 128)")
@@ -215,10 +219,42 @@ def run_bench(args):
     return rows, meta
 
 
+# --dtype fp8: our backends' names in the fp8 suite (ours: the FP8 forward and our bf16 one).
+_FP8_BACKENDS = {"ours": ("fp8", "bf16"), "cudnn": ("cudnn",), "flash": ("fa2",), "fa4": ("fa4",)}
+
+
+def fp8_suite_args(args):
+    """The fp8 suite's command line for an attention-suite call with --dtype fp8 (forward only:
+    the FP8 kernels have no backward)."""
+    if args.device != "cuda":
+        raise SystemExit("--dtype fp8: the FP8 forward runs on Hopper GPUs (CUDA) only")
+    if args.passes.split(",") != ["fwd"] and args.passes != "fwd,bwd":
+        raise SystemExit("--dtype fp8: forward only (the FP8 kernels have no backward)")
+    argv = ["--rounds", str(max(1, args.rounds)), "--causal", args.causal]
+    if args.hdims:
+        argv += ["--head-dims", args.hdims]
+    if args.seqlens:
+        argv += ["--seqlens", args.seqlens]
+    if args.backends:
+        names = [n for b in args.backends.split(",") for n in _FP8_BACKENDS.get(b, ())]
+        skipped = [b for b in args.backends.split(",") if b not in _FP8_BACKENDS]
+        if skipped:
+            print(f"--dtype fp8: no FP8 column for {','.join(skipped)}", file=sys.stderr)
+        if not names:
+            raise SystemExit(f"--dtype fp8 runs {','.join(_FP8_BACKENDS)}, got {args.backends}")
+        argv += ["--backends", ",".join(names)]
+    if args.csv:
+        argv += ["--csv", args.csv]
+    return argv
+
+
 def main(argv=None):
     """Runs (or with --merge, loads) the benchmark, writes the requested outputs, prints the
     table last and returns the rows."""
     args = parse_args(argv)
+    if args.dtype == "fp8":
+        from .suites import fp8
+        return fp8.main(fp8_suite_args(args))
     rows, meta = load_runs(args.merge) if args.merge else run_bench(args)
     if not rows:
         raise SystemExit("no configurations to run")

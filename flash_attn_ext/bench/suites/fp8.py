@@ -2,7 +2,9 @@
 torch's bf16 SDPA backends, same run. CUDA only (the FP8 forward runs on Hopper).
 
     python -m flash_attn_ext.bench fp8 [--head-dims 128,256] [--seqlens 1024,4096,8192,16384]
-                                       [--rounds 3] [--backends ...] [--csv out.csv]
+                                       [--causal 0,1] [--rounds 3] [--backends ...] [--csv out.csv]
+    python -m flash_attn_ext.bench --dtype fp8 [--hdims ...] ...   (the same, from the
+                                                                     attention suite's options)
 
 Per (head dim, seqlen, causal): B = 16384 / S sequences, H = 2048 / D heads (16k tokens,
 2048 model dims), q/k/v quantised per tensor. Times are medians (triton do_bench, L2
@@ -10,9 +12,13 @@ flushed; flash_attn_ext.bench.time_ms) with the backends' order rotated every ro
 median of the rounds kept (flash_attn_ext.bench.rotated_rounds); TFLOP/s count the bf16 FLOPs
 4 B H S^2 D (half when causal). The FP8 time includes the V transpose pass it runs
 (fp8_fwd.cu). fp8_varlen / bf16_varlen (not in the default set): the same sequences packed
-through flash_attn_varlen_func. Table printed last; --csv writes it.
+through flash_attn_varlen_func. fa4: FlashAttention-4's FP8 forward (flash-attn-4, per-(batch,
+kv head) descales), where it runs: its CuTe kernels take FP8 on SM100 only, so on Hopper the
+column is dropped with a one-line notice, as it is when flash-attn-4 does not import. Table
+printed last; --csv writes it.
 """
 import argparse
+import importlib
 import sys
 
 import torch
@@ -21,11 +27,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ext as fa
 from flash_attn_ext.fp8 import quantize_fp8
+from ..backends import missing_backend
 from ..report import write_rows_csv
 from ..timing import require_cuda, rotated_rounds, time_ms
 
-BACKENDS = ("fp8", "bf16", "cudnn", "fa2", "fp8_varlen", "bf16_varlen")
-DEFAULT_BACKENDS = BACKENDS[:4]
+BACKENDS = ("fp8", "bf16", "cudnn", "fa2", "fa4", "fp8_varlen", "bf16_varlen")
+DEFAULT_BACKENDS = BACKENDS[:5]
 
 
 def parse_args(argv=None):
@@ -33,6 +40,7 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", default="128,256")
     ap.add_argument("--seqlens", default="1024,4096,8192,16384")
+    ap.add_argument("--causal", default="0,1", help="comma list of 0/1")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
                     help="a subset of " + ",".join(BACKENDS))
@@ -47,6 +55,12 @@ def make_fn(backend, q, k, v, q8, k8, v8, descales, causal):
                                           v_descale=vd)
     if backend == "bf16":
         return lambda: fa.flash_attn_func(q, k, v, causal=causal)
+    if backend == "fa4":
+        fa4_func = importlib.import_module("flash_attn.cute").flash_attn_func
+        B, Hk = k8.shape[0], k8.shape[2]  # FA4's descales: one per (batch, kv head)
+        qd, kd, vd = (x.reshape(1, 1).expand(B, Hk).contiguous() for x in descales)
+        return lambda: fa4_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                v_descale=vd)
     if backend.endswith("_varlen"):
         B, S = q.shape[:2]
         cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
@@ -66,10 +80,29 @@ def make_fn(backend, q, k, v, q8, k8, v8, descales, causal):
     return run
 
 
+def fa4_fp8_notice():
+    """None where FlashAttention-4's FP8 forward runs here, else why not (one line)."""
+    reason = missing_backend("fa4")
+    if reason:
+        return reason
+    major, minor = torch.cuda.get_device_capability()
+    if major != 10:
+        return (f"fa4: FlashAttention-4's FP8 forward runs on SM100 only (this GPU: sm_{major}{minor}); "
+                "no fa4 column")
+    return None
+
+
 def main(argv=None):
     args = parse_args(argv)
     require_cuda("fp8")
     backends = tuple(b for b in args.backends.split(",") if b)
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise SystemExit(f"unknown backend(s) {unknown}; choose from {','.join(BACKENDS)}")
+    if "fa4" in backends and fa4_fp8_notice():
+        print(fa4_fp8_notice(), file=sys.stderr)
+        backends = tuple(b for b in backends if b != "fa4")
+    causals = [bool(int(c)) for c in args.causal.split(",") if c.strip()]
     rows = []
     for D in (int(d) for d in args.head_dims.split(",")):
         for S in (int(s) for s in args.seqlens.split(",")):
@@ -78,7 +111,7 @@ def main(argv=None):
             q, k, v = (torch.randn(B, S, H, D, generator=gen).to("cuda", torch.bfloat16)
                        for _ in range(3))
             (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(x) for x in (q, k, v))
-            for causal in (False, True):
+            for causal in causals:
                 # Inputs as default arguments: the del below frees them with this function.
                 def time_one(b, first_round, causal=causal,
                              inputs=(q, k, v, q8, k8, v8, (qd, kd, vd))):
