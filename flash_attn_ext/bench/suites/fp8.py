@@ -99,8 +99,9 @@ def main(argv=None):
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {','.join(BACKENDS)}")
-    if "fa4" in backends and fa4_fp8_notice():
-        print(fa4_fp8_notice(), file=sys.stderr)
+    notice = fa4_fp8_notice() if "fa4" in backends else None
+    if notice:
+        print(notice, file=sys.stderr)
         backends = tuple(b for b in backends if b != "fa4")
     causals = [bool(int(c)) for c in args.causal.split(",") if c.strip()]
     rows = []
