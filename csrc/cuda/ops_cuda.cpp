@@ -336,9 +336,10 @@ bool point_at_caller_dq_accum(AttentionBwdParams& p, const at::Tensor& acc, bool
 // (p.dkv_per_kv_head); otherwise the kernels write dK / dV per query head
 // (expanded [.., heads, D] buffers) and the group sum happens here, as
 // FlashAttention-2 does. Varlen / seqused_k: keys or rows outside every
-// sequence get zero gradients (written after the kernels, see zero_filled). dq_accum
-// (checked, check_dq_accum): dQ / softmax_scale is added into it, by the
-// Hopper kernel where it takes the call, else here, and dq is returned empty.
+// sequence get zero gradients (written after the kernels, see zero_filled).
+// dq_accum (checked, check_dq_accum): dQ / softmax_scale is added into it, by
+// the Hopper kernel where it takes the call, else here, and dq is returned
+// empty.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     AttentionBwdParams p, const at::Tensor& dout_in, const at::Tensor& q_in,
     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
@@ -350,7 +351,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
   // Rows outside every sequence get zero gradients: written after the kernels
   // (finish_grad_rows_outside_sequences) where they are known on the device,
   // else by zero-filled buffers (KV-cache addressing; no kernel runs).
-  const bool zero_filled = partial && (has_kv_cache_addressing(p) || p.seqlen_q <= 0 || p.seqlen_k <= 0);
+  const bool zero_filled =
+      partial && (has_kv_cache_addressing(p) || p.seqlen_q <= 0 || p.seqlen_k <= 0);
   const int group = p.heads / p.heads_k;
 
   const int64_t head_dim = q_in.size(-1);
@@ -384,7 +386,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
     if (!per_query_head && user.size(-1) == head_dim_padded && is_aligned_16(user)) return user;
     std::vector<int64_t> sizes = kernel_in.sizes().vec();
     if (per_query_head) sizes[sizes.size() - 2] = p.heads;
-    return zero_filled ? at::zeros(sizes, kernel_in.options()) : at::empty(sizes, kernel_in.options());
+    return zero_filled ? at::zeros(sizes, kernel_in.options())
+                       : at::empty(sizes, kernel_in.options());
   };
   at::Tensor dq = adds_into_caller_accum ? at::Tensor() : kernel_grad(dq_user, q, false);
   p.dkv_per_kv_head = group > 1 && cuda::bwd_sums_gqa_groups_in_kernel(p, num_sms());
@@ -421,7 +424,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
         rows.cols[i] = static_cast<int>(grads[i]->size(-1));
       }
       call_kernels([&] {
-        cuda::finish_grad_rows_outside_sequences(p, rows, static_cast<int>(q.element_size()), stream);
+        cuda::finish_grad_rows_outside_sequences(p, rows, static_cast<int>(q.element_size()),
+                                                 stream);
       });
     }
     if (dsink.has_value()) {

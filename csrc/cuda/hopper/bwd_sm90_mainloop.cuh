@@ -54,10 +54,9 @@ struct BwdSm90Consumer {
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t chunk_offset = (kk % 4) * 32;
-      WgmmaOps<T, kBlockM>::ss_kmajor(&acc[0][0],
-                                      smem_desc_advance(desc_a, (kk / 4) * kBlockN * 128 + chunk_offset),
-                                      smem_desc_advance(desc_b, (kk / 4) * kBlockM * 128 + chunk_offset),
-                                      kk > 0 ? 1 : 0);
+      const uint64_t a = smem_desc_advance(desc_a, (kk / 4) * kBlockN * 128 + chunk_offset);
+      const uint64_t b = smem_desc_advance(desc_b, (kk / 4) * kBlockM * 128 + chunk_offset);
+      WgmmaOps<T, kBlockM>::ss_kmajor(&acc[0][0], a, b, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
   }
@@ -67,10 +66,12 @@ struct BwdSm90Consumer {
   FAE_DEVICE void issue_grad_update(float (&acc)[kGradCols / 8][4],
                                     const uint32_t (&a)[kBlockM / 16][4], uint32_t b_tile) const {
     using namespace sm90;
-    const uint64_t desc_b = smem_desc_sw128(b_tile + (wg_col0 / 64) * kBlockM * 128, kBlockM * 128, 1024);
+    const uint64_t desc_b =
+        smem_desc_sw128(b_tile + (wg_col0 / 64) * kBlockM * 128, kBlockM * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      WgmmaOps<T, kGradCols>::rs_mnmajor(&acc[0][0], a[kk], smem_desc_advance(desc_b, kk * 2048), 1);
+      WgmmaOps<T, kGradCols>::rs_mnmajor(&acc[0][0], a[kk], smem_desc_advance(desc_b, kk * 2048),
+                                         1);
     }
   }
 
