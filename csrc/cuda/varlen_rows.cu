@@ -37,15 +37,16 @@ __global__ void rows_past_sequences_kernel(AttentionFwdParams params, int cols) 
 }
 
 // The backward's dQ, dK, dV (blockIdx.z = 0, 1, 2): the rows that no
-// sequence covers, which the backward kernels leave unwritten. blockIdx.y = b
+// sequence covers, which the backward kernels leave unwritten. blockIdx.x = b
 // < batch: rows [used, full) of sequence b (keys past seqused_k; queries and
 // keys past max_seqlen, which only a bad max_seqlen leaves); b = batch: the
-// packed rows past the last sequence. blockIdx.x strides over the rows. A
+// packed rows past the last sequence (x: no 65535 limit on the batch).
+// blockIdx.y strides over the rows. A
 // zero-filled allocation did this before at the cost of a pass over all three
 // gradients (2.6-2.8% of a varlen backward, H200).
 template <typename Elem>
 __global__ void grad_rows_outside_sequences_kernel(AttentionBwdParams params, GradRows rows) {
-  const int which = blockIdx.z, b = blockIdx.y;
+  const int which = blockIdx.z, b = blockIdx.x;
   Elem* grad = static_cast<Elem*>(rows.ptr[which]);
   if (grad == nullptr) return;
   const TensorStrides st = rows.strides[which];
@@ -75,7 +76,7 @@ __global__ void grad_rows_outside_sequences_kernel(AttentionBwdParams params, Gr
     end = total;
   }
   const int heads = rows.heads[which], cols = rows.cols[which];
-  for (int64_t row = begin + blockIdx.x; row < end; row += gridDim.x) {
+  for (int64_t row = begin + blockIdx.y; row < end; row += gridDim.y) {
     for (int i = threadIdx.x; i < heads * cols; i += blockDim.x) {
       grad[row_offset(st, batch, i / cols, row) + i % cols] = Elem(0);
     }
@@ -87,7 +88,7 @@ __global__ void grad_rows_outside_sequences_kernel(AttentionBwdParams params, Gr
 void finish_grad_rows_outside_sequences(const AttentionBwdParams& params, const GradRows& rows,
                                         int elem_bytes, cudaStream_t stream) {
   if (!has_var_seqs(params)) return;
-  const dim3 grid(4, static_cast<unsigned>(params.batch) + 1, 3);
+  const dim3 grid(static_cast<unsigned>(params.batch) + 1, 4, 3);
   const dim3 block(128);
   if (elem_bytes == 4) {
     grad_rows_outside_sequences_kernel<uint32_t><<<grid, block, 0, stream>>>(params, rows);
