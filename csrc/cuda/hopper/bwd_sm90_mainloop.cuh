@@ -147,17 +147,28 @@ struct BwdSm90Consumer {
   // A chunk is kDqCols / 32 boxes of [64 rows x 128 B] in the 128-byte swizzle
   // of the dQ tensor map: 16-byte unit u of row r sits at unit u ^ (r % 8).
   // The float2 of (row r, columns 8j + 2q) is unit 2 (j % 4) + q / 2, byte
-  // 8 (q % 2): for one j a warp's 8 rows x 4 quads cover all 32 banks twice.
+  // 8 (q % 2). An 8-byte store runs as two 16-lane phases (rows g = 0-3,
+  // 4-7 of the warp's 8): for one j, rows g and g ^ 1 land in the same two
+  // units, so each phase fills 4 of the 8 units twice (a 2-way bank conflict:
+  // ncu counted 2 excess wavefronts per store, 67 M per backward at S = 8k,
+  // where FlashAttention-4 has none). Odd rows therefore store column group
+  // j ^ 2 (units ^ 4) when even rows store j: every phase covers all 8 units
+  // once. The row's data is picked by a select; the columns stay in place.
   FAE_DEVICE void stage_dq(uint32_t buf, const float (&dq)[kDqCols / 8][4]) const {
+    static_assert(kDqCols % 32 == 0, "column groups j and j ^ 2 share a 32-column box");
+    const bool odd_row = ((lane / 4) & 1) != 0;
 #pragma unroll
-    for (int j = 0; j < kDqCols / 8; ++j) {
+    for (int t = 0; t < kDqCols / 8; ++t) {
+      const int j = odd_row ? t ^ 2 : t;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int r = warp * 16 + lane / 4 + 8 * hh;
         const int unit = 2 * (j % 4) + (lane % 4) / 2;
         const uint32_t addr = buf + (j / 4) * kDqRows * 128 + r * 128 + ((unit ^ (r % 8)) * 16) +
                               (lane % 2) * 8;
-        sm90::st_shared_v2_f32(addr, dq[j][2 * hh], dq[j][2 * hh + 1]);
+        const float x = odd_row ? dq[t ^ 2][2 * hh] : dq[t][2 * hh];
+        const float y = odd_row ? dq[t ^ 2][2 * hh + 1] : dq[t][2 * hh + 1];
+        sm90::st_shared_v2_f32(addr, x, y);
       }
     }
   }
