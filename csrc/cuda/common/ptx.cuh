@@ -173,6 +173,17 @@ FAE_DEVICE void quad_transpose(uint32_t (&v)[4], int quad_lane) {
   }
 }
 
+// One 16-byte store to global memory (ptr 16-byte aligned). Written as PTX
+// because a uint4 store through a pointer was not always kept whole: NVVM
+// split the first 16-byte group of store_accumulator_row into four 4-byte
+// stores (the Hopper forward's O at D = 64: half of its stores; dK / dV),
+// which write each 32-byte sector in pieces.
+FAE_DEVICE void st_global_v4(void* ptr, const uint32_t (&v)[4]) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(__cvta_generic_to_global(ptr)),
+               "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+               : "memory");
+}
+
 // Stores row `half` (0: row lane / 4, 1: that row + 8) of an accumulator
 // fragment acc[kCols / 8][4] in the mma / wgmma layout (a quad holds columns
 // 8j + 2q + {0, 1} of the row, j = 0 .. kCols / 8 - 1), times `scale`, into
@@ -195,9 +206,7 @@ FAE_DEVICE void store_accumulator_row(T* row, const float (&acc)[kCols / 8][4], 
     }
     quad_transpose(cols, lane % 4);
     const int col = col0 + 8 * (4 * c + lane % 4);
-    if (row_ok && col < col_end) {
-      *reinterpret_cast<uint4*>(row + col) = make_uint4(cols[0], cols[1], cols[2], cols[3]);
-    }
+    if (row_ok && col < col_end) st_global_v4(row + col, cols);
   }
 }
 
