@@ -81,6 +81,14 @@
 //                                 causal 1.02-1.03; geomean vs cuDNN unchanged
 //   (wgmma descriptors advanced by one add, kept: D=64 0.97-0.99, D=128 noise;
 //   30% fewer consumer instructions: the step is latency-bound, not issue-bound)
+//   (H100, 2026-11-28, the same method)
+//   main kernel as the preprocess kernel's
+//     programmatic dependent launch, and dV of
+//     the step's first 64 queries issued before
+//     the dP^T wait (the softmax then runs under
+//     dP^T's wgmma)                            -1.5% .. +1.5%, geomean unchanged
+//   (dQ staging without its 2-way bank conflict, kept: D=128 4k / 16k 1-2%
+//   faster, the rest noise)
 //
 // Shared memory (tiles in 64-column chunks of [rows x 128 B], TMA's 128-byte
 // swizzle; every tile 1024-byte aligned):

@@ -54,7 +54,10 @@ namespace cuda {
 // against 0.922x (D = 256, S = 512: 0.96-0.98x from 0.81-0.83x); 176-key
 // tiles at D = 64: +1% at S >= 8k, -4 to -14% at S <= 2k. Full grid after
 // all of it: 1.01x (bf16), 0.997x (fp16; 1.008x re-measured in session 9 with
-// three rotated rounds, as bf16).
+// three rotated rounds, as bf16). Session 12 (H100, same-machine builds, D =
+// 128, S 1k-16k): 128 keys non-causal 1.008x against 176's 1.009x, 128 keys
+// with 3 stages 0.996x; FlashAttention-4's 144-key D = 64 tile spills (96
+// bytes, serialised wgmma) within three warpgroups' 160 registers.
 // Shared memory bounds the choice: Q + 2 x stages x kBlockN x D x 2 bytes
 // must fit 227 KB (D = 256, kBlockN = 80: 64 + 160 KB). FAE_SM90_BLOCK_N /
 // FAE_SM90_STAGES / FAE_SM90_Q_RING override every head dim at once
@@ -108,7 +111,9 @@ struct FwdSm90TileConfig {
 };
 
 // The FP8 (e4m3) forward's tiles: 128 keys (a whole 128-byte swizzle row of
-// the transposed V tile, see FwdSm90Traits::kFp8), 2 stages, both head dims.
+// the transposed V tile, see FwdSm90Traits::kFp8), 2 stages, both head dims,
+// two consumer warpgroups (three at D = 128, as at bf16 D = 64 with the same
+// exp2 : MMA ratio, spill 144 bytes within 160 registers: O 64 + S 64 + P 16).
 template <int kHeadDim>
 struct FwdSm90Fp8TileConfig {
   static constexpr int kBlockN = 128;
