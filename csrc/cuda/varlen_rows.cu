@@ -41,9 +41,9 @@ __global__ void rows_past_sequences_kernel(AttentionFwdParams params, int cols) 
 // < batch: rows [used, full) of sequence b (keys past seqused_k; queries and
 // keys past max_seqlen, which only a bad max_seqlen leaves); b = batch: the
 // packed rows past the last sequence (x: no 65535 limit on the batch).
-// blockIdx.y strides over the rows. A
-// zero-filled allocation did this before at the cost of a pass over all three
-// gradients (2.6-2.8% of a varlen backward, H200).
+// blockIdx.y strides over the rows. A zero-filled allocation did this before,
+// at the cost of a pass over all three gradients (2.6-2.8% of a varlen
+// backward, H200).
 template <typename Elem>
 __global__ void grad_rows_outside_sequences_kernel(AttentionBwdParams params, GradRows rows) {
   const int which = blockIdx.z, b = blockIdx.x;
