@@ -4,6 +4,8 @@ Runs only on a compute-capability 9.0 GPU with a build that has an sm_90a
 target; FLASH_ATTN_EXT_BWD_IMPL (read on every call) switches between the
 Hopper kernel ("auto"/"wgmma") and the mma.sync kernels ("mma").
 """
+import os
+
 import pytest
 import torch
 
@@ -185,6 +187,36 @@ def test_broadcast_inputs_stay_on_mma(sm90):
     assert_fa_rule(out, ref, base, 2)
     for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
         assert_fa_rule(g, r, b, 3, what=name)
+
+
+# ---- MLA's 192 / 128: a backward of its own -------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(131, 131), (77, 201), (257, 93)])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_head_dims_192_128(sm90, gqa_walk, dtype, causal, seqlen_q, seqlen_k, deterministic):
+    """q / k head dim 192, v's 128: the Hopper kernel of that pair (no zero-padded copies),
+    its consumers each owning 64 + 32 dK / dQ columns and 64 dV columns; GQA with the
+    group walk forced and not, odd lengths both ways, the deterministic dQ order."""
+    b, h, hk = 2, 4, 2
+    q = randn((b, seqlen_q, h, 192), dtype, DEVICE, 1, True)
+    k = randn((b, seqlen_k, hk, 192), dtype, DEVICE, 2, True)
+    v = randn((b, seqlen_k, hk, 128), dtype, DEVICE, 3, True)
+    dout = randn((b, seqlen_q, h, 128), dtype, DEVICE, 4)
+    out = fa.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+    names = kernel_names(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    # The pair's own instantiation (Traits<T, 192, 128>), not the padded D = 256 one (which
+    # a build without head dim 192 in FLASH_ATTN_EXT_HEAD_DIMS runs instead).
+    ran = [n for n in names if SM90_BWD_KERNEL in n]
+    assert ran
+    if os.environ.get("FLASH_ATTN_EXT_HEAD_DIMS", "192").find("192") >= 0:
+        assert any("192" in n for n in ran), ran
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    assert [g.shape[-1] for g in grads] == [192, 192, 128]
+    ref, base = ref_and_base(lambda q, k, v: gqa_attention(q, k, v, causal), (q, k, v), dout)
+    check_out_and_grads(out, grads, ref, base, dtype)
+    if deterministic:
+        assert_grads_repeat(out, (q, k, v), dout, grads, 2)
 
 
 # ---- deterministic ------------------------------------------------------------------

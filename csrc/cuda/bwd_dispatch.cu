@@ -103,6 +103,18 @@ int64_t dq_semaphore_ints(const AttentionBwdParams& p) {
 // calls included, and window / softcap / ALiBi / attn_mask / dropout calls (its
 // variant instantiation, run_bwd_sm90_variants_impl).
 #ifdef FAE_HAS_SM90A
+// A v head dim other than q's with a Hopper backward of its own: MLA's
+// 192 / 128 (instantiations/bwd_sm90_*_hdim192_v128_*.cu), without variants
+// (those, and every other pair, run padded: bwd_kernel_head_dim).
+bool bwd_sm90_head_dims_v(const AttentionBwdParams& p) {
+#ifdef FAE_HAS_HDIM_192
+  return p.head_dim == 192 && p.head_dim_v == 128 && !has_variants(p);
+#else
+  (void)p;
+  return false;
+#endif
+}
+
 bool use_sm90_backward(const AttentionBwdParams& p) {
   if (kernel_impl_requested("FLASH_ATTN_EXT_BWD_IMPL") == KernelImpl::kMma) return false;
   const bool packed = p.cu_seqlens_q != nullptr;
@@ -111,7 +123,10 @@ bool use_sm90_backward(const AttentionBwdParams& p) {
   const int64_t rows_q = packed ? p.total_q : p.seqlen_q, rows_k = packed ? p.total_k : p.seqlen_k;
   const int map_batch = packed ? 1 : p.batch;
   const bool rows_fit = rows_q < (int64_t{1} << 31) - 64 && rows_k < (int64_t{1} << 31) - 128;
-  return !is_fp32(p) && bwd_sm90_head_dim(bwd_rounded_head_dim(p.head_dim)) &&
+  const bool dims_ok = p.head_dim_v == p.head_dim
+                           ? bwd_sm90_head_dim(bwd_rounded_head_dim(p.head_dim))
+                           : bwd_sm90_head_dims_v(p);
+  return !is_fp32(p) && dims_ok &&
          rows_fit &&
          p.heads <= 65535 && p.batch <= 65535 &&
          tma_strides_ok(p.q_strides, rows_q, p.heads, map_batch) &&
@@ -121,8 +136,27 @@ bool use_sm90_backward(const AttentionBwdParams& p) {
 }
 #endif
 
+// A v head dim other than q's: the Hopper backward of that pair (the op layer
+// pads every call that bwd_runs_head_dims turns down to one head dim).
+template <typename T>
+void dispatch_head_dims_v(const AttentionBwdParams& p, cudaStream_t stream) {
+#if defined(FAE_HAS_SM90A) && defined(FAE_HAS_HDIM_192)
+  if (use_sm90_backward(p)) {
+    with_causal(p.causal, [&](auto causal_tag) {
+      run_bwd_sm90_impl<T, 192, decltype(causal_tag)::value, 128>(p, stream);
+    });
+    return;
+  }
+#endif
+  throw std::runtime_error("flash_attn_ext: internal error: head_dim " +
+                           std::to_string(p.head_dim) + " with head_dim_v " +
+                           std::to_string(p.head_dim_v) + " reached the backward without a "
+                           "kernel for the pair (the op layer pads such calls)");
+}
+
 template <typename T>
 void run_head_dim_switch(const AttentionBwdParams& p, cudaStream_t stream) {
+  if (p.head_dim_v != p.head_dim) return dispatch_head_dims_v<T>(p, stream);
   auto run = [&](auto dim_tag) {
     if (has_variants(p)) {  // causal or not: the variant kernels' Mask
       constexpr int kDim = decltype(dim_tag)::value;
@@ -150,6 +184,15 @@ void run_head_dim_switch(const AttentionBwdParams& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+bool bwd_runs_head_dims(const AttentionBwdParams& params) {
+  if (params.head_dim_v == params.head_dim) return true;
+#ifdef FAE_HAS_SM90A
+  return use_sm90_backward(params);
+#else
+  return false;
+#endif
+}
 
 int bwd_kernel_head_dim(const AttentionBwdParams& params, int width) {
 #ifdef FAE_HAS_SM90A

@@ -122,6 +122,11 @@ bool bwd_adds_into_caller_dq_accum(const AttentionBwdParams& params);
 // call, still about twice the mma.sync kernels' speed (H200,
 // docs/PERFORMANCE.md).
 int bwd_kernel_head_dim(const AttentionBwdParams& params, int width);
+// Whether the backward runs the call's head dims as they are: equal ones, or
+// a pair with a Hopper backward of its own (MLA's 192 / 128, no variants; q /
+// k / v / dout strides of the tensors the kernel will read). Other pairs run
+// one padded head dim (bwd_kernel_head_dim of max(head_dim, head_dim_v)).
+bool bwd_runs_head_dims(const AttentionBwdParams& params);
 // GQA (heads > heads_k): whether the backward that takes this call sums dK /
 // dV over each kv head's group of query heads itself and writes them per kv
 // head into params.dk / dv ([.., heads_k, D]; the Hopper backward). Otherwise

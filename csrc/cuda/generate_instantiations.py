@@ -58,9 +58,11 @@ FP8_PASSES = {
                      (128, 256)),
 }
 
-# Head-dim pairs (q / k, v) with a Hopper forward of their own where v's head
-# dim is not q's (DeepSeek MLA's training shape): fwd_sm90_<dtype>_hdim<D>_v<Dv>_*.
-# Other pairs run a kernel of max(D, Dv) with the narrower tensors zero-padded.
+# Head-dim pairs (q / k, v) with a Hopper forward and backward of their own where
+# v's head dim is not q's (DeepSeek MLA's training shape):
+# {fwd,bwd}_sm90_<dtype>_hdim<D>_v<Dv>_*. Other pairs, and these with variants,
+# run a kernel of max(D, Dv) (the backward: the next Hopper head dim) with the
+# narrower tensors zero-padded.
 HEAD_DIMS_V_SM90 = ((192, 128),)
 
 TEMPLATE = """\
@@ -90,16 +92,18 @@ def main():
                         f.write(TEMPLATE.format(header=header, launcher=launcher, ctype=ctype,
                                                 hdim=hdim, causal=", " + str(causal).lower(),
                                                 params=params))
-    header, launcher, params, _ = PASSES["fwd_sm90"]
-    for dtype, ctype in DTYPES.items():
-        for hdim, hdim_v in HEAD_DIMS_V_SM90:
-            for causal in (False, True):
-                name = f"fwd_sm90_{dtype}_hdim{hdim}_v{hdim_v}_{'causal' if causal else 'full'}.cu"
-                with open(os.path.join(out_dir, name), "w") as f:
-                    f.write(TEMPLATE.format(header=header, launcher=launcher, ctype=ctype,
-                                            hdim=hdim,
-                                            causal=f", {str(causal).lower()}, {hdim_v}",
-                                            params=params))
+    for pass_name in ("fwd_sm90", "bwd_sm90"):
+        header, launcher, params, _ = PASSES[pass_name]
+        for dtype, ctype in DTYPES.items():
+            for hdim, hdim_v in HEAD_DIMS_V_SM90:
+                for causal in (False, True):
+                    name = (f"{pass_name}_{dtype}_hdim{hdim}_v{hdim_v}_"
+                            f"{'causal' if causal else 'full'}.cu")
+                    with open(os.path.join(out_dir, name), "w") as f:
+                        f.write(TEMPLATE.format(header=header, launcher=launcher, ctype=ctype,
+                                                hdim=hdim,
+                                                causal=f", {str(causal).lower()}, {hdim_v}",
+                                                params=params))
     for passes, suffix in ((VARIANT_PASSES, "mask"), (KV_CACHE_PASSES, "cache")):
         for pass_name, (header, launcher, params, head_dims) in passes.items():
             for dtype, ctype in DTYPES.items():

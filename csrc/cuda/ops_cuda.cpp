@@ -356,13 +356,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
   const int group = p.heads / p.heads_k;
 
   const int64_t head_dim = q_in.size(-1);
+  // A pair of head dims with a kernel of its own (bwd_runs_head_dims: MLA's
+  // 192 / 128 on Hopper) keeps both; every other pair runs one padded head dim.
+  const bool own_dims = v_in.size(-1) != head_dim && cuda::bwd_runs_head_dims(p);
   const int64_t head_dim_padded =
-      cuda::bwd_kernel_head_dim(p, static_cast<int>(kernel_head_dim(head_dim, v_in.size(-1))));
+      own_dims ? head_dim
+               : cuda::bwd_kernel_head_dim(
+                     p, static_cast<int>(kernel_head_dim(head_dim, v_in.size(-1))));
+  const int64_t head_dim_v_padded = own_dims ? v_in.size(-1) : head_dim_padded;
   at::Tensor q = kernel_friendly(q_in, head_dim_padded);
   at::Tensor k = kernel_friendly(k_in, head_dim_padded);
-  at::Tensor v = kernel_friendly(v_in, head_dim_padded);
-  at::Tensor out = kernel_friendly(out_in, head_dim_padded);
-  at::Tensor dout = kernel_friendly(dout_in, head_dim_padded);
+  at::Tensor v = kernel_friendly(v_in, head_dim_v_padded);
+  at::Tensor out = kernel_friendly(out_in, head_dim_v_padded);
+  at::Tensor dout = kernel_friendly(dout_in, head_dim_v_padded);
   point_at_inputs(p, q, k, v);
   p.out = out.data_ptr();
   p.dout = dout.data_ptr();
@@ -383,7 +389,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd_cuda(
   at::Tensor dq_user = adds_into_caller_accum ? at::Tensor() : alloc(q_in);
   at::Tensor dk_user = alloc(k_in), dv_user = alloc(v_in);
   auto kernel_grad = [&](const at::Tensor& user, const at::Tensor& kernel_in, bool per_query_head) {
-    if (!per_query_head && user.size(-1) == head_dim_padded && is_aligned_16(user)) return user;
+    if (!per_query_head && user.size(-1) == kernel_in.size(-1) && is_aligned_16(user)) return user;
     std::vector<int64_t> sizes = kernel_in.sizes().vec();
     if (per_query_head) sizes[sizes.size() - 2] = p.heads;
     return zero_filled ? at::zeros(sizes, kernel_in.options())

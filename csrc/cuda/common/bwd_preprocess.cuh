@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(256)
                  packed_row * params.out_strides.row + h * params.out_strides.head;
     const T* d_o = static_cast<const T*>(params.dout) + b * params.dout_strides.batch +
                    packed_row * params.dout_strides.row + h * params.dout_strides.head;
-    for (int c = sub * 8; c < params.head_dim; c += kDotThreadsPerRow * 8) {
+    for (int c = sub * 8; c < params.head_dim_v; c += kDotThreadsPerRow * 8) {
       float ov[8], dov[8];
       load8<T>(o + c, ov);
       load8<T>(d_o + c, dov);

@@ -28,7 +28,9 @@ inline bool bwd_sm90_sums_gqa_groups(const AttentionBwdParams& p) {
   return p.dkv_per_kv_head && p.heads > p.heads_k;
 }
 
-template <typename T, int kHeadDim, bool kIsCausal>
+// kHeadDimV: v's head dim where it is not q's (instantiations/bwd_sm90_*_v<Dv>_*.cu:
+// MLA's 192 / 128).
+template <typename T, int kHeadDim, bool kIsCausal, int kHeadDimV = kHeadDim>
 void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream);
 
 // Window / softcap / ALiBi / attn_mask / dropout (has_variants), causal or not.

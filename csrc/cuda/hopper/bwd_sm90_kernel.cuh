@@ -136,10 +136,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
-  constexpr int kGradCols = Traits::kGradCols;
   constexpr int kDqBuffers = Traits::kDqBuffers;
   constexpr int kDqCols = Traits::kDqCols;
   constexpr int kChunks = Traits::kChunks;
+  constexpr int kChunksV = Traits::kChunksV;
   using namespace sm90;
 
   extern __shared__ uint8_t smem_raw[];
@@ -243,9 +243,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           (static_cast<int64_t>(b) * params.heads + h_first) * params.seqlen_q_padded;
       const float* row_stats_first = params.lse_log2_padded + head_rows;
       const int64_t dsum_offset = params.dsum_padded - params.lse_log2_padded;
-      mbar_arrive_expect_tx(smem.kv_full(), 2 * Traits::kKVBytes);
+      mbar_arrive_expect_tx(smem.kv_full(), kBlockN * (kChunks + kChunksV) * 128);
       tma_load_tile<kChunks>(&tmap_k, smem.k, kBlockN, smem.kv_full(), k_row0 + n0, h_k, tma_batch);
-      tma_load_tile<kChunks>(&tmap_v, smem.v, kBlockN, smem.kv_full(), k_row0 + n0, h_k, tma_batch);
+      tma_load_tile<kChunksV>(&tmap_v, smem.v, kBlockN, smem.kv_full(), k_row0 + n0, h_k, tma_batch);
       for (auto step = walk.first(); walk.more(step.i); walk.advance(step)) {
         const int i = step.i, h = h_first + step.g;
         const int stage = i % kStages;
@@ -258,13 +258,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           const uint32_t reads = bwd_sm90_mask_reads<kBlockM, kBlockN>(params, seq, b, h, m0, n0);
           st_shared_b32(smem.mask_reads(stage), reads);  // before qdo_full's arrive
         }
-        mbar_arrive_expect_tx(smem.qdo_full(stage), 2 * Traits::kQBytes + Traits::kRowStatBytes);
+        mbar_arrive_expect_tx(smem.qdo_full(stage),
+                              kBlockM * (kChunks + kChunksV) * 128 + Traits::kRowStatBytes);
         bulk_load(smem.lse(stage), row_stats_head + m0, kBlockM * 4, smem.qdo_full(stage));
         bulk_load(smem.dsum(stage), row_stats_head + dsum_offset + m0, kBlockM * 4,
                   smem.qdo_full(stage));
         tma_load_tile<kChunks>(&tmap_q, smem.q(stage), kBlockM, smem.qdo_full(stage),
                                q_row0 + m0, h, tma_batch);
-        tma_load_tile<kChunks>(&tmap_do, smem.dO(stage), kBlockM, smem.qdo_full(stage),
+        tma_load_tile<kChunksV>(&tmap_do, smem.dO(stage), kBlockM, smem.qdo_full(stage),
                                q_row0 + m0, h, tma_batch);
       }
     } else if (threadIdx.x == 32 || threadIdx.x == 64) {
@@ -287,14 +288,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int wg_key0 = Traits::kSplitHeadDim ? 0 : wg * 64;
   static_assert(Traits::kSplitHeadDim ? kBlockN == 64 : kBlockN == 64 * Traits::kConsumerWarpgroups,
                 "each consumer's keys are one 64-key block of the attn_mask summary");
-  const int wg_col0 = Traits::kSplitHeadDim ? wg * kGradCols : 0;
+  const int wg_col0 = Traits::grad_col_a(wg);
 
-  // The accumulators (layout: bwd_sm90_mainloop.cuh): rows are keys.
-  float dk[kGradCols / 8][4], dv[kGradCols / 8][4];
+  // The accumulators (layout: bwd_sm90_mainloop.cuh): rows are keys. dK in
+  // the traits' pieces (dk_b: D = 192's 32-column piece; a dead placeholder
+  // elsewhere).
+  constexpr int kColsKB = Traits::kGradColsB > 0 ? Traits::kGradColsB : 8;
+  float dk[Traits::kGradColsA / 8][4], dk_b[kColsKB / 8][4], dv[Traits::kGradColsV / 8][4];
 #pragma unroll
-  for (int j = 0; j < kGradCols / 8; ++j) {
+  for (int j = 0; j < Traits::kGradColsA / 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+    for (int e = 0; e < 4; ++e) dk[j][e] = 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < kColsKB / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk_b[j][e] = 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < Traits::kGradColsV / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dv[j][e] = 0.f;
   }
   const int key_row = wg_key0 + warp * 16 + lane / 4;  // + 8 * (e / 2), within the tile
   // The step's GEMMs and staging (bwd_sm90_mainloop.cuh), its probabilities
@@ -305,6 +319,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using RowStat = typename Softmax::RowStat;
   constexpr int kZeroedBarrier = BwdSm90Consumer<Traits>::kZeroedBarrier;
 
+  if constexpr (kChunksV < kChunks) {
+    // V / dO chunks past v's head dim: zeros for dP^T's extra k-steps (the
+    // TMA never writes them), once per CTA.
+    consumer.zero_pad_chunks();
+    fence_proxy_async_smem();
+    named_barrier_sync(kZeroedBarrier, 256);
+  }
   if (m_begin < m_end) {
     mbar_wait(smem.kv_full(), 0);
     if (kVarSeq && n0 + kBlockN > seq.seqlen_k) {
@@ -425,7 +446,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // dV, then (once both consumers' dS^T is in shared memory) dQ before
       // dK: the dQ staging waits only for dQ and runs under dK's wgmma.
       wgmma_fence();
-      consumer.issue_grad_update(dv, p_frag, smem.dO(stage));
+      consumer.issue_grad_update<Traits::kGradColsV>(dv, p_frag, smem.dO(stage), 0);
       wgmma_commit();
       const uint32_t ds_buf = smem.ds(i % 2);
       consumer.store_ds(ds_buf, ds_frag);
@@ -433,7 +454,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       named_barrier_sync(kDsBarrier, 256);
       float dq[kDqCols / 8][4];
       consumer.issue_dq_chunk(dq, ds_buf, 0);
-      consumer.issue_grad_update(dk, ds_frag, smem.q(stage));
+      consumer.issue_grad_update<Traits::kGradColsA>(dk, ds_frag, smem.q(stage), 0);
       wgmma_commit();
       wgmma_wait<1>();  // dV, dQ
       fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
@@ -605,16 +626,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         fence_proxy_async_smem();
       }
       wgmma_fence();
-      consumer.issue_grad_update(dv, p_frag, smem.dO(stage));
+      consumer.issue_grad_update<Traits::kGradColsV>(dv, p_frag, smem.dO(stage),
+                                                     Traits::grad_col_v(wg));
       wgmma_commit();
       named_barrier_sync(kDsReady, 256);
       if (wg == 0) {
         consumer.load_ds(ds_buf, ds_frag);
       }
       wgmma_fence();
-      consumer.issue_grad_update(dk, ds_frag, smem.q(stage));
+      consumer.issue_grad_update<Traits::kGradColsA>(dk, ds_frag, smem.q(stage), wg_col0);
+      if constexpr (Traits::kGradColsB > 0) {
+        consumer.issue_grad_update<Traits::kGradColsB>(dk_b, ds_frag, smem.q(stage),
+                                                       Traits::grad_col_b(wg));
+      }
       wgmma_commit();
-      consumer.accumulate_dq_in_stage(ds_buf, stage, i, dk, dv);
+      if constexpr (Traits::kDqPieces) {
+        consumer.accumulate_dq_pieces(ds_buf, stage, i, dk, dk_b, dv);
+      } else {
+        consumer.accumulate_dq_in_stage(ds_buf, stage, i, dk, dv);
+      }
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
       fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
     }
@@ -625,8 +655,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // above), else the query head (GQA there: per query head, summed by the op
   // layer).
   const int grad_head = kWalkGroup ? h_k : h_first;
-  bwd_sm90_store_dk_dv<Traits>(params, dk, dv, b, grad_head, k_row0, n0, key_row, seq.seqlen_k,
-                               wg_col0, lane);
+  bwd_sm90_store_dk_dv<Traits, kColsKB>(params, dk, dk_b, dv, b, grad_head, k_row0, n0, key_row,
+                                        seq.seqlen_k, wg, lane);
 #endif
 }
 

@@ -23,11 +23,15 @@
 namespace flash_attn_ext {
 namespace cuda {
 
-template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants>
+// kHeadDimV: v's head dim where it is not q's (MLA's 192 / 128): exactly these dims.
+template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, int kHeadDimV = kHeadDim>
 void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream) {
-  using Traits = BwdSm90Traits<T, kHeadDim>;
+  using Traits = BwdSm90Traits<T, kHeadDim, kHeadDimV>;
   static_assert(Traits::kBlockN == bwd_sm90_block_n(kHeadDim), "bwd_sm90.h names the key tile");
-  if (params.head_dim > kHeadDim || params.num_splits != 1 ||
+  const bool dims_ok = kHeadDimV == kHeadDim
+                           ? params.head_dim <= kHeadDim && params.head_dim_v == params.head_dim
+                           : params.head_dim == kHeadDim && params.head_dim_v == kHeadDimV;
+  if (!dims_ok || params.num_splits != 1 ||
       params.deterministic != (params.dq_semaphore != nullptr) ||
       has_variants(params) != kHasVariants) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
@@ -51,15 +55,18 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   const int rows_k = packed ? static_cast<int>(params.total_k) : params.seqlen_k;
   const int map_batch = packed ? 1 : params.batch;
   auto map_of = [&](const void* base, const TensorStrides& strides, int rows, int heads,
-                    int box_rows) {
-    return make_attention_tensor_map(base, kBf16, params.head_dim, rows, heads, map_batch, strides,
+                    int box_rows, int head_dim) {
+    return make_attention_tensor_map(base, kBf16, head_dim, rows, heads, map_batch, strides,
                                      box_rows);
   };
-  const CUtensorMap tmap_q = map_of(params.q, params.q_strides, rows_q, params.heads, Traits::kBlockM);
-  const CUtensorMap tmap_k = map_of(params.k, params.k_strides, rows_k, params.heads_k, Traits::kBlockN);
-  const CUtensorMap tmap_v = map_of(params.v, params.v_strides, rows_k, params.heads_k, Traits::kBlockN);
-  const CUtensorMap tmap_do =
-      map_of(params.dout, params.dout_strides, rows_q, params.heads, Traits::kBlockM);
+  const CUtensorMap tmap_q =
+      map_of(params.q, params.q_strides, rows_q, params.heads, Traits::kBlockM, params.head_dim);
+  const CUtensorMap tmap_k =
+      map_of(params.k, params.k_strides, rows_k, params.heads_k, Traits::kBlockN, params.head_dim);
+  const CUtensorMap tmap_v = map_of(params.v, params.v_strides, rows_k, params.heads_k,
+                                    Traits::kBlockN, params.head_dim_v);
+  const CUtensorMap tmap_do = map_of(params.dout, params.dout_strides, rows_q, params.heads,
+                                     Traits::kBlockM, params.head_dim_v);
   // The accumulator rows (params.h) as [batch * heads][seqlen_q] padded,
   // [heads][total_q] packed.
   const int slices = (packed ? 1 : params.batch) * params.heads;
@@ -124,9 +131,9 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   if (!external) launch_bwd_convert_dq<T>(params, kHeadDim, 1, stream);
 }
 
-template <typename T, int kHeadDim, bool kIsCausal>
+template <typename T, int kHeadDim, bool kIsCausal, int kHeadDimV>
 void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
-  run_bwd_sm90_kernels<T, kHeadDim, kIsCausal, /*kHasVariants=*/false>(params, stream);
+  run_bwd_sm90_kernels<T, kHeadDim, kIsCausal, /*kHasVariants=*/false, kHeadDimV>(params, stream);
 }
 
 // Window / softcap / ALiBi / attn_mask / dropout calls (has_variants), causal

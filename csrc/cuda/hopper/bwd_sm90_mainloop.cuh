@@ -60,18 +60,21 @@ struct BwdSm90Consumer {
     }
     wgmma_commit();
   }
-  // acc += A^T B[:, this warpgroup's columns] with A^T from registers (query
+  // acc += A^T B[:, col0 .. col0 + kCols) with A^T from registers (query
   // k-steps of 16 rows = 2048 B of the MN-major B tile; its head-dim chunks
-  // are kBlockM * 128 B apart).
-  FAE_DEVICE void issue_grad_update(float (&acc)[kGradCols / 8][4],
-                                    const uint32_t (&a)[kBlockM / 16][4], uint32_t b_tile) const {
+  // are kBlockM * 128 B apart). col0: a 64-column chunk, or 32 columns into
+  // one for a 32-column piece (+64 B in the swizzle row, as issue_dq_piece).
+  template <int kCols>
+  FAE_DEVICE void issue_grad_update(float (&acc)[kCols / 8][4],
+                                    const uint32_t (&a)[kBlockM / 16][4], uint32_t b_tile,
+                                    int col0) const {
     using namespace sm90;
-    const uint64_t desc_b =
-        smem_desc_sw128(b_tile + (wg_col0 / 64) * kBlockM * 128, kBlockM * 128, 1024);
+    static_assert(kCols % 64 == 0 || kCols == 32, "whole chunks, or one 32-column piece");
+    const uint64_t desc_b = smem_desc_sw128(b_tile + (col0 / 64) * kBlockM * 128 + (col0 % 64) * 2,
+                                            kBlockM * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      WgmmaOps<T, kGradCols>::rs_mnmajor(&acc[0][0], a[kk], smem_desc_advance(desc_b, kk * 2048),
-                                         1);
+      WgmmaOps<T, kCols>::rs_mnmajor(&acc[0][0], a[kk], smem_desc_advance(desc_b, kk * 2048), 1);
     }
   }
 
@@ -125,8 +128,12 @@ struct BwdSm90Consumer {
   // step by 32 B; the swizzle applies to the absolute address). Issued and
   // committed here; staged and sent after the wait.
   FAE_DEVICE void issue_dq_chunk(float (&dq)[kDqCols / 8][4], uint32_t ds_buf, int c) const {
+    issue_dq_piece<kDqCols>(dq, ds_buf, smem.dq_col0(wg, c));
+  }
+  template <int kCols>
+  FAE_DEVICE void issue_dq_piece(float (&dq)[kCols / 8][4], uint32_t ds_buf, int col0) const {
     using namespace sm90;
-    const int col0 = smem.dq_col0(wg, c);
+    static_assert(kCols % 64 == 0 || kCols == 32, "whole chunks, or one 32-column piece");
     const uint32_t k_cols = smem.k + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2;
     ds_buf += (smem.dq_row0(wg) / 64) * kBlockN * 128;  // this consumer's query chunk of dS^T
     wgmma_fence();
@@ -134,15 +141,16 @@ struct BwdSm90Consumer {
     const uint64_t desc_b = smem_desc_sw128(k_cols, kBlockN * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      WgmmaOps<T, kDqCols>::ss_mnmajor(&dq[0][0], smem_desc_advance(desc_a, kk * 2048),
+      WgmmaOps<T, kCols>::ss_mnmajor(&dq[0][0], smem_desc_advance(desc_a, kk * 2048),
                                        smem_desc_advance(desc_b, kk * 2048), kk > 0 ? 1 : 0);
     }
     wgmma_commit();
   }
-  static FAE_DEVICE void fence_grads(float (&dk)[kGradCols / 8][4],
-                                     float (&dv)[kGradCols / 8][4]) {
-    sm90::fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dk));
-    sm90::fence_registers(reinterpret_cast<float(&)[kGradCols / 2]>(dv));
+  // dk, dv: kJ / kJV 8-column groups (the accumulators of any piece).
+  template <int kJ, int kJV>
+  static FAE_DEVICE void fence_grads(float (&dk)[kJ][4], float (&dv)[kJV][4]) {
+    sm90::fence_registers(reinterpret_cast<float(&)[kJ * 4]>(dk));
+    sm90::fence_registers(reinterpret_cast<float(&)[kJV * 4]>(dv));
   }
   // A chunk is kDqCols / 32 boxes of [64 rows x 128 B] in the 128-byte swizzle
   // of the dQ tensor map: 16-byte unit u of row r sits at unit u ^ (r % 8).
@@ -153,12 +161,14 @@ struct BwdSm90Consumer {
   // ncu counted 2 excess wavefronts per store, 67 M per backward at S = 8k,
   // where FlashAttention-4 has none). Odd rows therefore store column group
   // j ^ 2 (units ^ 4) when even rows store j: every phase covers all 8 units
-  // once. The row's data is picked by a select; the columns stay in place.
-  FAE_DEVICE void stage_dq(uint32_t buf, const float (&dq)[kDqCols / 8][4]) const {
-    static_assert(kDqCols % 32 == 0, "column groups j and j ^ 2 share a 32-column box");
-    const bool odd_row = ((lane / 4) & 1) != 0;
+  // once. The row's data is picked by a select; the columns stay in place
+  // (only where Traits::kDqStagingAlternatesRows: the selects' cost).
+  template <int kCols = kDqCols>
+  FAE_DEVICE void stage_dq(uint32_t buf, const float (&dq)[kCols / 8][4]) const {
+    static_assert(kCols % 32 == 0, "column groups j and j ^ 2 share a 32-column box");
+    const bool odd_row = Traits::kDqStagingAlternatesRows && ((lane / 4) & 1) != 0;
 #pragma unroll
-    for (int t = 0; t < kDqCols / 8; ++t) {
+    for (int t = 0; t < kCols / 8; ++t) {
       const int j = odd_row ? t ^ 2 : t;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -180,9 +190,9 @@ struct BwdSm90Consumer {
   // Head-dim split: every chunk in turn, issued after the step's dK. The
   // first wait also retires the step's dV / dK products; the chunks are staged
   // in the step's Q/dO stage, which the writer releases after the TMA read.
-  FAE_DEVICE void accumulate_dq_in_stage(uint32_t ds_buf, int stage, int i,
-                                         float (&dk)[kGradCols / 8][4],
-                                         float (&dv)[kGradCols / 8][4]) const {
+  template <int kJ, int kJV>
+  FAE_DEVICE void accumulate_dq_in_stage(uint32_t ds_buf, int stage, int i, float (&dk)[kJ][4],
+                                         float (&dv)[kJV][4]) const {
     using namespace sm90;
 #pragma unroll
     for (int c = 0; c < Traits::kDqChunks; ++c) {
@@ -197,6 +207,33 @@ struct BwdSm90Consumer {
     hand_dq_to_writer(i);
   }
 
+  // D = 192 / 128 (kDqPieces): the consumer's 96 dQ columns as a 64- and a
+  // 32-column piece (the traits' grad_col_a / grad_col_b), issued after the
+  // step's dK; one wait retires dV, dK and both pieces, then the Q/dO stage is
+  // released and the pieces are staged in the consumer's own buffer (boxes
+  // of the A piece, then the B piece: smem.dq_box_col) for its writer.
+  template <int kJ, int kJB, int kJV>
+  FAE_DEVICE void accumulate_dq_pieces(uint32_t ds_buf, int stage, int i, float (&dk)[kJ][4],
+                                       float (&dk_b)[kJB][4], float (&dv)[kJV][4]) const {
+    using namespace sm90;
+    static_assert(Traits::kDqPieces && Traits::kDqBuffers == 1, "one dQ buffer per consumer");
+    float dq_a[Traits::kGradColsA / 8][4], dq_b[Traits::kGradColsB / 8][4];
+    issue_dq_piece<Traits::kGradColsA>(dq_a, ds_buf, Traits::grad_col_a(wg));
+    issue_dq_piece<Traits::kGradColsB>(dq_b, ds_buf, Traits::grad_col_b(wg));
+    wgmma_wait<0>();
+    fence_registers(reinterpret_cast<float(&)[Traits::kGradColsA / 2]>(dq_a));
+    fence_registers(reinterpret_cast<float(&)[Traits::kGradColsB / 2]>(dq_b));
+    fence_grads(dk, dv);
+    fence_registers(reinterpret_cast<float(&)[kJB * 4]>(dk_b));
+    mbar_arrive(smem.qdo_empty(stage));
+    // The buffer's previous step has been read by the TMA.
+    mbar_wait(smem.dq_empty(wg, 0), (i & 1) ^ 1);
+    const uint32_t buf = smem.dq_buffer(wg, stage, 0, 0);
+    stage_dq<Traits::kGradColsA>(buf, dq_a);
+    stage_dq<Traits::kGradColsB>(buf + Traits::kGradColsA / 32 * kDqRows * 128, dq_b);
+    hand_dq_to_writer(i);
+  }
+
   // Packed sequences and key padding: rows of a tile past the sequence hold
   // other sequences' rows (or unused cache rows) instead of TMA's zeros.
   // They are zeroed in shared memory, so that every product sees what it
@@ -206,6 +243,22 @@ struct BwdSm90Consumer {
   // the swizzle does not matter), by the 256 consumer threads; the caller
   // syncs them (kZeroedBarrier) before any wgmma reads the tile.
   static constexpr int kZeroedBarrier = 5;
+  // V's and every dO stage's chunks past v's head dim (kChunksV < kChunks):
+  // zeros, by the 256 consumer threads, 16 bytes each; the caller fences and
+  // syncs them (kZeroedBarrier) before any wgmma reads them.
+  FAE_DEVICE void zero_pad_chunks() const {
+    constexpr int kPadChunks = Traits::kChunks - Traits::kChunksV;
+    const int thread = wg * 128 + tid;
+    for (int u = thread; u < kPadChunks * kBlockN * 8; u += 256) {
+      sm90::st_shared_v4_f32(smem.v + Traits::kChunksV * kBlockN * 128 + u * 16, 0.f, 0.f, 0.f, 0.f);
+    }
+    for (int stage = 0; stage < Traits::kStages; ++stage) {
+      for (int u = thread; u < kPadChunks * kBlockM * 8; u += 256) {
+        sm90::st_shared_v4_f32(smem.dO(stage) + Traits::kChunksV * kBlockM * 128 + u * 16, 0.f, 0.f,
+                               0.f, 0.f);
+      }
+    }
+  }
   FAE_DEVICE void zero_tile_rows(uint32_t tile, int tile_rows, int row_begin) const {
     sm90::zero_swizzled_tile_rows<Traits::kChunks>(tile, tile_rows, row_begin, wg * 128 + tid, 256);
   }

@@ -120,13 +120,21 @@ FAE_DEVICE void bwd_sm90_write_dq(const CUtensorMap* tmap_dq_accum,
       }
       wait_flag_equal(turn, rank);
     }
+    if constexpr (Traits::kDqPieces) {
 #pragma unroll
-    for (int c = 0; c < Traits::kDqChunks; ++c) {
+      for (int box = 0; box < Traits::kDqBoxes; ++box) {
+        tma_reduce_add_3d(tmap_dq_accum, smem.dq_buffer(w, stage, buf, 0) + box * kDqRows * 128,
+                          smem.dq_box_col(w, box), q_row0 + m_block * kBlockM, dq_slice);
+      }
+    } else {
 #pragma unroll
-      for (int box = 0; box < kDqCols / Traits::kDqBoxCols; ++box) {
-        tma_reduce_add_3d(tmap_dq_accum, smem.dq_buffer(w, stage, buf, c) + box * kDqRows * 128,
-                          smem.dq_col0(w, c) + box * Traits::kDqBoxCols,
-                          q_row0 + m_block * kBlockM + smem.dq_row0(w), dq_slice);
+      for (int c = 0; c < Traits::kDqChunks; ++c) {
+#pragma unroll
+        for (int box = 0; box < kDqCols / Traits::kDqBoxCols; ++box) {
+          tma_reduce_add_3d(tmap_dq_accum, smem.dq_buffer(w, stage, buf, c) + box * kDqRows * 128,
+                            smem.dq_col0(w, c) + box * Traits::kDqBoxCols,
+                            q_row0 + m_block * kBlockM + smem.dq_row0(w), dq_slice);
+        }
       }
     }
     bulk_commit_group();

@@ -86,6 +86,13 @@ struct BwdSm90Smem {
     return (Traits::kDqByRows ? c : w * Traits::kDqChunks + c) * Traits::kDqCols;
   }
   static FAE_DEVICE int dq_row0(int w) { return Traits::kDqByRows ? w * Traits::kDqRows : 0; }
+  // kDqPieces: the dQ column of box `box` of consumer w's buffer (the A
+  // piece's boxes, then the B piece's).
+  static FAE_DEVICE int dq_box_col(int w, int box) {
+    constexpr int kBoxesA = Traits::kGradColsA / Traits::kDqBoxCols;
+    return box < kBoxesA ? Traits::grad_col_a(w) + box * Traits::kDqBoxCols
+                         : Traits::grad_col_b(w) + (box - kBoxesA) * Traits::kDqBoxCols;
+  }
 };
 
 }  // namespace cuda

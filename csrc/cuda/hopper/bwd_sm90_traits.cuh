@@ -35,6 +35,17 @@
 //     half of the step's Q and dO tiles, which nothing else reads by then; the
 //     stage returns to the producer once the TMA has read them.
 //
+//   D = 192 / D_v = 128 (DeepSeek MLA's training shape; kHeadDimV): the
+//     head-dim split on 64 keys. S^T reads K / Q in 3 chunks; dP^T the same 3
+//     k-chunks of V / dO, whose third is zeroed once (the TMA loads two), so
+//     both consumers issue the same wgmmas. dV: consumer w owns columns
+//     [64w, 64w + 64). dK and dQ (96 columns each) go as a 64- and a 32-column
+//     piece: consumer 0 [0, 64) + [64, 96), consumer 1 [128, 192) + [96, 128)
+//     (a 32-column piece may start 32 columns into a swizzle atom). dQ is
+//     staged in a 24 KB buffer per consumer (3 boxes), not in the Q / dO
+//     stage. 226 KB of shared memory. The variants keep the padded D = 256
+//     kernel (bwd_kernel_head_dim).
+//
 // Measured (H100 SXM, bf16, ours / cuDNN geomean, S 512/2k/8k, causal and not,
 // cuDNN in the same process; docs/PERFORMANCE.md has the tables and A/B runs):
 //
@@ -101,10 +112,14 @@
 namespace flash_attn_ext {
 namespace cuda {
 
-template <typename T_, int kHeadDim_>
+// kHeadDimV_: v's (and dO's, dV's) head dim where it is not q's (DeepSeek
+// MLA's 192 / 128 training shape, head-dim split only): see the MLA note in
+// the file comment.
+template <typename T_, int kHeadDim_, int kHeadDimV_ = kHeadDim_>
 struct BwdSm90Traits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr bool kSplitHeadDim = kHeadDim > 128;  // see the file comment
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 64 * kConsumerWarpgroups;  // keys
@@ -121,8 +136,25 @@ struct BwdSm90Traits {
 
   static constexpr int kChunkCols = 64;
   static constexpr int kChunks = kHeadDim / kChunkCols;
-  // dK / dV columns per consumer (each owns 64 keys of them).
+  // V and dO carry kChunksV chunks; their tiles keep kChunks chunks of room,
+  // the ones past kChunksV zeroed once, so that dP^T runs the same k-steps as
+  // S^T (the head-dim split's consumers issue the same wgmmas).
+  static constexpr int kChunksV = kHeadDimV / kChunkCols;
+  // dK (and dQ) / dV columns per consumer (each owns 64 keys of them).
   static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / kConsumerWarpgroups : kHeadDim;
+  static constexpr int kGradColsV = kSplitHeadDim ? kHeadDimV / kConsumerWarpgroups : kHeadDimV;
+  // A consumer's dK / dQ columns as wgmma pieces: kGradColsA (whole 64-column
+  // chunks) and kGradColsB (0, or 32 at D = 192). dK and dQ read Q and K
+  // MN-major, and a descriptor can start a piece only at a 64-column swizzle
+  // atom or 32 columns into one for at most 32 columns (issue_dq_chunk). So
+  // 96-column halves go as 64 + 32: consumer 0 columns [0, 64) + [64, 96),
+  // consumer 1 [128, 192) + [96, 128); the same wgmma shapes on both
+  // consumers (wgmmas under a warpgroup branch would be serialised).
+  static constexpr int kGradColsA = kGradCols / 64 * 64;
+  static constexpr int kGradColsB = kGradCols - kGradColsA;
+  static FAE_DEVICE int grad_col_a(int w) { return w * (kHeadDim - kGradColsA); }
+  static FAE_DEVICE int grad_col_b(int w) { return kGradColsA + w * (kGradCols - kGradColsA); }
+  static FAE_DEVICE int grad_col_v(int w) { return kSplitHeadDim ? w * kGradColsV : 0; }
   // A step's dQ rows, each summed over all kBlockN keys, by wgmmas of kDqRows
   // queries x kDqCols columns (one sum over the CTA's keys has half the
   // reduce-add traffic of one per consumer). 128-query steps (kDqByRows):
@@ -151,10 +183,22 @@ struct BwdSm90Traits {
   // its own column half of the step's Q tile and dO tile (16 KB each), which
   // only its own dK / dV products still read by then; the stage is released
   // to the producer once the TMA has read them (kDqInQdoStage).
-  static constexpr bool kDqInQdoStage = kSplitHeadDim;
+  // D = 192 / 128 (kGradColsB > 0): the dQ pieces (64 + 32 columns) go to a
+  // buffer of its own per consumer (3 boxes, 24 KB), one per consumer (the
+  // Q / dO halves do not hold 96 columns in whole boxes).
+  static constexpr bool kDqPieces = kSplitHeadDim && kGradColsB > 0;
+  static constexpr bool kDqInQdoStage = kSplitHeadDim && !kDqPieces;
   static constexpr int kDqBoxCols = 32;
-  static constexpr int kDqBuffers = kDqByRows ? 1 : 2;
-  static constexpr int kDqBufferBytes = kDqRows * kDqCols * 4;
+  // Odd rows stage column group j ^ 2 (stage_dq: no 2-way bank conflict, at
+  // the price of a select per value). Where dQ is staged once per step, off
+  // the wgmma chain, that wins (D = 128: 1-5%); with kDqInQdoStage (D = 256)
+  // each chunk is issued, waited for and staged in turn, so the selects sit
+  // on the step's critical path: 0.90x there (H100, 2026-11-28).
+  static constexpr bool kDqStagingAlternatesRows = !kDqInQdoStage;
+  static constexpr int kDqBuffers = kDqByRows || kDqPieces ? 1 : 2;
+  static constexpr int kDqBufferCols = kDqPieces ? kGradCols : kDqCols;
+  static constexpr int kDqBufferBytes = kDqRows * kDqBufferCols * 4;
+  static constexpr int kDqBoxes = kDqBufferCols / kDqBoxCols;  // per buffer
   static constexpr int kDqSmemBytes =
       kDqInQdoStage ? 0 : kConsumerWarpgroups * kDqBuffers * kDqBufferBytes;
   // Arrivals that release a Q/dO stage: every consumer thread, after its last
@@ -188,19 +232,27 @@ struct BwdSm90Traits {
   static constexpr int kConsumerRegs = 240;
 
   static_assert(sizeof(T) == 2, "16-bit inputs only");
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256 || kHeadDim == 192,
                 "dK + dV accumulators (2 kGradCols / 2 fp32 registers per thread) must leave "
                 "room for S^T, dP^T and dQ within 240 registers");
+  static_assert(kHeadDimV == kHeadDim || (kSplitHeadDim && kHeadDimV < kHeadDim &&
+                                          kGradColsV % 64 == 0),
+                "v's own head dim: head-dim split only, dV in whole 64-column chunks");
+  static_assert(kHeadDim != 192 || kHeadDimV == 128,
+                "D = 192 only as MLA's 192 / 128 (shared memory: 226 KB)");
+  static_assert(kGradColsB == 0 || kGradColsB == 32, "a 32-column piece at most");
   static_assert(kGradCols <= 128, "at most 128 dK/dV columns per consumer (register budget)");
   static_assert(kBlockM == 64 || (kBlockM == 128 && !kSplitHeadDim),
                 "dS^T holds 64-query chunks of 128-byte swizzle rows; 128-query steps only "
                 "with the key split");
-  static_assert(kDqByRows ? kDqRows * kConsumerWarpgroups == kBlockM && kDqChunks * kDqCols == kHeadDim
-                          : kDqRows == kBlockM && kDqChunks * kDqCols * kConsumerWarpgroups == kHeadDim,
+  static_assert(kDqPieces ||
+                    (kDqByRows ? kDqRows * kConsumerWarpgroups == kBlockM && kDqChunks * kDqCols == kHeadDim
+                               : kDqRows == kBlockM && kDqChunks * kDqCols * kConsumerWarpgroups == kHeadDim),
                 "dQ rows or columns split evenly between the consumers");
   static_assert(kDqCols % kDqBoxCols == 0, "dQ chunks are whole 32-column boxes");
-  static_assert(kDqInQdoStage ? kDqChunks == 2 && kDqBufferBytes == kGradCols / 64 * kBlockM * 128
-                              : kDqChunks == 1,
+  static_assert(kDqPieces || (kDqInQdoStage ? kDqChunks == 2 &&
+                                                 kDqBufferBytes == kGradCols / 64 * kBlockM * 128
+                                           : kDqChunks == 1),
                 "dQ staging: one chunk per key-split consumer and step; a head-dim-split "
                 "consumer's two chunks each fill its column half of the Q or dO tile");
   static_assert(!kDqInQdoStage || kDqBuffers == kStages, "head-dim split: one dQ buffer per stage");
