@@ -610,7 +610,12 @@ def test_cuda_unsupported_head_dims_leave_the_cache_alone():
 def test_bwd_dout_must_have_the_value_head_dim(device):
     _need(device)
     q, k, v = _qkv(1, 8, 8, 2, 2, 32, 16, _dtype_of(device), device, requires_grad=False)
-    out, lse = torch.ops.flash_attn_ext.fwd(q, k, v, 0.25, False, True)
+    try:
+        out, lse = torch.ops.flash_attn_ext.fwd(q, k, v, 0.25, False, True)
+    except RuntimeError as e:  # a CUDA build restricted with FLASH_ATTN_EXT_HEAD_DIMS
+        if "not compiled" not in str(e):
+            raise
+        pytest.skip("head dim 32 is not compiled in this build")
     assert out.shape[-1] == 16
     with pytest.raises(RuntimeError, match="dout must have the shape of q with v's head_dim"):
         torch.ops.flash_attn_ext.bwd(torch.zeros_like(q), q, k, v, out, lse, 0.25, False, True)
