@@ -94,12 +94,15 @@
 //   30% fewer consumer instructions: the step is latency-bound, not issue-bound)
 //   (H100, 2026-11-28, the same method)
 //   main kernel as the preprocess kernel's
-//     programmatic dependent launch, and dV of
-//     the step's first 64 queries issued before
-//     the dP^T wait (the softmax then runs under
-//     dP^T's wgmma)                            -1.5% .. +1.5%, geomean unchanged
-//   (dQ staging without its 2-way bank conflict, kept: D=128 4k / 16k 1-2%
-//   faster, the rest noise)
+//     programmatic dependent launch             -1.5% .. +1.5%, geomean unchanged
+//   (dV before the dP^T wait: not measured yet, the build that ran was
+//   main's; branch exp/overlap)
+//   dQ staging without its 2-way bank conflict (H100, 2026-11-28, measured
+//   again against the commit before it): D=128 1-5% faster, D=64 noise,
+//   D=256 0.90x, so kept where dQ is staged once per step
+//   (kDqStagingAlternatesRows)
+//   D = 192 / 128 with a kernel of its own instead of padded to 256: 1.8x
+//   (0.81-0.85x FlashAttention-4, S = 8k, causal and not)
 //
 // Shared memory (tiles in 64-column chunks of [rows x 128 B], TMA's 128-byte
 // swizzle; every tile 1024-byte aligned):
