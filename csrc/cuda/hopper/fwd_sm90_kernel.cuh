@@ -355,11 +355,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                       const uint32_t (&p)[kBlockN / Traits::kKStep][4], int stage) {
     if constexpr (kFp8) {
       const uint64_t desc_vt = smem_desc_sw128(smem.v(stage), 16, 1024);
+      [[maybe_unused]] const uint64_t desc_p = smem_desc_sw128(smem.p(wg), 16, 1024);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / Traits::kKStep; ++kk) {
-        WgmmaOps<T, kHeadDim>::rs_kmajor(
-            &o[0][0][0], p[kk],
-            smem_desc_advance(desc_vt, (kk / 4) * kHeadDim * 128 + (kk % 4) * 32), 1);
+        const uint64_t b = smem_desc_advance(desc_vt, (kk / 4) * kHeadDim * 128 + (kk % 4) * 32);
+        if constexpr (Traits::kPInSmem) {
+          WgmmaOps<T, kHeadDim>::ss_kmajor(
+              &o[0][0][0], smem_desc_advance(desc_p, (kk / 4) * 64 * 128 + (kk % 4) * 32), b, 1);
+        } else {
+          WgmmaOps<T, kHeadDim>::rs_kmajor(&o[0][0][0], p[kk], b, 1);
+        }
       }
     } else {
       const uint64_t desc_v = smem_desc_sw128(smem.v(stage), kBlockN * 128, 1024);
@@ -528,12 +533,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       return ((reads >> wg) & 1u) != 0u;
     };
 
-    auto to_p_fragments = [](const float (&s)[1][kBlockN / 8][4],
-                             uint32_t (&p)[kBlockN / Traits::kKStep][4]) {
+    // P as the A operand of P V: fragments in registers, or (kPInSmem) stored
+    // into this warpgroup's buffer by stmatrix (lane l addresses row l % 8 of
+    // 8x8 matrix l / 8, which takes fragment word l / 8: rows + 8 (word % 2),
+    // 16-byte unit + word / 2; the backward's store_ds) and fenced for the
+    // async proxy. The next gemm_turn_begin (a bar.sync of this warpgroup's
+    // 128 threads) orders every thread's stores before the SS wgmma reads
+    // them; the buffer is rewritten only after the wait for that P V.
+    auto to_p_fragments = [&](const float (&s)[1][kBlockN / 8][4],
+                              uint32_t (&p)[kBlockN / Traits::kKStep][4]) {
       if constexpr (kFp8) {
         accumulators_to_a_fragments_e4m3<kBlockN>(s[0], p);
       } else {
         accumulators_to_a_fragments<T, kBlockN>(s[0], p);
+      }
+      if constexpr (Traits::kPInSmem) {
+        const int r = warp * 16 + lane % 8 + 8 * ((lane / 8) % 2);
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / Traits::kKStep; ++kk) {
+          stmatrix_x4(smem.p(wg) + (kk / 4) * 64 * 128 + r * 128 +
+                          (((2 * (kk % 4) + lane / 16) ^ (r % 8)) * 16),
+                      p[kk]);
+        }
+        fence_proxy_async_smem();
       }
     };
 
@@ -609,9 +631,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         const bool rescale_o =
             softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale, mask_reads);
+        // The softmax's exponentials overlap this warpgroup's own P V (FA3's
+        // intra-warpgroup overlap) only if the wait stays below them.
+        if constexpr (Traits::kSoftmaxUnderOwnPv) {
+          keep_above_next_wait(softmax.row_sum[0][0] + softmax.row_sum[0][1]);
+        }
         wgmma_wait<0>();
         fence_registers(reinterpret_cast<float(&)[kHeadDimV / 2]>(o));
-        fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
+        if constexpr (!Traits::kPInSmem) {
+          fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
+        }
         if (lane == 0) mbar_arrive(smem.v_empty(stage_of(i - 1)));
         if (rescale_o) Softmax::rescale_rows(o, rescale);
         to_p_fragments(s, p);  // P: A operand of P V
@@ -625,7 +654,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       gemm_turn_end();
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kHeadDimV / 2]>(o));
-      fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
+      if constexpr (!Traits::kPInSmem) {
+        fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
+      }
       if (lane == 0) mbar_arrive(smem.v_empty(stage_of(last)));
       kv_count += n_tiles;
     }

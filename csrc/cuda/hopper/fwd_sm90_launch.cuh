@@ -177,7 +177,7 @@ void run_fwd_fp8_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream
                              "FP8 Hopper forward");
   }
   launch_fwd_sm90<FwdSm90Traits<__nv_fp8_e4m3, kHeadDim, Config::kBlockN, Config::kStages,
-                                Config::kQRing, TOut>,
+                                Config::kQRing, TOut, Config::kConsumerWarpgroups>,
                   kIsCausal, false>(params, stream);
 }
 

@@ -20,6 +20,7 @@ struct FwdSm90Smem {
   uint32_t q0;            // Q ring, slot 0
   uint32_t k0;            // K ring, stage 0
   uint32_t v0;            // V ring, stage 0
+  uint32_t p0;            // kPInSmem: consumer warpgroup 0's P buffer
   uint32_t bar0;          // mbarriers, then the tile and mask words
   uint32_t mask_scratch;  // kStageAttnMask: the consumer warps' attn_mask buffers
 
@@ -27,12 +28,14 @@ struct FwdSm90Smem {
       : q0(sm90::smem_align_1024(smem_raw)),
         k0(q0 + kQRing * Traits::kQSliceBytes),
         v0(k0 + kStages * Traits::kKTileBytes),
-        bar0(v0 + kStages * Traits::kVTileBytes),
+        p0(v0 + kStages * Traits::kVTileBytes),
+        bar0(p0 + Traits::kConsumerWarpgroups * Traits::kPBufferBytes),
         mask_scratch((bar0 + Traits::kBarrierBytes + 15) & ~15u) {}
 
   FAE_DEVICE uint32_t q(int slot) const { return q0 + slot * Traits::kQSliceBytes; }
   FAE_DEVICE uint32_t k(int stage) const { return k0 + stage * Traits::kKTileBytes; }
   FAE_DEVICE uint32_t v(int stage) const { return v0 + stage * Traits::kVTileBytes; }
+  FAE_DEVICE uint32_t p(int wg) const { return p0 + wg * Traits::kPBufferBytes; }
   FAE_DEVICE uint32_t q_full(int slot) const { return bar0 + 8 * slot; }
   FAE_DEVICE uint32_t k_full(int stage) const { return bar0 + 8 * (kQRing + stage); }
   FAE_DEVICE uint32_t v_full(int stage) const { return bar0 + 8 * (kQRing + kStages + stage); }

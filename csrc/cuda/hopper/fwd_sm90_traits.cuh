@@ -111,16 +111,20 @@ struct FwdSm90TileConfig {
 };
 
 // The FP8 (e4m3) forward's tiles: 128 keys (a whole 128-byte swizzle row of
-// the transposed V tile, see FwdSm90Traits::kFp8), 2 stages, both head dims,
-// two consumer warpgroups (three at D = 128, as at bf16 D = 64 with the same
-// exp2 : MMA ratio, spill 144 bytes within 160 registers: O 64 + S 64 + P 16).
+// the transposed V tile, see FwdSm90Traits::kFp8), 2 stages, both head dims.
+// D = 128 runs three consumer warpgroups, as bf16 D = 64 does with the same
+// exp2 : MMA ratio; at 160 registers a thread has no room for P's fragments
+// beside O and S (they spilled 144 bytes), so P goes through shared memory
+// (FwdSm90Traits::kPInSmem). Three against two: +5-7% (H200, S 4k / 16k).
+// D = 256 keeps two: its O alone is 128 registers.
 template <int kHeadDim>
 struct FwdSm90Fp8TileConfig {
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   static constexpr int kBlockNShort = 0;
   static constexpr int kShortSeqlenK = 0;
-  static constexpr int kQRing = 2;
+  static constexpr int kConsumerWarpgroups = kHeadDim == 128 ? 3 : 2;
+  static constexpr int kQRing = kConsumerWarpgroups;
 };
 
 // T: the element type of q, k, v (16-bit, or e4m3); TOut: of out (T's,
@@ -163,6 +167,17 @@ struct FwdSm90Traits {
   // probabilities in [0, 256] use e4m3's range (max 448) instead of its
   // subnormals below 2^-6; the LSE takes the 8 off again.
   static constexpr int kPExp2Offset = kFp8 ? 8 : 0;
+  // FP8 with three consumer warpgroups: P is staged in shared memory per
+  // warpgroup ([kBlockN / 64][64 rows][128 B], the K-major layout of a Q
+  // slice) and O += P V is an SS wgmma, which frees P's registers.
+  static constexpr bool kPInSmem = kFp8 && kConsumerWarpgroups == 3;
+  // The softmax's exponentials run under the warpgroup's own P V only where
+  // keep_above_next_wait holds ptxas's wgmma wait below them (fwd kernel).
+  // Measured on an H200 (S 1k-16k, same process): D = 256 +1..+4%, FP8
+  // D = 128 (three warpgroups) part of its +5-7%, D = 128 within +-2%, D = 64
+  // -2..-5%, so it is on for D = 256 and the staged-P FP8 kernel only.
+  static constexpr bool kSoftmaxUnderOwnPv = kHeadDim == 256 || kPInSmem;
+  static constexpr int kPBufferBytes = kPInSmem ? 64 * kBlockN * kElemBytes : 0;
   // Q travels in 64-row slices, one per consumer warpgroup, through a ring of
   // kQRing slots with a full/empty barrier pair each: slice u = 2 * tile +
   // warpgroup goes to slot u % kQRing. With 2 slots a warpgroup's next slice
@@ -178,8 +193,8 @@ struct FwdSm90Traits {
   // must read the attn_mask there (attn_mask kernels).
   static constexpr int kBarrierBytes = 8 * (2 * kQRing + 4 * kStages) + 12 * kQRing + 4 * kStages;
   // +1024: the dynamic shared memory base is only 16-byte aligned.
-  static constexpr int kSmemBytes =
-      kQRing * kQSliceBytes + kStages * (kKTileBytes + kVTileBytes) + kBarrierBytes + 1024;
+  static constexpr int kSmemBytes = kQRing * kQSliceBytes + kStages * (kKTileBytes + kVTileBytes) +
+                                    kConsumerWarpgroups * kPBufferBytes + kBarrierBytes + 1024;
 
   // attn_mask kernels: scratch for a 16-bit additive mask's values, staged per
   // consumer warp (fwd_softmax.cuh, stage_attn_mask) where shared memory has

@@ -255,6 +255,18 @@ FAE_DEVICE void fence_registers(uint32_t (&r)[kN]) {
   for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
+// ptxas schedules a wgmma wait (WARPGROUP.DEPBAR) at the top of its basic
+// block, above ALU work that does not need it: the forward's softmax
+// exponentials, written between the waits for S_i and for P_{i-1} V_{i-1},
+// ended up after both (0 of 66 MUFU.EX2 between them at D = 64), so a
+// warpgroup's softmax never overlapped its own P V. A branch ends the block:
+// the wait that follows stays below everything `v` depends on. The branch is
+// never taken: 0xffffffff is a NaN that no arithmetic produces (the GPU's
+// NaN results are 0x7fffffff), so `v` (a row sum) is never that.
+FAE_DEVICE void keep_above_next_wait(float v) {
+  if (__float_as_uint(v) == 0xffffffffu) __trap();
+}
+
 // The fp32 accumulators of an m64nN wgmma (kN / 8 n-tiles of 4 values) as the
 // register A operand of the next wgmma, whose K is that N: the accumulator pair
 // of n-tiles (2k, 2k+1) is exactly the A fragment of k-step k (as with mma.sync).
