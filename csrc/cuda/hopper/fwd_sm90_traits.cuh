@@ -115,8 +115,10 @@ struct FwdSm90TileConfig {
 // D = 128 runs three consumer warpgroups, as bf16 D = 64 does with the same
 // exp2 : MMA ratio; at 160 registers a thread has no room for P's fragments
 // beside O and S (they spilled 144 bytes), so P goes through shared memory
-// (FwdSm90Traits::kPInSmem). Three against two: +5-7% (H200, S 4k / 16k).
-// D = 256 keeps two: its O alone is 128 registers.
+// (FwdSm90Traits::kPInSmem). Three against two (H200): +2..+7% at S 2k-16k;
+// causal at S <= 1k -7..-8% (192-row tiles mask more of a short causal
+// row), so causal calls with seqlen_q <= kShortCausalRows keep two, as the
+// 16-bit forward does. D = 256 keeps two: its O alone is 128 registers.
 template <int kHeadDim>
 struct FwdSm90Fp8TileConfig {
   static constexpr int kBlockN = 128;
@@ -125,6 +127,7 @@ struct FwdSm90Fp8TileConfig {
   static constexpr int kShortSeqlenK = 0;
   static constexpr int kConsumerWarpgroups = kHeadDim == 128 ? 3 : 2;
   static constexpr int kQRing = kConsumerWarpgroups;
+  static constexpr int kShortCausalRows = kConsumerWarpgroups == 3 ? 1024 : 0;
 };
 
 // T: the element type of q, k, v (16-bit, or e4m3); TOut: of out (T's,
