@@ -176,9 +176,10 @@ struct FwdSm90Traits {
   static constexpr bool kPInSmem = kFp8 && kConsumerWarpgroups == 3;
   // The softmax's exponentials run under the warpgroup's own P V only where
   // keep_above_next_wait holds ptxas's wgmma wait below them (fwd kernel).
-  // Measured on an H200 (S 1k-16k, same process): D = 256 +1..+4%, FP8
-  // D = 128 (three warpgroups) part of its +5-7%, D = 128 within +-2%, D = 64
-  // -2..-5%, so it is on for D = 256 and the staged-P FP8 kernel only.
+  // Measured on an H200 (S 1k-16k, A/B builds on one machine): D = 256
+  // non-causal +2..+3.5% at S >= 4k (otherwise within +-1%), D = 128 within
+  // +-2%, D = 64 -2..-6%; so it is on for D = 256 and for the staged-P FP8
+  // kernel, which was measured with it (docs/PERFORMANCE.md).
   static constexpr bool kSoftmaxUnderOwnPv = kHeadDim == 256 || kPInSmem;
   static constexpr int kPBufferBytes = kPInSmem ? 64 * kBlockN * kElemBytes : 0;
   // Q travels in 64-row slices, one per consumer warpgroup, through a ring of
