@@ -39,3 +39,23 @@ def test_bench_features_cpu_quick(tmp_path, capsys):
         if r["backend"] in ("sdpa_cudnn", "sdpa_efficient") or r["backend"].startswith("varlen"):
             assert r["ms"] == "" and r["note"], r
     assert all(float(r["gbps"]) > 0 for r in decode if r["backend"] == "ours")
+
+
+def test_bench_varlen_lengths_and_tokens(tmp_path, capsys):
+    csv_path = tmp_path / "varlen.csv"
+    main(["varlen", "--device", "cpu", "--quick", "--no-peaks", "--tokens", "300",
+          "--lengths", "20:60", "--csv", str(csv_path)])
+    capsys.readouterr()
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    # (the last length is dropped when under LO: at most 19 tokens short)
+    assert rows and all(281 <= int(r["tokens"]) <= 300 for r in rows)
+    assert all(int(r["Sq"]) <= 60 for r in rows)
+    assert all(int(r["B"]) >= 5 for r in rows)  # 300 tokens of at most 60 each
+
+
+@pytest.mark.parametrize("args", [["--lengths", "60"], ["--lengths", "60:20"],
+                                  ["--lengths", "0:20"], ["--tokens", "0"]])
+def test_bench_varlen_bad_lengths(args):
+    with pytest.raises(SystemExit):
+        main(["varlen", "--device", "cpu", "--quick", "--no-peaks", *args])

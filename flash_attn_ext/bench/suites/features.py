@@ -31,7 +31,8 @@ from ..timing import (Progress, Skip, measure_peaks, require_cuda, rotated_round
 
 VARLEN_DOC = """\
 Varlen: sequence lengths drawn (seeded) uniformly from 128..4096 until the total reaches 16k
-tokens (the last length is cut so that the total is 16384 exactly, or dropped when under 128),
+tokens (the last length is cut so that the total is 16384 exactly, or dropped when under 128;
+--lengths LO:HI and --tokens N change the range and the total),
 H=16 (hidden 2048 at D=128), D in {64, 128}, causal 0/1, fwd and bwd. Backends:
   ours         flash_attn_ext.flash_attn_varlen_func on packed q/k/v [total, H, D]
   ours_padded  flash_attn_ext.flash_attn_func on the padded batch [B, max_len, H, D]
@@ -135,6 +136,14 @@ def parse_args(argv=None, part="varlen"):
                    help="tiny sizes: " + ("CPU 512 tokens (16..128) H=2 D=64; GPU 4096 tokens D=128"
                                           if part == "varlen" else
                                           "CPU B=2 H=4 H_kv=2 D=64 cache 256,1024; GPU cache 4k,16k"))
+    if part == "varlen":
+        p.add_argument("--tokens", type=int, default=None,
+                       help="total tokens of the packed batch (default 16384; --quick: 4096 GPU, "
+                            "512 CPU)")
+        p.add_argument("--lengths", default=None, metavar="LO:HI",
+                       help="range of the seeded sequence lengths (default 128:4096; --quick: "
+                            "128:2048 GPU, 16:128 CPU), e.g. 128:8192 with --tokens 266240 for "
+                            "~64 sequences of 128 to 8k tokens")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the varlen lengths and the inputs" if part == "varlen" else
                         "seed of the inputs")
@@ -157,6 +166,16 @@ def parse_args(argv=None, part="varlen"):
     args = p.parse_args(argv)
     if part == "varlen":  # the decode-only settings, at the values that leave them out
         args.graph, args.page_order = False, "shuffled"
+        if args.lengths is not None:
+            try:
+                lo, hi = (int(x) for x in args.lengths.split(":"))
+            except ValueError:
+                p.error(f"--lengths takes LO:HI (two integers), got {args.lengths!r}")
+            if not 1 <= lo <= hi:
+                p.error(f"--lengths needs 1 <= LO <= HI, got {args.lengths!r}")
+            args.lengths = (lo, hi)
+        if args.tokens is not None and args.tokens < 1:
+            p.error(f"--tokens must be positive, got {args.tokens}")
     return args
 
 
@@ -570,6 +589,13 @@ def main(argv=None, part="varlen"):
         require_cuda(f"{part} --device cuda")
     dtype_name = args.dtype or ("bf16" if device == "cuda" else "fp32")
     sizes = SIZES["full" if not args.quick else "quick_cuda" if device == "cuda" else "quick_cpu"]
+    if part == "varlen" and (args.tokens is not None or args.lengths is not None):
+        varlen = dict(sizes["varlen"])
+        if args.tokens is not None:
+            varlen["tokens"] = args.tokens
+        if args.lengths is not None:
+            varlen["lo"], varlen["hi"] = args.lengths
+        sizes = dict(sizes, varlen=varlen)
     parts = [part]
     run = dict(device=device, dtype=DTYPES[dtype_name], dtype_name=dtype_name, seed=args.seed,
                rounds=args.rounds, graph=args.graph, page_order=args.page_order,
