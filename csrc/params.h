@@ -485,6 +485,18 @@ struct AttentionBwdParams : AttentionFwdParams {
   // for 2 per 64 rows of seqlen_q_padded, zeroed by the preprocess kernel;
   // nullptr otherwise.
   int* dq_semaphore = nullptr;
+  // Packed (varlen) Hopper backward on the compact grid (FLASH_ATTN_EXT_VARLEN_GRID
+  // =compact, bwd_sm90_launch.cuh): one CTA per (sequence, key tile) that
+  // exists, instead of one per (key tile of the longest sequence, batch entry),
+  // of which the shorter sequences' exit at once. The preprocess kernel lists
+  // the pairs as {b, key tile} int pairs, the sequences with the most key
+  // tiles first (a longest-first schedule), key tiles in order within one;
+  // the entries past the last pair up to bwd_cta_list_capacity (the grid's x,
+  // an upper bound on the pairs: (total_k + batch (block_n - 1)) / block_n)
+  // hold b = -1. block_n: the kernel's key tile. nullptr: the padded grid.
+  int* bwd_cta_list = nullptr;
+  int bwd_cta_list_capacity = 0;
+  int bwd_cta_list_block_n = 0;
   // The learnable sink's gradient (learnable_sink): the preprocess kernel
   // writes each block's sum over its rows of exp(sink[h] - lse) * D, block x of
   // (batch b, head h) at (b * heads + h) * dsink_partials_stride + x, so that
