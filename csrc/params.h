@@ -265,6 +265,22 @@ struct AttentionFwdParams {
   // Scratch int of the Hopper forward's dynamic tile scheduler (zeroed by its
   // launcher on the stream before each launch); nullptr where not needed.
   int* tile_counter = nullptr;
+  // A packed (varlen) batch's compact tile list (FLASH_ATTN_EXT_VARLEN_GRID=
+  // compact; cuda/common/compact_tiles.cuh): the (sequence, tile) pairs that
+  // exist, as {b, tile} int pairs, where the padded grids count the longest
+  // sequence's tiles for every sequence and the shorter sequences' CTAs
+  // (backward) or tiles (forward) exit or are skipped. Tiles of block rows:
+  // the Hopper backward's key tiles (one CTA per entry and head; its
+  // preprocess kernel writes the list) or the forward's query tiles (tile t
+  // of its persistent grid is entry t / heads, head t % heads; written by a
+  // small kernel before it). Sequences with more tiles first (longest-first
+  // schedule, the same in every run); within one, the backward's tiles in
+  // order, the forward's last to first. Entries past the last pair, up to
+  // capacity (an upper bound on the pairs: (total + batch (block - 1)) /
+  // block), hold b = -1. nullptr: the padded grids.
+  int* compact_tiles = nullptr;
+  int compact_tiles_capacity = 0;
+  int compact_tiles_block = 0;
 };
 
 // One sequence of the batch: its lengths, where its rows start, its causal
@@ -485,18 +501,6 @@ struct AttentionBwdParams : AttentionFwdParams {
   // for 2 per 64 rows of seqlen_q_padded, zeroed by the preprocess kernel;
   // nullptr otherwise.
   int* dq_semaphore = nullptr;
-  // Packed (varlen) Hopper backward on the compact grid (FLASH_ATTN_EXT_VARLEN_GRID
-  // =compact, bwd_sm90_launch.cuh): one CTA per (sequence, key tile) that
-  // exists, instead of one per (key tile of the longest sequence, batch entry),
-  // of which the shorter sequences' exit at once. The preprocess kernel lists
-  // the pairs as {b, key tile} int pairs, the sequences with the most key
-  // tiles first (a longest-first schedule), key tiles in order within one;
-  // the entries past the last pair up to bwd_cta_list_capacity (the grid's x,
-  // an upper bound on the pairs: (total_k + batch (block_n - 1)) / block_n)
-  // hold b = -1. block_n: the kernel's key tile. nullptr: the padded grid.
-  int* bwd_cta_list = nullptr;
-  int bwd_cta_list_capacity = 0;
-  int bwd_cta_list_block_n = 0;
   // The learnable sink's gradient (learnable_sink): the preprocess kernel
   // writes each block's sum over its rows of exp(sink[h] - lse) * D, block x of
   // (batch b, head h) at (b * heads + h) * dsink_partials_stride + x, so that

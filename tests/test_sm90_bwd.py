@@ -45,15 +45,6 @@ def gqa_walk(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["padded", "compact"], ids=["grid-padded", "grid-compact"])
-def varlen_grid(request, monkeypatch):
-    """Packed batches on both grids of FLASH_ATTN_EXT_VARLEN_GRID: one CTA per key tile of
-    the longest sequence for every sequence, or one per key tile that exists, from a list
-    the preprocess kernel writes (longest sequences first)."""
-    monkeypatch.setenv("FLASH_ATTN_EXT_VARLEN_GRID", request.param)
-    return request.param
-
-
 @pytest.fixture
 def impl(monkeypatch):
     def set_impl(name):
@@ -335,7 +326,11 @@ def test_varlen_grid_switch_rejects_unknown(sm90, monkeypatch):
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([5, 9], [7, 3], 2, 2, 64, torch.bfloat16,
                                                     DEVICE)
     monkeypatch.setenv("FLASH_ATTN_EXT_VARLEN_GRID", "tight")
+    with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_VARLEN_GRID"):
+        fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+    monkeypatch.delenv("FLASH_ATTN_EXT_VARLEN_GRID")
     out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+    monkeypatch.setenv("FLASH_ATTN_EXT_VARLEN_GRID", "tight")
     with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_VARLEN_GRID"):
         out.backward(torch.ones_like(out))
 

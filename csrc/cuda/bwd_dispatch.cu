@@ -19,6 +19,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/compact_tiles.cuh"
 #include "common/env.h"
 #include "flash_api.h"
 #include "simt/bwd_fp32.h"
@@ -86,18 +87,12 @@ int64_t dq_semaphore_ints(const AttentionBwdParams& p) {
   if (row_stat_floats(p) == 0 || !p.deterministic) return 0;
   return 2 * static_cast<int64_t>(p.batch) * p.heads * (seqlen_q_padded(p) / 64);
 }
-// The compact grid's CTA list of a packed Hopper backward (params.h
-// bwd_cta_list), when FLASH_ATTN_EXT_VARLEN_GRID=compact: two ints per entry,
-// sized for the smallest key tile (64 keys) so that it fits every kernel.
-constexpr int kCtaListBlockN = 64;
-int64_t bwd_cta_list_ints(const AttentionBwdParams& p) {
-#ifdef FAE_HAS_SM90A
+// The compact tile list of a packed Hopper backward (params.h compact_tiles,
+// FLASH_ATTN_EXT_VARLEN_GRID=compact): two ints per entry, sized for the
+// smallest key tile (64 keys), which bounds every kernel's.
+int64_t compact_tiles_ints(const AttentionBwdParams& p) {
   if (row_stat_floats(p) == 0 || p.cu_seqlens_q == nullptr || !varlen_grid_compact()) return 0;
-  return 2 * bwd_sm90_cta_list_capacity(p, kCtaListBlockN);
-#else
-  (void)p;
-  return 0;
-#endif
+  return 2 * compact_tiles_capacity(p.total_k, p.batch, 64);
 }
 
 [[noreturn]] void not_compiled(const AttentionBwdParams& p, const char* what) {
@@ -268,7 +263,7 @@ int64_t dq_accum_floats(const AttentionBwdParams& params, int num_sms) {
 
 int64_t bwd_workspace_floats(const AttentionBwdParams& params, int num_sms) {
   return dsum_floats(params) + dq_accum_floats(params, num_sms) + row_stat_floats(params) +
-         dq_semaphore_ints(params) + bwd_cta_list_ints(params);
+         dq_semaphore_ints(params) + compact_tiles_ints(params);
 }
 
 void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms) {
@@ -283,10 +278,10 @@ void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms
     params.dsum_padded = params.lse_log2_padded + row_stats / 2;
     int* const after_row_stats = reinterpret_cast<int*>(params.dsum_padded + row_stats / 2);
     if (dq_semaphore_ints(params) > 0) params.dq_semaphore = after_row_stats;
-    if (bwd_cta_list_ints(params) > 0) {
-      params.bwd_cta_list = after_row_stats + dq_semaphore_ints(params);
+    if (compact_tiles_ints(params) > 0) {
+      params.compact_tiles = after_row_stats + dq_semaphore_ints(params);
       // The launcher sets the capacity and key tile of its kernel (<= this).
-      params.bwd_cta_list_capacity = static_cast<int>(bwd_cta_list_ints(params) / 2);
+      params.compact_tiles_capacity = static_cast<int>(compact_tiles_ints(params) / 2);
     }
   }
 }

@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/compact_tiles.cuh"
+#include "common/env.h"
 #include "flash_api.h"
 #include "hopper/fwd_sm90.h"
 #include "simt/fwd_fp32.h"
@@ -466,9 +468,22 @@ static bool fwd_needs_tile_counter(const AttentionFwdParams& params, int num_spl
          use_sm90_forward(params, fwd_rounded_head_dim(params.head_dim));
 }
 
+// With FLASH_ATTN_EXT_VARLEN_GRID=compact, a packed call's compact tile list
+// (params.h compact_tiles) after the counter and a pad (8-byte entries):
+// two ints per entry, sized for the smallest query tile (64 rows), which
+// bounds every kernel's.
+static int64_t fwd_compact_tiles_ints(const AttentionFwdParams& params) {
+  if (params.cu_seqlens_q == nullptr || !varlen_grid_compact()) return 0;
+  return 2 * compact_tiles_capacity(params.total_q, params.batch, 64);
+}
+
 int64_t fwd_workspace_floats(const AttentionFwdParams& params, int num_splits) {
   if (params.dtype == DType::kFloat32) return 0;
-  if (num_splits <= 1) return fwd_needs_tile_counter(params, num_splits) ? 1 : 0;
+  if (num_splits <= 1) {
+    if (!fwd_needs_tile_counter(params, num_splits)) return 0;
+    const int64_t list = fwd_compact_tiles_ints(params);
+    return list > 0 ? 2 + list : 1;
+  }
   if (fwd_merges_splits_in_cluster(params, num_splits)) return 0;
   const int64_t rows = params.q_rows_total;
   return num_splits * rows * (fwd_rounded_head_dim(params.head_dim) + 1);
@@ -479,8 +494,17 @@ void fwd_set_workspace(AttentionFwdParams& params, float* workspace, int num_spl
   if (num_splits <= 1 || workspace == nullptr) {
     params.out_accum = nullptr;
     params.lse_accum = nullptr;
-    // Unsplit calls get a workspace only for the tile counter (fwd_workspace_floats).
+    // Unsplit calls get a workspace only for the tile counter and maybe a
+    // compact tile list (fwd_workspace_floats).
     params.tile_counter = reinterpret_cast<int*>(workspace);
+    params.compact_tiles = nullptr;
+    if (workspace != nullptr && fwd_needs_tile_counter(params, num_splits)) {
+      const int64_t list = fwd_compact_tiles_ints(params);
+      if (list > 0) {
+        params.compact_tiles = params.tile_counter + 2;
+        params.compact_tiles_capacity = static_cast<int>(list / 2);
+      }
+    }
     return;
   }
   // out_accum [splits, q_rows_total, kernel head dim], then

@@ -6,8 +6,8 @@
 //     and a kernel; the writes overlap the reads); for the Hopper backward
 //     also padded copies of lse (as log2) and D (with dropout: lse - log2 scale
 //     and D / scale, see below), and the zeroed dQ order
-//     counters of its deterministic mode (params.h), and the CTA list of its
-//     compact grid for a packed batch (list_sequence_ctas).
+//     counters of its deterministic mode (params.h), and the key tiles of
+//     its compact grid for a packed batch (compact_tiles.cuh).
 //   * bwd_convert_dq_kernel: dq = softmax_scale * sum_{split} dq_accum[split]
 //     in input dtype, with dq's own strides. Splits are summed in the fixed
 //     order 0, 1, ..., so the deterministic mode is bit-reproducible.
@@ -20,6 +20,7 @@
 #include <string>
 
 #include "../../params.h"
+#include "compact_tiles.cuh"
 #include "ptx.cuh"
 
 namespace flash_attn_ext {
@@ -95,55 +96,6 @@ FAE_DEVICE void add_sink_grad_rows(const AttentionBwdParams& params, float d, in
   }
 }
 
-// ---- the compact grid's CTA list (params.h bwd_cta_list) --------------------
-// Sequence b's entries: {b, i} for its key tiles i = 0 .. n_b - 1, at the
-// position the sequences before it in the list leave (those with more key
-// tiles, then those with as many and a smaller b: a longest-first schedule
-// that is the same in every run). Sequence batch - 1 also marks the entries
-// past the list's end (b = -1). All 256 threads of one block per sequence
-// call it. Sequences with keys but no queries keep their CTAs: those write
-// zero dK / dV.
-FAE_DEVICE void list_sequence_ctas(const AttentionBwdParams& params, int b) {
-  __shared__ int64_t warp_sums[2][8];  // int64: bad cu_seqlens can sum past 2^31
-  const int block_n = params.bwd_cta_list_block_n;
-  auto key_tiles = [&](int s) { return (seq_bounds(params, s).seqlen_k + block_n - 1) / block_n; };
-  const int mine = key_tiles(b);
-  int64_t before = 0, total = 0;
-  for (int s = threadIdx.x; s < params.batch; s += blockDim.x) {
-    const int n = key_tiles(s);
-    total += n;
-    if (n > mine || (n == mine && s < b)) before += n;
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    before += __shfl_xor_sync(0xffffffff, before, offset);
-    total += __shfl_xor_sync(0xffffffff, total, offset);
-  }
-  if (threadIdx.x % 32 == 0) {
-    warp_sums[0][threadIdx.x / 32] = before;
-    warp_sums[1][threadIdx.x / 32] = total;
-  }
-  __syncthreads();
-  before = total = 0;
-  for (int w = 0; w < 8; ++w) {
-    before += warp_sums[0][w];
-    total += warp_sums[1][w];
-  }
-  // Bad cu_seqlens (overlapping sequences: checked on the host only on
-  // request) can list more tiles than the capacity bound: those are dropped
-  // (wrong gradients, as such inputs give anyway, never a write outside).
-  int2* const list = reinterpret_cast<int2*>(params.bwd_cta_list);
-  const int64_t end = min(before + mine, static_cast<int64_t>(params.bwd_cta_list_capacity));
-  for (int64_t e = before + threadIdx.x; e < end; e += blockDim.x) {
-    list[e] = make_int2(b, static_cast<int>(e - before));
-  }
-  if (b == params.batch - 1) {
-    for (int64_t e = total + threadIdx.x; e < params.bwd_cta_list_capacity; e += blockDim.x) {
-      list[e] = make_int2(-1, 0);
-    }
-  }
-}
-
 // ---- D = rowsum(dO o O); dq_accum rows = 0 ---------------------------------
 // 8 threads per row (each a strided set of 8-element chunks), 32 rows per
 // 256-thread block. grid = (ceil(rows / 32), heads, batch), rows = seqlen_q, or
@@ -159,8 +111,14 @@ __global__ void __launch_bounds__(256)
   const int row = blockIdx.x * kDotRowsPerBlock + threadIdx.x / kDotThreadsPerRow;
   const int sub = threadIdx.x % kDotThreadsPerRow;
   const int h = blockIdx.y, b = blockIdx.z;
-  // (block_n is set by the Hopper launcher alone: mma.sync lists nothing.)
-  if (params.bwd_cta_list_block_n > 0 && blockIdx.x == 0 && h == 0) list_sequence_ctas(params, b);
+  // The Hopper backward's key tiles, listed by the blocks (0, 0, b) (the
+  // block is set by its launcher alone: mma.sync lists nothing).
+  if (params.compact_tiles_block > 0 && blockIdx.x == 0 && h == 0) {
+    const int block_n = params.compact_tiles_block;
+    list_sequence_tiles(params, b, /*count_down=*/false, [&](int s) {
+      return (seq_bounds(params, s).seqlen_k + block_n - 1) / block_n;
+    });
+  }
   const SeqBounds seq = seq_bounds(params, b);
   const int64_t packed_row = seq.row0_q + row;
   float acc = 0.f;

@@ -29,10 +29,10 @@ inline int env_choice(const char* env_name, std::initializer_list<const char*> v
 
 // FLASH_ATTN_EXT_VARLEN_GRID: how the Hopper kernels lay out a packed (varlen)
 // batch's work. `padded` (default): the grids count the longest sequence's
-// tiles for every sequence, and the shorter sequences' CTAs (backward) or
-// tiles (forward) exit or are skipped. `compact`: the backward launches one
-// CTA per (sequence, key tile) from a list that its preprocess kernel writes
-// (params.h bwd_cta_list). Not yet the default: built and compile-checked,
+// tiles for every sequence, and the shorter sequences' CTAs (backward) exit
+// or their tiles (forward) are claimed and skipped. `compact`: both walk a
+// list of the (sequence, tile) pairs that exist, longest sequences first
+// (params.h compact_tiles). Not yet the default: built and compile-checked,
 // to be measured against `padded` on a GPU.
 inline bool varlen_grid_compact() {
   return env_choice("FLASH_ATTN_EXT_VARLEN_GRID", {"padded", "compact"}) == 1;

@@ -19,13 +19,6 @@ inline bool bwd_sm90_head_dim(int kernel_dim) {
 // Keys per CTA tile (BwdSm90Traits::kBlockN): the grid has one CTA per tile.
 constexpr int bwd_sm90_block_n(int kernel_dim) { return kernel_dim > 128 ? 64 : 128; }
 
-// The compact grid's CTAs for a packed batch (params.h bwd_cta_list): an upper
-// bound on sum_b ceil(seqlen_k(b) / block_n), since each sequence's last tile
-// adds at most block_n - 1 keys to the packed total.
-inline int64_t bwd_sm90_cta_list_capacity(const AttentionBwdParams& p, int block_n) {
-  return (p.total_k + static_cast<int64_t>(p.batch) * (block_n - 1)) / block_n;
-}
-
 // GQA calls whose dK / dV the Hopper backward sums over each kv head's group
 // of query heads itself (a CTA walks the group: kWalkGroup in
 // bwd_sm90_kernel.cuh) and writes per kv head, [.., heads_k, D]; every variant

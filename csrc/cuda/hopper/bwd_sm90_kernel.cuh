@@ -151,20 +151,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // (query heads [h_first, h_first + walk_heads)). Packed sequences on the
   // compact grid: (list entry, head), the entry's
   // (sequence, key tile) from the preprocess kernel's list (params.h
-  // bwd_cta_list; b = -1 past its end). cta_batch() is called again by each
+  // compact_tiles; b = -1 past its end). cta_batch() is called again by each
   // role where it needs b, as blockIdx is read again for free: a b loaded
   // once and kept live across setmaxnreg made the varlen D = 64 kernel spill.
   const bool batch_first = kHasAttnMask && attn_mask_grid_batch_first(params);
-  const bool listed = kVarSeq && params.bwd_cta_list != nullptr;
+  const bool listed = kVarSeq && params.compact_tiles != nullptr;
   // 8-byte aligned: the list follows an even number of ints (bwd_dispatch.cu).
   auto cta_batch = [&]() {
-    return listed ? ld_global_s32_reissued(params.bwd_cta_list + 2 * blockIdx.x)
+    return listed ? ld_global_s32_reissued(params.compact_tiles + 2 * blockIdx.x)
                   : static_cast<int>(batch_first ? blockIdx.x : blockIdx.z);
   };
   const int grid_head = batch_first ? blockIdx.z : blockIdx.y;
   const int b_prologue = cta_batch();
   if (listed && b_prologue < 0) return;  // past the compact grid's list
-  const int grid_block = listed ? params.bwd_cta_list[2 * blockIdx.x + 1]
+  const int grid_block = listed ? params.compact_tiles[2 * blockIdx.x + 1]
                                 : static_cast<int>(batch_first ? blockIdx.y : blockIdx.x);
   const int group = params.heads / params.heads_k;
   const int h_k = kWalkGroup ? grid_head : grid_head / group;

@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "../common/bwd_preprocess.cuh"
+#include "../common/compact_tiles.cuh"
 #include "bwd_sm90.h"
 #include "bwd_sm90_kernel.cuh"
 
@@ -50,19 +51,19 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // the kernel offsets each sequence's tiles by its first row.
   const bool packed = params.cu_seqlens_q != nullptr;
   AttentionBwdParams kernel_params = params;  // + the compact grid, the attn_mask summary
-  // The compact grid (params.h bwd_cta_list): the preprocess kernel lists
+  // The compact grid (params.h compact_tiles): the preprocess kernel lists
   // this kernel's key tiles, in the room the workspace has for 64-key tiles.
-  const bool compact = packed && params.bwd_cta_list != nullptr;
+  const bool compact = packed && params.compact_tiles != nullptr;
   if (compact) {
-    const int64_t capacity = bwd_sm90_cta_list_capacity(params, Traits::kBlockN);
-    if (capacity > params.bwd_cta_list_capacity) {
+    const int64_t capacity = compact_tiles_capacity(params.total_k, params.batch, Traits::kBlockN);
+    if (capacity > params.compact_tiles_capacity) {
       throw std::runtime_error("flash_attn_ext: internal error: the Hopper backward's CTA list "
                                "does not fit its workspace");
     }
-    kernel_params.bwd_cta_list_capacity = static_cast<int>(capacity);
-    kernel_params.bwd_cta_list_block_n = Traits::kBlockN;
+    kernel_params.compact_tiles_capacity = static_cast<int>(capacity);
+    kernel_params.compact_tiles_block = Traits::kBlockN;
   } else {
-    kernel_params.bwd_cta_list = nullptr;
+    kernel_params.compact_tiles = nullptr;
   }
   launch_bwd_preprocess<T>(kernel_params, kHeadDim, external ? 0 : 1, stream,
                            /*padded_row_stats=*/true);
@@ -106,7 +107,7 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   const bool batch_first = kHasVariants && attn_mask_grid_batch_first(params);
   // Compact (packed sequences): (list entry, head), the list longest
   // sequence first.
-  const dim3 grid = compact       ? dim3(kernel_params.bwd_cta_list_capacity, grid_heads, 1)
+  const dim3 grid = compact       ? dim3(kernel_params.compact_tiles_capacity, grid_heads, 1)
                     : batch_first ? dim3(params.batch, n_tiles, grid_heads)
                                   : dim3(n_tiles, grid_heads, params.batch);
   auto launch = [&](auto kernel) {

@@ -78,7 +78,8 @@ namespace cuda {
 // exactly 0), the query rows not stored, and the V rows zeroed in shared
 // memory (FP8: V^T, padded per sequence, holds zeros there already). The
 // producer skips the tiles past a sequence's end (the grid counts max_seqlen_q
-// rows).
+// rows), or walks a compact list of the tiles that exist (params.h
+// compact_tiles, FLASH_ATTN_EXT_VARLEN_GRID=compact).
 template <typename Traits, bool kIsCausal, bool kHasVariants = false, bool kAttnMask = false,
           bool kDropout = kAttnMask, bool kVarSeq = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
@@ -116,8 +117,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // c + gridDim.x, ... (static round-robin, equal tiles) or, with a
   // tile_counter, the next unclaimed one (dynamic: tiles of unequal length
   // under causal masking go to whichever CTA is free first).
+  // A packed batch's compact list (params.h compact_tiles, written before
+  // this kernel by compact_query_tiles_kernel): the (sequence, query tile)
+  // pairs that exist, longest sequences first; tile t is entry t / heads,
+  // head t % heads, and the list ends at the first entry with b = -1.
+  const bool listed = kVarSeq && params.compact_tiles != nullptr;
   const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-  const int num_tiles = num_m_blocks * params.heads * params.batch;
+  const int num_tiles = listed ? params.compact_tiles_capacity * params.heads
+                               : num_m_blocks * params.heads * params.batch;
   // The tile list and tile t of it (fwd_sm90_scheduler.cuh).
   using Tile = FwdSm90Tile;
   auto tile_at = [&](int t, bool trim) {
@@ -243,6 +250,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               st_shared_b32(smem.tile_slot(slot) + 4, static_cast<uint32_t>(tile->keys.begin));
               st_shared_b32(smem.tile_slot(slot) + 8, static_cast<uint32_t>(tile->keys.end));
             }
+            if (listed && tile != nullptr) {  // the list entry, so consumers need not load it
+              st_shared_b32(smem.tile_slot(slot) + 4, static_cast<uint32_t>(tile->m_block));
+              st_shared_b32(smem.tile_slot(slot) + 8, static_cast<uint32_t>(tile->b));
+            }
             if (tile == nullptr) {
               mbar_arrive(smem.q_full(slot));
               continue;
@@ -255,7 +266,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
         };
         if constexpr (kVarSeq) {  // past its sequence's rows: nothing to do
-          while (t < num_tiles && !tile_at(t, true).has_rows) t = next_tile(t);
+          while (t < num_tiles) {
+            const Tile probe = tile_at(t, true);
+            if (probe.has_rows) break;
+            t = probe.b < 0 ? num_tiles : next_tile(t);  // past a compact list's end: no more
+          }
         }
         if (t >= num_tiles) {
           send_q(nullptr);
@@ -407,7 +422,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         0);
     if (t >= num_tiles) break;
     desc_q = smem_desc_sw128(smem.q(q_slot), 16, 1024);
-    Tile tile = tile_at(t, false);
+    Tile tile;
+    if (listed) {  // the producer's list entry
+      auto slot_word = [&](int offset) {
+        return __shfl_sync(
+            0xffffffffu,
+            lane == 0 ? static_cast<int>(ld_shared_b32(smem.tile_slot(q_slot) + offset)) : 0, 0);
+      };
+      tile = fwd_sm90_tile_of<kBlockM, kBlockN, kIsCausal, kHasVariants, kAttnMask, kVarSeq>(
+          params, slot_word(4), t % params.heads, slot_word(8), false);
+    } else {
+      tile = tile_at(t, false);
+    }
     if constexpr (kAttnMask) {  // the producer's range (trimmed to the mask)
       tile.keys.begin = __shfl_sync(
           0xffffffffu,

@@ -8,6 +8,7 @@
 #include <string>
 #include <type_traits>
 
+#include "../common/compact_tiles.cuh"
 #include "fwd_sm90.h"
 #include "fwd_sm90_kernel.cuh"
 
@@ -78,9 +79,19 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
     throw std::runtime_error(std::string("flash_attn_ext: cudaFuncSetAttribute(Hopper forward): ") +
                              cudaGetErrorString(err));
   }
-  const int64_t num_tiles = static_cast<int64_t>((params.seqlen_q + Traits::kBlockM - 1) /
-                                                 Traits::kBlockM) *
-                            params.heads * params.batch;
+  // A packed batch's compact tile list (params.h compact_tiles), in the room
+  // the workspace has for 64-row tiles: entry t / heads, head t % heads.
+  const bool compact = packed && params.compact_tiles != nullptr;
+  const int64_t compact_capacity =
+      compact ? compact_tiles_capacity(params.total_q, params.batch, Traits::kBlockM) : 0;
+  if (compact_capacity > params.compact_tiles_capacity) {
+    throw std::runtime_error("flash_attn_ext: internal error: the Hopper forward's tile list "
+                             "does not fit its workspace");
+  }
+  const int64_t num_tiles =
+      compact ? compact_capacity * params.heads
+              : static_cast<int64_t>((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM) *
+                    params.heads * params.batch;
   if (num_tiles == 0) return;
   if (num_tiles > 0x7fffffff) {
     throw std::runtime_error("flash_attn_ext: too many query tiles for the Hopper forward");
@@ -97,15 +108,25 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   // Variant tiles (causal, windows) and sequences of different lengths
   // (packed, seqused_k) differ alike.
   int* tile_counter = kIsCausal || kHasVariants || var_seqs ? params.tile_counter : nullptr;
-  if (tile_counter != nullptr) {
-    err = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream);
-    if (err != cudaSuccess) {
-      throw std::runtime_error(std::string("flash_attn_ext: Hopper forward tile counter: ") +
-                               cudaGetErrorString(err));
+  AttentionFwdParams kernel_params = params;
+  if (compact) {
+    // One launch lists the tiles and zeroes the counter (the kernel needs both).
+    if (tile_counter == nullptr) {
+      throw std::runtime_error("flash_attn_ext: internal error: a compact tile list without the "
+                               "Hopper forward's tile counter");
     }
+    kernel_params.compact_tiles_capacity = static_cast<int>(compact_capacity);
+    kernel_params.compact_tiles_block = Traits::kBlockM;
+    compact_query_tiles_kernel<Traits::kBlockM><<<params.batch, 256, 0, stream>>>(kernel_params);
+    err = cudaGetLastError();
+  } else if (tile_counter != nullptr) {
+    err = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream);
+  }
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("flash_attn_ext: Hopper forward tile counter: ") +
+                             cudaGetErrorString(err));
   }
   // A boolean attn_mask's block summary, at this kernel's key tiles.
-  AttentionFwdParams kernel_params = params;
   if (kHasVariants) compute_attn_mask_blocks(kernel_params, Traits::kBlockN, stream);
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, device_sm_count())));
   kernel<<<grid, Traits::kNThreads, smem_bytes, stream>>>(tmap_q, tmap_k, tmap_v, kernel_params,

@@ -1,7 +1,8 @@
 // Hopper forward: the persistent grid's tile list (fwd_sm90_kernel.cuh):
 // FwdSm90Tile and fwd_sm90_tile_at, which (query tile, head, batch) tile t of
-// the list is, with its key-tile range. Why this order and how CTAs claim
-// tiles: the kernel.
+// the list is (fwd_sm90_tile_of: with its key-tile range). Why this order and
+// how CTAs claim tiles: the kernel; a packed batch's compact list:
+// common/compact_tiles.cuh.
 #pragma once
 #include "../../params.h"
 #include "../common/fwd_softmax.cuh"
@@ -17,29 +18,19 @@ struct FwdSm90Tile {
   bool has_rows;  // kVarSeq: the tile starts inside its sequence
 };
 
-// Tile t of the list of num_m_blocks query tiles per (head, batch): m_block
-// fastest, counting down (attn_mask kernels: batch / heads first where the
-// mask broadcasts, mask_blocks.cuh), with its key tiles. trim (attn_mask
-// kernels, producer only: the consumers get the range through the tile slot;
-// the trimming loop would cost them registers). params and num_m_blocks by
-// reference, as the kernel's lambdas capture them (helpers of the backward
-// that took the kernel's scalars by value compiled to different SASS).
+// The tile at (m_block, h, b), with its key tiles. trim (attn_mask kernels,
+// producer only: the consumers get the range through the tile slot; the
+// trimming loop would cost them registers). params by reference, as the
+// kernel's lambdas capture them (helpers of the backward that took the
+// kernel's scalars by value compiled to different SASS).
 template <int kBlockM, int kBlockN, bool kIsCausal, bool kHasVariants, bool kAttnMask,
           bool kVarSeq>
-FAE_DEVICE FwdSm90Tile fwd_sm90_tile_at(const AttentionFwdParams& params, const int& num_m_blocks,
-                                        int t, bool trim) {
+FAE_DEVICE FwdSm90Tile fwd_sm90_tile_of(const AttentionFwdParams& params, int m_block, int h,
+                                        int b, bool trim) {
   FwdSm90Tile tile;
-  if constexpr (kAttnMask) {  // batch / heads first where the mask broadcasts
-    const MaskGridTile g = attn_mask_grid_tile(params, t, num_m_blocks);
-    tile.m_block = num_m_blocks - 1 - g.block;
-    tile.h = g.h;
-    tile.b = g.b;
-  } else {
-    tile.m_block = num_m_blocks - 1 - t % num_m_blocks;
-    const int bh = t / num_m_blocks;
-    tile.h = bh % params.heads;
-    tile.b = bh / params.heads;
-  }
+  tile.m_block = m_block;
+  tile.h = h;
+  tile.b = b;
   tile.h_k = tile.h / (params.heads / params.heads_k);
   const SeqBounds seq = seq_bounds<kVarSeq, kVarSeq>(params, tile.b);
   tile.has_rows = !kVarSeq || tile.m_block * kBlockM < seq.seqlen_q;
@@ -67,6 +58,46 @@ FAE_DEVICE FwdSm90Tile fwd_sm90_tile_at(const AttentionFwdParams& params, const 
     tile.keys = key_tile_range<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, 0, 1);
   }
   return tile;
+}
+
+// Tile t of the list of num_m_blocks query tiles per (head, batch): m_block
+// fastest, counting down (attn_mask kernels: batch / heads first where the
+// mask broadcasts, mask_blocks.cuh). kVarSeq kernels with a compact list
+// (params.h compact_tiles): entry t / heads, head t % heads; an entry past
+// the list gives b = -1 and no rows (the producer stops there).
+template <int kBlockM, int kBlockN, bool kIsCausal, bool kHasVariants, bool kAttnMask,
+          bool kVarSeq>
+FAE_DEVICE FwdSm90Tile fwd_sm90_tile_at(const AttentionFwdParams& params, const int& num_m_blocks,
+                                        int t, bool trim) {
+  int m_block, h, b;
+  if constexpr (kAttnMask) {  // batch / heads first where the mask broadcasts
+    const MaskGridTile g = attn_mask_grid_tile(params, t, num_m_blocks);
+    m_block = num_m_blocks - 1 - g.block;
+    h = g.h;
+    b = g.b;
+  } else {
+    if (kVarSeq && params.compact_tiles != nullptr) {
+      const int2 entry = reinterpret_cast<const int2*>(params.compact_tiles)[t / params.heads];
+      if (entry.x < 0) {
+        FwdSm90Tile past;
+        past.m_block = past.h = past.h_k = 0;
+        past.b = -1;
+        past.keys = {0, 0};
+        past.has_rows = false;
+        return past;
+      }
+      m_block = entry.y;
+      h = t % params.heads;
+      b = entry.x;
+    } else {
+      m_block = num_m_blocks - 1 - t % num_m_blocks;
+      const int bh = t / num_m_blocks;
+      h = bh % params.heads;
+      b = bh / params.heads;
+    }
+  }
+  return fwd_sm90_tile_of<kBlockM, kBlockN, kIsCausal, kHasVariants, kAttnMask, kVarSeq>(
+      params, m_block, h, b, trim);
 }
 
 }  // namespace cuda

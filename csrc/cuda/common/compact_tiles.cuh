@@ -1,0 +1,83 @@
+// A packed (varlen) batch's compact tile list (params.h compact_tiles): the
+// (sequence, tile) pairs that exist, longest sequences first. The Hopper
+// backward lists its key tiles in its preprocess kernel (one CTA per entry
+// and head); the Hopper forward its query tiles in compact_query_tiles_kernel
+// before the kernel (tile t of its persistent grid is entry t / heads).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../params.h"
+#include "ptx.cuh"
+
+namespace flash_attn_ext {
+namespace cuda {
+
+// An upper bound on sum_b ceil(len(b) / block) for sequences whose lengths add
+// up to at most `total` rows: each sequence's last tile adds at most block - 1.
+FAE_HOST_DEVICE int64_t compact_tiles_capacity(int64_t total, int batch, int block) {
+  return (total + static_cast<int64_t>(batch) * (block - 1)) / block;
+}
+
+// Sequence b's entries {b, i} (count_down: {b, n_b - 1 - i}) for its n_b
+// tiles, i = 0 .. n_b - 1, at the position that the sequences before it leave:
+// those with more tiles, then those with as many and a smaller b. The last
+// sequence also marks the entries past the list's end (b = -1). tiles_of(s):
+// sequence s's tile count. All 256 threads of one block per sequence call it.
+template <typename TilesOf>
+FAE_DEVICE void list_sequence_tiles(const AttentionFwdParams& params, int b, bool count_down,
+                                    TilesOf tiles_of) {
+  __shared__ int64_t warp_sums[2][8];  // int64: bad cu_seqlens can sum past 2^31
+  const int mine = tiles_of(b);
+  int64_t before = 0, total = 0;
+  for (int s = threadIdx.x; s < params.batch; s += blockDim.x) {
+    const int n = tiles_of(s);
+    total += n;
+    if (n > mine || (n == mine && s < b)) before += n;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    before += __shfl_xor_sync(0xffffffff, before, offset);
+    total += __shfl_xor_sync(0xffffffff, total, offset);
+  }
+  if (threadIdx.x % 32 == 0) {
+    warp_sums[0][threadIdx.x / 32] = before;
+    warp_sums[1][threadIdx.x / 32] = total;
+  }
+  __syncthreads();
+  before = total = 0;
+  for (int w = 0; w < 8; ++w) {
+    before += warp_sums[0][w];
+    total += warp_sums[1][w];
+  }
+  // Bad cu_seqlens (overlapping sequences: checked on the host only on
+  // request) can list more tiles than the capacity bound: those are dropped
+  // (wrong results, as such inputs give anyway, never a write outside).
+  int2* const list = reinterpret_cast<int2*>(params.compact_tiles);
+  const int64_t capacity = params.compact_tiles_capacity;
+  const int64_t end = min(before + mine, capacity);
+  for (int64_t e = before + threadIdx.x; e < end; e += blockDim.x) {
+    const int i = static_cast<int>(e - before);
+    list[e] = make_int2(b, count_down ? mine - 1 - i : i);
+  }
+  if (b == params.batch - 1) {
+    for (int64_t e = total + threadIdx.x; e < capacity; e += blockDim.x) list[e] = make_int2(-1, 0);
+  }
+}
+
+// The forward's list of query tiles (kBlockM rows), one block of 256 threads
+// per sequence; block 0 also zeroes the dynamic scheduler's tile counter (in
+// place of the memset before the padded grid).
+template <int kBlockM>
+__global__ void __launch_bounds__(256) compact_query_tiles_kernel(const AttentionFwdParams params) {
+  if (blockIdx.x == 0 && threadIdx.x == 0 && params.tile_counter != nullptr) {
+    *params.tile_counter = 0;
+  }
+  list_sequence_tiles(params, blockIdx.x, /*count_down=*/true, [&](int s) {
+    return (seq_bounds<true>(params, s).seqlen_q + kBlockM - 1) / kBlockM;
+  });
+}
+
+}  // namespace cuda
+}  // namespace flash_attn_ext
