@@ -422,18 +422,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         0);
     if (t >= num_tiles) break;
     desc_q = smem_desc_sw128(smem.q(q_slot), 16, 1024);
-    Tile tile;
-    if (listed) {  // the producer's list entry
-      auto slot_word = [&](int offset) {
-        return __shfl_sync(
-            0xffffffffu,
-            lane == 0 ? static_cast<int>(ld_shared_b32(smem.tile_slot(q_slot) + offset)) : 0, 0);
-      };
-      tile = fwd_sm90_tile_of<kBlockM, kBlockN, kIsCausal, kHasVariants, kAttnMask, kVarSeq>(
-          params, slot_word(4), t % params.heads, slot_word(8), false);
-    } else {
-      tile = tile_at(t, false);
-    }
+    // Where the tile is: a compact list's entry from the producer (in the
+    // slot's other words), else from t.
+    auto slot_word = [&](int offset) {
+      return __shfl_sync(
+          0xffffffffu,
+          lane == 0 ? static_cast<int>(ld_shared_b32(smem.tile_slot(q_slot) + offset)) : 0, 0);
+    };
+    const FwdSm90TileCoords coords =
+        listed ? FwdSm90TileCoords{slot_word(4), t % params.heads, slot_word(8)}
+               : fwd_sm90_tile_coords<kAttnMask, false>(params, num_m_blocks, t);
+    Tile tile = fwd_sm90_tile_of<kBlockM, kBlockN, kIsCausal, kHasVariants, kAttnMask, kVarSeq>(
+        params, coords.m_block, coords.h, coords.b, false);
     if constexpr (kAttnMask) {  // the producer's range (trimmed to the mask)
       tile.keys.begin = __shfl_sync(
           0xffffffffu,

@@ -60,44 +60,46 @@ FAE_DEVICE FwdSm90Tile fwd_sm90_tile_of(const AttentionFwdParams& params, int m_
   return tile;
 }
 
-// Tile t of the list of num_m_blocks query tiles per (head, batch): m_block
-// fastest, counting down (attn_mask kernels: batch / heads first where the
-// mask broadcasts, mask_blocks.cuh). kVarSeq kernels with a compact list
-// (params.h compact_tiles): entry t / heads, head t % heads; an entry past
-// the list gives b = -1 and no rows (the producer stops there).
+// Where tile t of the list is. The list has num_m_blocks query tiles per
+// (head, batch), m_block fastest, counting down (attn_mask kernels: batch /
+// heads first where the mask broadcasts, mask_blocks.cuh). kVarSeq kernels
+// with a compact list (params.h compact_tiles): entry t / heads, head
+// t % heads; an entry past the list gives b = -1.
+struct FwdSm90TileCoords {
+  int m_block, h, b;
+};
+template <bool kAttnMask, bool kVarSeq>
+FAE_DEVICE FwdSm90TileCoords fwd_sm90_tile_coords(const AttentionFwdParams& params,
+                                                  const int& num_m_blocks, int t) {
+  if constexpr (kAttnMask) {
+    const MaskGridTile g = attn_mask_grid_tile(params, t, num_m_blocks);
+    return {num_m_blocks - 1 - g.block, g.h, g.b};
+  }
+  if (kVarSeq && params.compact_tiles != nullptr) {
+    const int2 entry = reinterpret_cast<const int2*>(params.compact_tiles)[t / params.heads];
+    return {entry.y, t % params.heads, entry.x};
+  }
+  const int bh = t / num_m_blocks;
+  return {num_m_blocks - 1 - t % num_m_blocks, bh % params.heads, bh / params.heads};
+}
+
+// Tile t of the list (fwd_sm90_tile_coords) with its key tiles; past a
+// compact list's end: b = -1 and no rows (the producer stops there).
 template <int kBlockM, int kBlockN, bool kIsCausal, bool kHasVariants, bool kAttnMask,
           bool kVarSeq>
 FAE_DEVICE FwdSm90Tile fwd_sm90_tile_at(const AttentionFwdParams& params, const int& num_m_blocks,
                                         int t, bool trim) {
-  int m_block, h, b;
-  if constexpr (kAttnMask) {  // batch / heads first where the mask broadcasts
-    const MaskGridTile g = attn_mask_grid_tile(params, t, num_m_blocks);
-    m_block = num_m_blocks - 1 - g.block;
-    h = g.h;
-    b = g.b;
-  } else {
-    if (kVarSeq && params.compact_tiles != nullptr) {
-      const int2 entry = reinterpret_cast<const int2*>(params.compact_tiles)[t / params.heads];
-      if (entry.x < 0) {
-        FwdSm90Tile past;
-        past.m_block = past.h = past.h_k = 0;
-        past.b = -1;
-        past.keys = {0, 0};
-        past.has_rows = false;
-        return past;
-      }
-      m_block = entry.y;
-      h = t % params.heads;
-      b = entry.x;
-    } else {
-      m_block = num_m_blocks - 1 - t % num_m_blocks;
-      const int bh = t / num_m_blocks;
-      h = bh % params.heads;
-      b = bh / params.heads;
-    }
+  const FwdSm90TileCoords c = fwd_sm90_tile_coords<kAttnMask, kVarSeq>(params, num_m_blocks, t);
+  if (kVarSeq && c.b < 0) {
+    FwdSm90Tile past;
+    past.m_block = past.h = past.h_k = 0;
+    past.b = -1;
+    past.keys = {0, 0};
+    past.has_rows = false;
+    return past;
   }
   return fwd_sm90_tile_of<kBlockM, kBlockN, kIsCausal, kHasVariants, kAttnMask, kVarSeq>(
-      params, m_block, h, b, trim);
+      params, c.m_block, c.h, c.b, trim);
 }
 
 }  // namespace cuda
