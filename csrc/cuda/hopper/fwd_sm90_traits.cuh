@@ -119,13 +119,25 @@ struct FwdSm90TileConfig {
 // causal at S <= 1k -7..-8% (192-row tiles mask more of a short causal
 // row), so causal calls with seqlen_q <= kShortCausalRows keep two, as the
 // 16-bit forward does. D = 256 keeps two: its O alone is 128 registers.
+//
+// Experiment, not yet measured (-DFAE_FP8_BLOCK_N_256, docs/PERFORMANCE.md):
+// D = 128 as FlashAttention-3 runs it, two consumer warpgroups and 256-key
+// tiles (each K / V^T tile feeds twice the keys per barrier round trip and
+// softmax pass), P staged in shared memory as with three (S 128 + O 64 + P
+// 32 registers would not fit 240 beside the addressing). Shared memory: Q 16
+// KB + K 64 KB + V^T 64 KB + P 32 KB.
 template <int kHeadDim>
 struct FwdSm90Fp8TileConfig {
-  static constexpr int kBlockN = 128;
+#ifdef FAE_FP8_BLOCK_N_256
+  static constexpr bool kWideKeys = kHeadDim == 128;
+#else
+  static constexpr bool kWideKeys = false;
+#endif
+  static constexpr int kBlockN = kWideKeys ? 256 : 128;
   static constexpr int kStages = 2;
   static constexpr int kBlockNShort = 0;
   static constexpr int kShortSeqlenK = 0;
-  static constexpr int kConsumerWarpgroups = kHeadDim == 128 ? 3 : 2;
+  static constexpr int kConsumerWarpgroups = kHeadDim == 128 && !kWideKeys ? 3 : 2;
   static constexpr int kQRing = kConsumerWarpgroups;
   static constexpr int kShortCausalRows = kConsumerWarpgroups == 3 ? 1024 : 0;
 };
@@ -170,10 +182,11 @@ struct FwdSm90Traits {
   // probabilities in [0, 256] use e4m3's range (max 448) instead of its
   // subnormals below 2^-6; the LSE takes the 8 off again.
   static constexpr int kPExp2Offset = kFp8 ? 8 : 0;
-  // FP8 with three consumer warpgroups: P is staged in shared memory per
-  // warpgroup ([kBlockN / 64][64 rows][128 B], the K-major layout of a Q
-  // slice) and O += P V is an SS wgmma, which frees P's registers.
-  static constexpr bool kPInSmem = kFp8 && kConsumerWarpgroups == 3;
+  // FP8 with three consumer warpgroups (or 256-key tiles): P is staged in
+  // shared memory per warpgroup ([kBlockN / 128][64 rows][128 B], the
+  // K-major layout of a Q slice) and O += P V is an SS wgmma, which frees P's
+  // registers.
+  static constexpr bool kPInSmem = kFp8 && (kConsumerWarpgroups == 3 || kBlockN == 256);
   // The softmax's exponentials run under the warpgroup's own P V only where
   // keep_above_next_wait holds ptxas's wgmma wait below them (fwd kernel).
   // Measured on an H200 (S 1k-16k, A/B builds on one machine): D = 256
