@@ -18,7 +18,6 @@ import functools
 import importlib
 import inspect
 import itertools
-import os
 import random
 import sys
 
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 import flash_attn_ext as fa
 from ..backends import DTYPES, PASS_FLOP_FACTOR, _sdpa_backend_enum, missing_backend
 from ..report import _fmt, _geomean, write_json, write_rows_csv
-from ..timing import (Progress, Skip, measure_peaks, require_cuda, rotated_rounds, time_passes,
+from ..timing import (Progress, Skip, env_set, measure_peaks, require_cuda, rotated_rounds, time_passes,
                       timer_name)
 
 VARLEN_DOC = """\
@@ -250,20 +249,6 @@ def varlen_backends(device):
     return names, f
 
 
-@contextlib.contextmanager
-def _env(name, value):
-    """os.environ[name] = value inside the block (the forward and the backward read it)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 def make_varlen_fn(name, causal, cu, max_len, device, torch_varlen):
     if name in ("ours", "ours_compact"):  # (ours_compact: run_varlen sets its switch)
         if not hasattr(fa, "flash_attn_varlen_func"):
@@ -337,8 +322,8 @@ def run_varlen(run, sizes, progress):
                 layout = "packed" if packed else "bshd" if name == "ours_padded" else "bhsd"
                 make = functools.partial(make_varlen_fn, name, causal, inp["cu"], inp["max_len"],
                                          device, torch_varlen)
-                switch = (_env("FLASH_ATTN_EXT_VARLEN_GRID", "compact") if name == "ours_compact"
-                          else contextlib.nullcontext())
+                switch = (env_set("FLASH_ATTN_EXT_VARLEN_GRID", "compact")
+                          if name == "ours_compact" else contextlib.nullcontext())
                 with switch:
                     res = time_passes(make, [inp[layout]], passes, device)
                 if first_round:

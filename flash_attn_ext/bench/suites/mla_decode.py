@@ -11,7 +11,8 @@ Configs (B, S, H): --configs, default 8x65536x16, 32x16384x16, 128x8192x16, 64x4
 8x65536x128. GB/s count the cache bytes read once (B * S * 576 * 2), against a device-to-device
 copy's bandwidth (read + write bytes, measured in the same run: `copy GB/s`); TF/s the FLOPs
 2 * B * H * S * (576 + 512). Timing: flash_attn_ext.bench.time_ms medians; with --rounds N the
-cache layouts in rotated order.
+cache layouts in rotated order. On CUDA each layout also runs as `LAYOUT/t64`, the experimental
+64-key kernel (FLASH_ATTN_EXT_MLA_TILE=64, docs/API.md) in the same process.
 """
 import argparse
 import sys
@@ -21,7 +22,7 @@ import torch
 import flash_attn_ext as fa
 from ..backends import DTYPES
 from ..report import write_rows_csv
-from ..timing import require_cuda, rotated_rounds, time_ms
+from ..timing import env_set, require_cuda, rotated_rounds, time_ms
 
 HEAD_DIM, HEAD_DIM_V = 576, 512
 
@@ -39,6 +40,13 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--csv", default=None, help="write every row to this CSV file")
     return p.parse_args(argv)
+
+
+def _with_tile64(call):
+    def run():
+        with env_set("FLASH_ATTN_EXT_MLA_TILE", "64"):
+            return call()
+    return run
 
 
 def copy_gbps(device):
@@ -76,6 +84,9 @@ def main(argv=None):
             f"paged{page}": lambda: fa.flash_attn_with_kvcache(
                 q, pool, pool[..., :HEAD_DIM_V], cache_seqlens=lengths, block_table=table),
         }
+        if device == "cuda":  # the 64-key kernel (FLASH_ATTN_EXT_MLA_TILE=64), same process
+            for name in list(calls):
+                calls[f"{name}/t64"] = _with_tile64(calls[name])
 
         def time_one(name, first):
             return {"fwd": {"ms": time_ms(calls[name], device)}}
@@ -96,11 +107,11 @@ def main(argv=None):
     print(f"\nMLA decode (576 / 512, latent cache read once), {str(dtype).replace('torch.', '')}, "
           f"device {name}, torch {torch.__version__}, rounds {args.rounds}"
           + (f", copy {peak:.0f} GB/s" if peak else ""))
-    head = f"{'B':>5}{'S':>7}{'H':>5}  {'layout':<10}{'us':>9}{'GB/s':>8}{'% copy':>8}{'TF/s':>7}"
+    head = f"{'B':>5}{'S':>7}{'H':>5}  {'layout':<13}{'us':>9}{'GB/s':>8}{'% copy':>8}{'TF/s':>7}"
     print(head)
     print("-" * len(head))
     for r in rows:
         pct = f"{r['copy_pct']:8.0f}" if r["copy_pct"] is not None else f"{'-':>8}"
-        print(f"{r['B']:>5}{r['S']:>7}{r['H']:>5}  {r['layout']:<10}{r['ms'] * 1e3:9.1f}"
+        print(f"{r['B']:>5}{r['S']:>7}{r['H']:>5}  {r['layout']:<13}{r['ms'] * 1e3:9.1f}"
               f"{r['gbps']:8.0f}{pct}{r['tflops']:7.1f}")
     return rows
