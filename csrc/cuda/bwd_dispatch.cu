@@ -91,7 +91,7 @@ int64_t dq_semaphore_ints(const AttentionBwdParams& p) {
 // FLASH_ATTN_EXT_VARLEN_GRID=compact): two ints per entry, sized for the
 // smallest key tile (64 keys), which bounds every kernel's.
 int64_t compact_tiles_ints(const AttentionBwdParams& p) {
-  if (row_stat_floats(p) == 0 || p.cu_seqlens_q == nullptr || !varlen_grid_compact()) return 0;
+  if (row_stat_floats(p) == 0 || !compact_tiles_apply(p)) return 0;
   return 2 * compact_tiles_capacity(p.total_k, p.batch, 64);
 }
 

@@ -7,7 +7,6 @@
 #include <string>
 
 #include "common/compact_tiles.cuh"
-#include "common/env.h"
 #include "flash_api.h"
 #include "hopper/fwd_sm90.h"
 #include "simt/fwd_fp32.h"
@@ -473,7 +472,7 @@ static bool fwd_needs_tile_counter(const AttentionFwdParams& params, int num_spl
 // two ints per entry, sized for the smallest query tile (64 rows), which
 // bounds every kernel's.
 static int64_t fwd_compact_tiles_ints(const AttentionFwdParams& params) {
-  if (params.cu_seqlens_q == nullptr || !varlen_grid_compact()) return 0;
+  if (!compact_tiles_apply(params)) return 0;
   return 2 * compact_tiles_capacity(params.total_q, params.batch, 64);
 }
 

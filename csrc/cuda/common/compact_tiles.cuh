@@ -9,10 +9,24 @@
 #include <cstdint>
 
 #include "../../params.h"
+#include "env.h"
 #include "ptx.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {
+
+// Each sequence's block ranks it among all sequences (list_sequence_tiles),
+// batch^2 steps in all: ~1 us of the GPU at 1k sequences, ~10 us at 4k, so
+// larger batches keep the padded grids (compact_tiles_apply).
+constexpr int kCompactTilesMaxBatch = 4096;
+
+// Whether a call gets a compact list: packed, a batch that the ranking
+// serves, and FLASH_ATTN_EXT_VARLEN_GRID=compact (env.h; read only for packed
+// calls, so that a bad value fails those alone).
+inline bool compact_tiles_apply(const AttentionFwdParams& params) {
+  return params.cu_seqlens_q != nullptr && params.batch <= kCompactTilesMaxBatch &&
+         varlen_grid_compact();
+}
 
 // An upper bound on sum_b ceil(len(b) / block) for sequences whose lengths add
 // up to at most `total` rows: each sequence's last tile adds at most block - 1.
