@@ -21,11 +21,11 @@ namespace cuda {
 constexpr int kCompactTilesMaxBatch = 4096;
 
 // Whether a call gets a compact list: packed, a batch that the ranking
-// serves, and FLASH_ATTN_EXT_VARLEN_GRID=compact (env.h; read only for packed
+// serves (and not empty: the list is written by one block per sequence), and FLASH_ATTN_EXT_VARLEN_GRID=compact (env.h; read only for packed
 // calls, so that a bad value fails those alone).
 inline bool compact_tiles_apply(const AttentionFwdParams& params) {
-  return params.cu_seqlens_q != nullptr && params.batch <= kCompactTilesMaxBatch &&
-         varlen_grid_compact();
+  return params.cu_seqlens_q != nullptr && params.batch > 0 &&
+         params.batch <= kCompactTilesMaxBatch && varlen_grid_compact();
 }
 
 // An upper bound on sum_b ceil(len(b) / block) for sequences whose lengths add
