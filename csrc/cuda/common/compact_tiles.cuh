@@ -66,14 +66,18 @@ FAE_DEVICE void list_sequence_tiles(const AttentionFwdParams& params, int b, boo
     total += warp_sums[1][w];
   }
   // Bad cu_seqlens (overlapping sequences: checked on the host only on
-  // request) can list more tiles than the capacity bound: those are dropped
-  // (wrong results, as such inputs give anyway, never a write outside).
+  // request) can list more tiles than the capacity bound. A sequence that
+  // does not fit whole is dropped whole, its entries below the capacity
+  // marked b = -1: wrong results, as such inputs give anyway, never a write
+  // outside the list, and never a CTA of the backward's deterministic mode
+  // waiting for a key tile of its sequence that is not in the grid (a hang).
   int2* const list = reinterpret_cast<int2*>(params.compact_tiles);
   const int64_t capacity = params.compact_tiles_capacity;
+  const bool fits = before + mine <= capacity;
   const int64_t end = min(before + mine, capacity);
   for (int64_t e = before + threadIdx.x; e < end; e += blockDim.x) {
     const int i = static_cast<int>(e - before);
-    list[e] = make_int2(b, count_down ? mine - 1 - i : i);
+    list[e] = fits ? make_int2(b, count_down ? mine - 1 - i : i) : make_int2(-1, 0);
   }
   if (b == params.batch - 1) {
     for (int64_t e = total + threadIdx.x; e < capacity; e += blockDim.x) list[e] = make_int2(-1, 0);
