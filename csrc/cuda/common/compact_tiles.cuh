@@ -20,9 +20,10 @@ namespace cuda {
 // larger batches keep the padded grids (compact_tiles_apply).
 constexpr int kCompactTilesMaxBatch = 4096;
 
-// Whether a call gets a compact list: packed, a batch that the ranking
-// serves (and not empty: the list is written by one block per sequence), and FLASH_ATTN_EXT_VARLEN_GRID=compact (env.h; read only for packed
-// calls, so that a bad value fails those alone).
+// Whether a call gets a compact list: packed, a batch that the ranking serves
+// (and not empty: the list is written by one block per sequence), and
+// FLASH_ATTN_EXT_VARLEN_GRID=compact (env.h; read only for packed calls, so
+// that a bad value fails those alone).
 inline bool compact_tiles_apply(const AttentionFwdParams& params) {
   return params.cu_seqlens_q != nullptr && params.batch > 0 &&
          params.batch <= kCompactTilesMaxBatch && varlen_grid_compact();
