@@ -99,7 +99,8 @@ struct MlaConfig {
   static_assert(kBlockN % 16 == 0, "P V k-steps of 16 keys");
   static_assert(kGroupTiles == 1 || kGroupTiles == 2, "a warp's keys: one ldmatrix x2 or x4");
   static_assert(kThreads % kBlockN == 0, "whole threads per tile row (the loads)");
-  static_assert(kSmemBytes <= (kWide ? 227 : 99) * 1024, "fits an sm_86 / sm_89 (wide: sm_90) block");
+  static_assert(kSmemBytes <= (kWide ? 227 : 99) * 1024,
+                "fits an sm_86 / sm_89 block (wide: an sm_80 / sm_90 one)");
   static_assert(kMinBlocksPerSm * kThreads <= 1024, "128 registers a thread at least");
 };
 

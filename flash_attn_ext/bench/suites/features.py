@@ -27,8 +27,8 @@ import torch.nn.functional as F
 import flash_attn_ext as fa
 from ..backends import DTYPES, PASS_FLOP_FACTOR, _sdpa_backend_enum, missing_backend
 from ..report import _fmt, _geomean, write_json, write_rows_csv
-from ..timing import (Progress, Skip, env_set, measure_peaks, require_cuda, rotated_rounds, time_passes,
-                      timer_name)
+from ..timing import (Progress, Skip, env_set, measure_peaks, require_cuda, rotated_rounds,
+                      time_passes, timer_name)
 
 VARLEN_DOC = """\
 Varlen: sequence lengths drawn (seeded) uniformly from 128..4096 until the total reaches 16k
