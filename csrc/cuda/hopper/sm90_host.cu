@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../common/device_attribute.h"
 #include "../common/env.h"
 #include "sm90_host.h"
 
@@ -24,34 +25,12 @@ KernelImpl kernel_impl_requested(const char* env_name) {
 }
 
 bool device_is_sm90() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return false;
-  if (device < kMaxDevices && cached[device] != 0) return cached[device] == 1;
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    return false;
-  }
-  const bool yes = major == 9 && minor == 0;
-  if (device < kMaxDevices) cached[device] = yes ? 1 : 2;
-  return yes;
+  return current_device_attribute<cudaDevAttrComputeCapabilityMajor>(0) == 9 &&
+         current_device_attribute<cudaDevAttrComputeCapabilityMinor>(-1) == 0;
 }
 
 int device_sm_count() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return 1;
-  if (device < kMaxDevices && cached[device] > 0) return cached[device];
-  int count = 0;
-  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      count <= 0) {
-    return 1;
-  }
-  if (device < kMaxDevices) cached[device] = count;
-  return count;
+  return std::max(1, current_device_attribute<cudaDevAttrMultiProcessorCount>(1));
 }
 
 namespace {

@@ -46,6 +46,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../common/device_attribute.h"
 #include "../common/env.h"
 #include "../common/ptx.cuh"
 #include "../flash_api.h"
@@ -415,21 +416,10 @@ void launch_mla(const AttentionFwdParams& params, int num_splits, cudaStream_t s
 }
 
 // Whether this device's blocks may have the wide kernel's shared memory
-// (sm_90: 227 KB; sm_80: 163 KB, sm_86 / sm_89: 99 KB), cached per device.
+// (sm_90: 227 KB; sm_80: 163 KB, sm_86 / sm_89: 99 KB).
 bool device_fits_wide_mla() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return false;
-  if (device < kMaxDevices && cached[device] != 0) return cached[device] == 1;
-  int optin = 0;
-  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-      cudaSuccess) {
-    return false;
-  }
-  const bool fits = optin >= MlaConfig<true, true>::kSmemBytes;
-  if (device < kMaxDevices) cached[device] = fits ? 1 : 2;
-  return fits;
+  return current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(0) >=
+         MlaConfig<true, true>::kSmemBytes;
 }
 
 }  // namespace
