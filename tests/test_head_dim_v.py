@@ -353,20 +353,11 @@ def test_kvcache_append(device, dtype, paged, causal):
                        table)
 
 
-@pytest.fixture(params=["32", "64"], ids=["mla-tile32", "mla-tile64"])
-def mla_tile(request, monkeypatch):
-    """The MLA forward's latent-cache key tile (FLASH_ATTN_EXT_MLA_TILE): two CTAs of 8
-    warps per SM on 32-key tiles, or one of 16 warps on 64-key tiles where the device's
-    blocks may have its shared memory (else the 32-key kernel runs either way)."""
-    monkeypatch.setenv("FLASH_ATTN_EXT_MLA_TILE", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("seqlen_q", [1, 2])
 @pytest.mark.parametrize("sink", [False, True], ids=["", "sink"])
-def test_kvcache_mla_latent_cache(device, dtype, paged, seqlen_q, sink, mla_tile):
+def test_kvcache_mla_latent_cache(device, dtype, paged, seqlen_q, sink):
     """MLA's absorbed decode: k_cache the latent cache [.., 1, 576] and v_cache =
     k_cache[..., :512], views of one tensor; the new latent token is appended through both
     views (v_new = kv_new[..., :512], the same values) and the cache holds it once. On CUDA
@@ -699,7 +690,7 @@ def test_cuda_large_head_dims_not_implemented():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("latent", [False, True], ids=["separate-kv", "latent"])
-def test_cuda_mla_forward(dtype, causal, latent, mla_tile):
+def test_cuda_mla_forward(dtype, causal, latent):
     """The MLA forward on padded batches (causal both alignments, a key split per few tiles,
     separate k / v tensors or v a view of k) and on packed sequences (one empty)."""
     _need("cuda")

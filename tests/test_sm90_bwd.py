@@ -323,8 +323,10 @@ def test_varlen_compact_grid_many_sequences(sm90, head_dim, causal, monkeypatch)
 
 
 def test_varlen_grid_switch_rejects_unknown(sm90, monkeypatch):
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([5, 9], [7, 3], 2, 2, 64, torch.bfloat16,
-                                                    DEVICE)
+    # Longer than 16 query rows: the Hopper forward (a decode-sized call takes mma.sync's
+    # 16-row tile, which has no grid to lay out).
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([50, 90], [70, 30], 2, 2, 64,
+                                                    torch.bfloat16, DEVICE)
     monkeypatch.setenv("FLASH_ATTN_EXT_VARLEN_GRID", "tight")
     with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_VARLEN_GRID"):
         fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)

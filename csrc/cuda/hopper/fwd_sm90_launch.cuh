@@ -199,8 +199,8 @@ void run_fwd_fp8_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream
   }
   if constexpr (kIsCausal && Config::kShortCausalRows > 0) {
     if (params.seqlen_q <= Config::kShortCausalRows) {  // (varlen: the longest sequence)
-      launch_fwd_sm90<FwdSm90Traits<__nv_fp8_e4m3, kHeadDim, Config::kBlockN, Config::kStages, 2,
-                                    TOut, 2>,
+      launch_fwd_sm90<FwdSm90Traits<__nv_fp8_e4m3, kHeadDim, Config::kShortCausalBlockN,
+                                    Config::kStages, 2, TOut, 2>,
                       kIsCausal, false>(params, stream);
       return;
     }

@@ -110,36 +110,28 @@ struct FwdSm90TileConfig {
 #endif
 };
 
-// The FP8 (e4m3) forward's tiles: 128 keys (a whole 128-byte swizzle row of
-// the transposed V tile, see FwdSm90Traits::kFp8), 2 stages, both head dims.
-// D = 128 runs three consumer warpgroups, as bf16 D = 64 does with the same
-// exp2 : MMA ratio; at 160 registers a thread has no room for P's fragments
-// beside O and S (they spilled 144 bytes), so P goes through shared memory
-// (FwdSm90Traits::kPInSmem). Three against two (H200): +2..+7% at S 2k-16k;
-// causal at S <= 1k -7..-8% (192-row tiles mask more of a short causal
-// row), so causal calls with seqlen_q <= kShortCausalRows keep two, as the
-// 16-bit forward does. D = 256 keeps two: its O alone is 128 registers.
-//
-// Experiment, not yet measured (-DFAE_FP8_BLOCK_N_256, docs/PERFORMANCE.md):
-// D = 128 as FlashAttention-3 runs it, two consumer warpgroups and 256-key
-// tiles (each K / V^T tile feeds twice the keys per barrier round trip and
-// softmax pass), P staged in shared memory as with three (S 128 + O 64 + P
-// 32 registers would not fit 240 beside the addressing). Shared memory: Q 16
-// KB + K 64 KB + V^T 64 KB + P 32 KB.
+// The FP8 (e4m3) forward's tiles, 2 stages, two consumer warpgroups. D = 128
+// as FlashAttention-3 runs it: 256-key tiles (each K / V^T tile feeds twice
+// the keys per barrier round trip and softmax pass), P staged in shared
+// memory (FwdSm90Traits::kPInSmem: S 128 + O 64 + P 32 registers would not
+// fit 240 beside the addressing; shared memory Q 16 + K 64 + V^T 64 + P 32
+// KB). Against the three-warpgroup 128-key kernel it replaced (H200, one
+// build each, our bf16 and cuDNN in every process, S 1k / 4k / 16k):
+// +5.3 / +2.5 / +3.4% non-causal, +4.3 / +6.5% causal at 4k / 16k. Causal
+// calls with seqlen_q <= kShortCausalRows keep 128-key tiles on two
+// warpgroups (256 keys there: -4.3% at 1k; a short causal row masks more of
+// a wide tile). D = 256: 128-key tiles (a whole 128-byte swizzle row of the
+// transposed V tile, see FwdSm90Traits::kFp8); its O alone is 128 registers.
 template <int kHeadDim>
 struct FwdSm90Fp8TileConfig {
-#ifdef FAE_FP8_BLOCK_N_256
-  static constexpr bool kWideKeys = kHeadDim == 128;
-#else
-  static constexpr bool kWideKeys = false;
-#endif
-  static constexpr int kBlockN = kWideKeys ? 256 : 128;
+  static constexpr int kBlockN = kHeadDim == 128 ? 256 : 128;
   static constexpr int kStages = 2;
   static constexpr int kBlockNShort = 0;
   static constexpr int kShortSeqlenK = 0;
-  static constexpr int kConsumerWarpgroups = kHeadDim == 128 && !kWideKeys ? 3 : 2;
+  static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kQRing = kConsumerWarpgroups;
-  static constexpr int kShortCausalRows = kConsumerWarpgroups == 3 ? 1024 : 0;
+  static constexpr int kShortCausalRows = kBlockN == 256 ? 1024 : 0;
+  static constexpr int kShortCausalBlockN = 128;
 };
 
 // T: the element type of q, k, v (16-bit, or e4m3); TOut: of out (T's,
@@ -182,10 +174,10 @@ struct FwdSm90Traits {
   // probabilities in [0, 256] use e4m3's range (max 448) instead of its
   // subnormals below 2^-6; the LSE takes the 8 off again.
   static constexpr int kPExp2Offset = kFp8 ? 8 : 0;
-  // FP8 with three consumer warpgroups (or 256-key tiles): P is staged in
-  // shared memory per warpgroup ([kBlockN / 128][64 rows][128 B], the
-  // K-major layout of a Q slice) and O += P V is an SS wgmma, which frees P's
-  // registers.
+  // FP8 with 256-key tiles (or three consumer warpgroups, whose 160
+  // registers have no room for P either): P is staged in shared memory per
+  // warpgroup ([kBlockN / 128][64 rows][128 B], the K-major layout of a Q
+  // slice) and O += P V is an SS wgmma, which frees P's registers.
   static constexpr bool kPInSmem = kFp8 && (kConsumerWarpgroups == 3 || kBlockN == 256);
   // The softmax's exponentials run under the warpgroup's own P V only where
   // keep_above_next_wait holds ptxas's wgmma wait below them (fwd kernel).

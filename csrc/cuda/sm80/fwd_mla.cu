@@ -46,8 +46,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "../common/device_attribute.h"
-#include "../common/env.h"
 #include "../common/ptx.cuh"
 #include "../flash_api.h"
 
@@ -55,31 +53,18 @@ namespace flash_attn_ext {
 namespace cuda {
 namespace {
 
-// kWide (a latent cache, kSharedKV, where a block may have ~166 KB of shared
-// memory: sm_90; FLASH_ATTN_EXT_MLA_TILE=64): one CTA of 16 warps per SM on
-// 64-key tiles, the keys split 4 ways for S (warps 4 g .. 4 g + 3 the g-th
-// quarter, the same 144-column groups) and 32 O columns per warp, in place
-// of two CTAs of 8 warps on 32-key tiles. A tile's fixed costs (two
-// barriers, the quad reductions of the softmax, O's rescale) then cover twice
-// the keys; the narrow kernel is issue-bound at 72-78% of HBM (H100). Each
-// warp still runs the whole tile's softmax (twice the exponentials per SM:
-// ~1k MUFU cycles per 64-key tile against ~3.6k cycles of its HBM time).
-template <bool kSharedKV, bool kWide = false>
+template <bool kSharedKV>
 struct MlaConfig {
-  static_assert(!kWide || kSharedKV, "the wide tiles take the latent cache (K and V one tile)");
   static constexpr int kHeadDim = 576;   // q / k
   static constexpr int kHeadDimV = 512;  // v / out
   static constexpr int kBlockM = 16;     // query rows per CTA (one mma M)
-  static constexpr int kWarps = kWide ? 16 : 8;
+  static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kMinBlocksPerSm = kWide ? 1 : 2;
-  // S: warps [kDimGroups k, kDimGroups (k + 1)) sum the k-th key group of a
-  // tile (halves, or quarters when wide).
-  static constexpr int kKeyGroups = kWide ? 4 : 2;
+  static constexpr int kKeyGroups = 2;  // S: warps 0-3 the first half of a tile's keys
   static constexpr int kDimGroups = kWarps / kKeyGroups;
   // Keys per tile: two stages of K (and V when it is a tile of its own) must
-  // fit the 99 KB an sm_86 / sm_89 block may have (wide: an sm_90 block).
-  static constexpr int kBlockN = kWide ? 64 : kSharedKV ? 32 : 16;
+  // fit the 99 KB an sm_86 / sm_89 block may have.
+  static constexpr int kBlockN = kSharedKV ? 32 : 16;
   static constexpr int kStages = 2;  // the tile computed and the next one loading
   static constexpr int kQkCols = kHeadDim / kDimGroups;  // a warp's share of the Q.K^T sum
   static constexpr int kGroupTiles = kBlockN / kKeyGroups / 8;  // S n-tiles of a warp
@@ -100,20 +85,16 @@ struct MlaConfig {
   static_assert(kBlockN % 16 == 0, "P V k-steps of 16 keys");
   static_assert(kGroupTiles == 1 || kGroupTiles == 2, "a warp's keys: one ldmatrix x2 or x4");
   static_assert(kThreads % kBlockN == 0, "whole threads per tile row (the loads)");
-  static_assert(kSmemBytes <= (kWide ? 227 : 99) * 1024,
-                "fits an sm_86 / sm_89 block (wide: an sm_80 / sm_90 one)");
-  static_assert(kMinBlocksPerSm * kThreads <= 1024, "128 registers a thread at least");
+  static_assert(kSmemBytes <= 99 * 1024, "fits an sm_86 / sm_89 block");
 };
 
-// Two CTAs per SM (at most 128 registers), or one CTA of 16 warps (wide):
-// 16 warps to hide the mma and shared-memory latencies of the short per-tile
-// chains.
-template <typename T, bool kSharedKV, bool kWide>
-__global__ void __launch_bounds__(MlaConfig<kSharedKV, kWide>::kThreads,
-                                  MlaConfig<kSharedKV, kWide>::kMinBlocksPerSm)
+// Two CTAs per SM (at most 128 registers): 16 warps to hide the mma and
+// shared-memory latencies of the short per-tile chains.
+template <typename T, bool kSharedKV>
+__global__ void __launch_bounds__(MlaConfig<kSharedKV>::kThreads, 2)
     flash_fwd_mla_kernel(const __grid_constant__ AttentionFwdParams params, int num_splits,
                          int tiles_per_split) {
-  using Cfg = MlaConfig<kSharedKV, kWide>;
+  using Cfg = MlaConfig<kSharedKV>;
   constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kQkSteps = Cfg::kQkCols / 16;
   constexpr int kNTiles = kBlockN / 8;
@@ -214,9 +195,9 @@ __global__ void __launch_bounds__(MlaConfig<kSharedKV, kWide>::kThreads,
     const uint8_t* v_smem = kSharedKV ? k_smem : k_smem + Cfg::kKTileBytes;
     constexpr int kVRowBytes = kSharedKV ? Cfg::kKRowBytes : Cfg::kVRowBytes;
 
-    // This warp's partial S: its key group, its 144 columns. ldmatrix on K
+    // This warp's partial S: its key half, its 144 columns. ldmatrix on K
     // rows gives the B fragments of one k-step: x4 for n-tiles (0, 1) of the
-    // group (matrix j: key rows + 8 (j / 2), columns + 8 (j % 2)), x2 for one.
+    // half (matrix j: key rows + 8 (j / 2), columns + 8 (j % 2)), x2 for one.
     float part[kGroupTiles][4];
 #pragma unroll
     for (int j = 0; j < kGroupTiles; ++j) part[j][0] = part[j][1] = part[j][2] = part[j][3] = 0.f;
@@ -238,8 +219,8 @@ __global__ void __launch_bounds__(MlaConfig<kSharedKV, kWide>::kThreads,
         mma_16816<T>(part[0], qa[ks], r);
       }
     }
-    // Each key group's four partials summed in warp order by every warp (all
-    // hold the same S): n-tile j of S is tile j % kGroupTiles of key group
+    // Each key half's four partials summed in warp order by every warp (all
+    // hold the same S): n-tile j of S is tile j % kGroupTiles of key half
     // j / kGroupTiles.
 #pragma unroll
     for (int j = 0; j < kGroupTiles; ++j) {
@@ -391,12 +372,12 @@ __global__ void __launch_bounds__(128)
   if (threadIdx.x == 0) params.lse[idx] = lse;
 }
 
-template <typename T, bool kSharedKV, bool kWide = false>
+template <typename T, bool kSharedKV>
 void launch_mla(const AttentionFwdParams& params, int num_splits, cudaStream_t stream) {
-  using Cfg = MlaConfig<kSharedKV, kWide>;
+  using Cfg = MlaConfig<kSharedKV>;
   const int n_tiles = (params.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const int tiles_per_split = std::max(1, (n_tiles + num_splits - 1) / num_splits);
-  auto kernel = flash_fwd_mla_kernel<T, kSharedKV, kWide>;
+  auto kernel = flash_fwd_mla_kernel<T, kSharedKV>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) {
@@ -415,13 +396,6 @@ void launch_mla(const AttentionFwdParams& params, int num_splits, cudaStream_t s
   }
 }
 
-// Whether this device's blocks may have the wide kernel's shared memory
-// (sm_90: 227 KB; sm_80: 163 KB, sm_86 / sm_89: 99 KB).
-bool device_fits_wide_mla() {
-  return current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(0) >=
-         MlaConfig<true, true>::kSmemBytes;
-}
-
 }  // namespace
 
 bool fwd_mla_head_dims(int head_dim, int head_dim_v) { return head_dim == 576 && head_dim_v == 512; }
@@ -431,27 +405,14 @@ bool fwd_mla_shares_kv(const AttentionFwdParams& p) {
          p.k_strides.head == p.v_strides.head && p.k_strides.row == p.v_strides.row;
 }
 
-// FLASH_ATTN_EXT_MLA_TILE = 32 (default) | 64: the latent cache's key tile,
-// 64 = the wide kernel where the device fits it (MlaConfig). Experimental
-// until measured against 32 on a GPU (built and compile-checked, 2026-12-01).
-bool fwd_mla_runs_wide(const AttentionFwdParams& p) {
-  return fwd_mla_shares_kv(p) && env_choice("FLASH_ATTN_EXT_MLA_TILE", {"32", "64"}) == 1 &&
-         device_fits_wide_mla();
-}
-
 int fwd_mla_num_splits(const AttentionFwdParams& p, int num_sms) {
   if (p.num_splits > 0) return std::min(p.num_splits, 256);
-  const bool wide = fwd_mla_runs_wide(p);
-  const int block_n = wide ? MlaConfig<true, true>::kBlockN
-                      : fwd_mla_shares_kv(p) ? MlaConfig<true>::kBlockN
-                                             : MlaConfig<false>::kBlockN;
+  const int block_n = fwd_mla_shares_kv(p) ? MlaConfig<true>::kBlockN : MlaConfig<false>::kBlockN;
   const int n_tiles = std::max(1, (p.seqlen_k + block_n - 1) / block_n);
   const int64_t ctas = static_cast<int64_t>((p.seqlen_q + 15) / 16) * p.batch * p.heads;
-  // About two waves of CTAs (four narrow ones per SM, each holds 2 stages of
-  // ~37 KB; two wide ones), at least 4 key tiles per split so that the
-  // pipeline runs.
-  const int64_t per_sm = wide ? 2 : 4;
-  const int64_t want = (per_sm * num_sms + ctas - 1) / ctas;
+  // About four CTAs per SM (each holds 2 stages of ~37 KB), at least 4 key
+  // tiles per split so that the pipeline runs.
+  const int64_t want = (4 * static_cast<int64_t>(num_sms) + ctas - 1) / ctas;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, n_tiles / 4, 256})));
 }
 
@@ -470,21 +431,17 @@ void run_fwd_mla(const AttentionFwdParams& params, int num_splits, cudaStream_t 
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "MLA forward");
   }
-  const bool shared = fwd_mla_shares_kv(params), wide = fwd_mla_runs_wide(params);
-  auto launch = [&](auto type_tag) {
-    using T = decltype(type_tag);
-    if (wide) return launch_mla<T, true, true>(params, num_splits, stream);
-    return shared ? launch_mla<T, true>(params, num_splits, stream)
-                  : launch_mla<T, false>(params, num_splits, stream);
-  };
+  const bool shared = fwd_mla_shares_kv(params);
   switch (params.dtype) {
 #ifdef FAE_HAS_FP16
     case DType::kFloat16:
-      return launch(__half{});
+      return shared ? launch_mla<__half, true>(params, num_splits, stream)
+                    : launch_mla<__half, false>(params, num_splits, stream);
 #endif
 #ifdef FAE_HAS_BF16
     case DType::kBFloat16:
-      return launch(__nv_bfloat16{});
+      return shared ? launch_mla<__nv_bfloat16, true>(params, num_splits, stream)
+                    : launch_mla<__nv_bfloat16, false>(params, num_splits, stream);
 #endif
     default:
       throw std::runtime_error("flash_attn_ext: the MLA forward (head dims 576 / 512) takes "

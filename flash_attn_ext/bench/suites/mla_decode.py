@@ -11,8 +11,7 @@ Configs (B, S, H): --configs, default 8x65536x16, 32x16384x16, 128x8192x16, 64x4
 8x65536x128. GB/s count the cache bytes read once (B * S * 576 * 2), against a device-to-device
 copy's bandwidth (read + write bytes, measured in the same run: `copy GB/s`); TF/s the FLOPs
 2 * B * H * S * (576 + 512). Timing: flash_attn_ext.bench.time_ms medians; with --rounds N the
-cache layouts in rotated order. On CUDA each layout also runs as `LAYOUT/t64`, the experimental
-64-key kernel (FLASH_ATTN_EXT_MLA_TILE=64, docs/API.md) in the same process.
+cache layouts in rotated order.
 """
 import argparse
 import sys
@@ -22,7 +21,7 @@ import torch
 import flash_attn_ext as fa
 from ..backends import DTYPES
 from ..report import write_rows_csv
-from ..timing import env_set, require_cuda, rotated_rounds, time_ms
+from ..timing import require_cuda, rotated_rounds, time_ms
 
 HEAD_DIM, HEAD_DIM_V = 576, 512
 
@@ -40,13 +39,6 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--csv", default=None, help="write every row to this CSV file")
     return p.parse_args(argv)
-
-
-def _with_tile64(call):
-    def run():
-        with env_set("FLASH_ATTN_EXT_MLA_TILE", "64"):
-            return call()
-    return run
 
 
 def copy_gbps(device):
@@ -84,9 +76,6 @@ def main(argv=None):
             f"paged{page}": lambda: fa.flash_attn_with_kvcache(
                 q, pool, pool[..., :HEAD_DIM_V], cache_seqlens=lengths, block_table=table),
         }
-        if device == "cuda":  # the 64-key kernel (FLASH_ATTN_EXT_MLA_TILE=64), same process
-            for name in list(calls):
-                calls[f"{name}/t64"] = _with_tile64(calls[name])
 
         def time_one(name, first):
             return {"fwd": {"ms": time_ms(calls[name], device)}}
