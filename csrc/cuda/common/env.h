@@ -32,8 +32,8 @@ inline int env_choice(const char* env_name, std::initializer_list<const char*> v
 // tiles for every sequence, and the shorter sequences' CTAs (backward) exit
 // or their tiles (forward) are claimed and skipped. `compact`: both walk a
 // list of the (sequence, tile) pairs that exist, longest sequences first
-// (params.h compact_tiles). Not yet the default: built and compile-checked,
-// to be measured against `padded` on a GPU.
+// (params.h compact_tiles). Not the default: measured on an H200 it was not
+// yet faster (docs/PERFORMANCE.md, "Varlen: compact grids").
 inline bool varlen_grid_compact() {
   return env_choice("FLASH_ATTN_EXT_VARLEN_GRID", {"padded", "compact"}) == 1;
 }
