@@ -271,13 +271,14 @@ struct AttentionFwdParams {
   // sequence's tiles for every sequence and the shorter sequences' CTAs
   // (backward) or tiles (forward) exit or are skipped. Tiles of block rows:
   // the Hopper backward's key tiles (one CTA per entry and head; its
-  // preprocess kernel writes the list) or the forward's query tiles (tile t
-  // of its persistent grid is entry t / heads, head t % heads; written by a
-  // small kernel before it). Sequences with more tiles first (longest-first
-  // schedule, the same in every run); within one, the backward's tiles in
-  // order, the forward's last to first. Entries past the last pair, up to
-  // capacity (an upper bound on the pairs: (total + batch (block - 1)) /
-  // block), hold b = -1. nullptr: the padded grids.
+  // preprocess kernel writes the list) or the forward's query tiles, one
+  // entry {b, tile * heads + head} per head and tile (tile t of its
+  // persistent grid is entry t; written by a small kernel before it).
+  // Sequences with more tiles first (longest-first schedule, the same in
+  // every run); within one, the backward's tiles in order, the forward's
+  // head by head, each head's last tile first. Entries past the last pair,
+  // up to capacity (tiles per head: an upper bound on a head's pairs, (total
+  // + batch (block - 1)) / block), hold b = -1. nullptr: the padded grids.
   int* compact_tiles = nullptr;
   int compact_tiles_capacity = 0;
   int compact_tiles_block = 0;

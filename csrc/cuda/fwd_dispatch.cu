@@ -469,11 +469,12 @@ static bool fwd_needs_tile_counter(const AttentionFwdParams& params, int num_spl
 
 // With FLASH_ATTN_EXT_VARLEN_GRID=compact, a packed call's compact tile list
 // (params.h compact_tiles) after the counter and a pad (8-byte entries):
-// two ints per entry, sized for the smallest query tile (64 rows), which
-// bounds every kernel's.
+// two ints per (head, query tile) entry, sized for the smallest query tile
+// (64 rows), which bounds every kernel's.
 static int64_t fwd_compact_tiles_ints(const AttentionFwdParams& params) {
   if (!compact_tiles_apply(params)) return 0;
-  return 2 * compact_tiles_capacity(params.total_q, params.batch, 64);
+  const int64_t entries = compact_tiles_capacity(params.total_q, params.batch, 64) * params.heads;
+  return entries <= 0x7fffffff ? 2 * entries : 0;  // larger lists: the padded grid
 }
 
 int64_t fwd_workspace_floats(const AttentionFwdParams& params, int num_splits) {

@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(256)
   // block is set by its launcher alone: mma.sync lists nothing).
   if (params.compact_tiles_block > 0 && blockIdx.x == 0 && h == 0) {
     const int block_n = params.compact_tiles_block;
-    list_sequence_tiles(params, b, /*count_down=*/false, [&](int s) {
+    list_sequence_tiles(params, b, /*count_down=*/false, /*copies=*/1, [&](int s) {
       return (seq_bounds(params, s).seqlen_k + block_n - 1) / block_n;
     });
   }

@@ -118,9 +118,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // tile_counter, the next unclaimed one (dynamic: tiles of unequal length
   // under causal masking go to whichever CTA is free first).
   // A packed batch's compact list (params.h compact_tiles, written before
-  // this kernel by compact_query_tiles_kernel): the (sequence, query tile)
-  // pairs that exist, longest sequences first; tile t is entry t / heads,
-  // head t % heads, and the list ends at the first entry with b = -1.
+  // this kernel by compact_query_tiles_kernel): the (sequence, head, query
+  // tile) triples that exist, longest sequences first, then head by head,
+  // m_block fastest as above; tile t is entry t, and the list ends at the
+  // first entry with b = -1.
   const bool listed = kVarSeq && params.compact_tiles != nullptr;
   const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
   const int num_tiles = listed ? params.compact_tiles_capacity * params.heads
@@ -251,7 +252,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               st_shared_b32(smem.tile_slot(slot) + 8, static_cast<uint32_t>(tile->keys.end));
             }
             if (listed && tile != nullptr) {  // the list entry, so consumers need not load it
-              st_shared_b32(smem.tile_slot(slot) + 4, static_cast<uint32_t>(tile->m_block));
+              st_shared_b32(smem.tile_slot(slot) + 4,
+                            static_cast<uint32_t>(tile->m_block * params.heads + tile->h));
               st_shared_b32(smem.tile_slot(slot) + 8, static_cast<uint32_t>(tile->b));
             }
             if (tile == nullptr) {
@@ -429,8 +431,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           0xffffffffu,
           lane == 0 ? static_cast<int>(ld_shared_b32(smem.tile_slot(q_slot) + offset)) : 0, 0);
     };
+    const int listed_tile = listed ? slot_word(4) : 0;  // m_block * heads + h
     const FwdSm90TileCoords coords =
-        listed ? FwdSm90TileCoords{slot_word(4), t % params.heads, slot_word(8)}
+        listed ? FwdSm90TileCoords{listed_tile / params.heads, listed_tile % params.heads,
+                                   slot_word(8)}
                : fwd_sm90_tile_coords<kAttnMask, false>(params, num_m_blocks, t);
     Tile tile = fwd_sm90_tile_of<kBlockM, kBlockN, kIsCausal, kHasVariants, kAttnMask, kVarSeq>(
         params, coords.m_block, coords.h, coords.b, false);

@@ -80,11 +80,12 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
                              cudaGetErrorString(err));
   }
   // A packed batch's compact tile list (params.h compact_tiles), in the room
-  // the workspace has for 64-row tiles: entry t / heads, head t % heads.
+  // the workspace has for 64-row tiles (compact_tiles_capacity: its entries):
+  // one entry per (head, query tile), compact_capacity tiles per head.
   const bool compact = packed && params.compact_tiles != nullptr;
   const int64_t compact_capacity =
       compact ? compact_tiles_capacity(params.total_q, params.batch, Traits::kBlockM) : 0;
-  if (compact_capacity > params.compact_tiles_capacity) {
+  if (compact_capacity * params.heads > params.compact_tiles_capacity) {
     throw std::runtime_error("flash_attn_ext: internal error: the Hopper forward's tile list "
                              "does not fit its workspace");
   }
@@ -115,8 +116,7 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
       throw std::runtime_error("flash_attn_ext: internal error: a compact tile list without the "
                                "Hopper forward's tile counter");
     }
-    kernel_params.compact_tiles_capacity = static_cast<int>(compact_capacity);
-    kernel_params.compact_tiles_block = Traits::kBlockM;
+    kernel_params.compact_tiles_capacity = static_cast<int>(compact_capacity);  // per head
     compact_query_tiles_kernel<Traits::kBlockM><<<params.batch, 256, 0, stream>>>(kernel_params);
     err = cudaGetLastError();
   } else if (tile_counter != nullptr) {

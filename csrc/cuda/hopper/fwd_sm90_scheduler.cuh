@@ -63,8 +63,8 @@ FAE_DEVICE FwdSm90Tile fwd_sm90_tile_of(const AttentionFwdParams& params, int m_
 // Where tile t of the list is. The list has num_m_blocks query tiles per
 // (head, batch), m_block fastest, counting down (attn_mask kernels: batch /
 // heads first where the mask broadcasts, mask_blocks.cuh). kVarSeq kernels
-// with a compact list (params.h compact_tiles): entry t / heads, head
-// t % heads; an entry past the list gives b = -1.
+// with a compact list (params.h compact_tiles): entry t, {b, m_block *
+// heads + h}; an entry past the list gives b = -1.
 struct FwdSm90TileCoords {
   int m_block, h, b;
 };
@@ -76,8 +76,8 @@ FAE_DEVICE FwdSm90TileCoords fwd_sm90_tile_coords(const AttentionFwdParams& para
     return {num_m_blocks - 1 - g.block, g.h, g.b};
   }
   if (kVarSeq && params.compact_tiles != nullptr) {
-    const int2 entry = reinterpret_cast<const int2*>(params.compact_tiles)[t / params.heads];
-    return {entry.y, t % params.heads, entry.x};
+    const int2 entry = reinterpret_cast<const int2*>(params.compact_tiles)[t];
+    return {entry.y / params.heads, entry.y % params.heads, entry.x};
   }
   const int bh = t / num_m_blocks;
   return {num_m_blocks - 1 - t % num_m_blocks, bh % params.heads, bh / params.heads};
