@@ -265,23 +265,19 @@ struct AttentionFwdParams {
   // Scratch int of the Hopper forward's dynamic tile scheduler (zeroed by its
   // launcher on the stream before each launch); nullptr where not needed.
   int* tile_counter = nullptr;
-  // A packed (varlen) batch's compact tile list (FLASH_ATTN_EXT_VARLEN_GRID=
-  // compact; cuda/common/compact_tiles.cuh): the (sequence, tile) pairs that
-  // exist, as {b, tile} int pairs, where the padded grids count the longest
-  // sequence's tiles for every sequence and the shorter sequences' CTAs
-  // (backward) or tiles (forward) exit or are skipped. Tiles of block rows:
-  // the Hopper backward's key tiles (one CTA per entry and head; its
-  // preprocess kernel writes the list) or the forward's query tiles, one
-  // entry {b, tile * heads + head} per head and tile (tile t of its
-  // persistent grid is entry t; written by a small kernel before it).
-  // Sequences with more tiles first (longest-first schedule, the same in
-  // every run); within one, the backward's tiles in order, the forward's
-  // head by head, each head's last tile first. Entries past the last pair,
-  // up to capacity (tiles per head: an upper bound on a head's pairs, (total
-  // + batch (block - 1)) / block), hold b = -1. nullptr: the padded grids.
+  // A packed (varlen) batch's compact tile list for the Hopper forward
+  // (cuda/common/compact_tiles.cuh): the (sequence, head, query tile)
+  // triples that exist, as {b, tile * heads + head} int pairs (tile t of the
+  // persistent grid is entry t; written by a small kernel before it), where
+  // the padded grid counts the longest sequence's tiles for every sequence
+  // and skips the tiles past each one. Sequences with more tiles first
+  // (longest-first, the same in every run), each head's tiles side by side,
+  // last tile first. Entries past the last pair hold b = -1.
+  // compact_tiles_capacity: the list's room in entries (fwd_set_workspace);
+  // in the kernel's params, the tiles per head (an upper bound on a head's
+  // pairs, (total + batch (block - 1)) / block). nullptr: the padded grid.
   int* compact_tiles = nullptr;
   int compact_tiles_capacity = 0;
-  int compact_tiles_block = 0;
 };
 
 // One sequence of the batch: its lengths, where its rows start, its causal

@@ -35,10 +35,3 @@ def _seed_global_rng():
     torch.manual_seed(0)
 
 
-@pytest.fixture(params=["padded", "compact"], ids=["grid-padded", "grid-compact"])
-def varlen_grid(request, monkeypatch):
-    """Packed batches on both layouts of FLASH_ATTN_EXT_VARLEN_GRID (the Hopper kernels): the
-    padded grids, which count the longest sequence's tiles for every sequence, or the compact
-    list of the (sequence, tile) pairs that exist, longest sequences first."""
-    monkeypatch.setenv("FLASH_ATTN_EXT_VARLEN_GRID", request.param)
-    return request.param

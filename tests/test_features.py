@@ -427,11 +427,10 @@ def test_cuda_varlen_bad_cu_values_debug_checks(case, monkeypatch):
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128),
                                             (torch.float32, 32)], ids=str)
 @pytest.mark.parametrize("case", BAD_CU_VALUES)
-def test_cuda_varlen_bad_cu_values_unchecked(case, dtype, head_dim, varlen_grid, monkeypatch):
+def test_cuda_varlen_bad_cu_values_unchecked(case, dtype, head_dim, monkeypatch):
     """Unchecked bad values give wrong rows, never an access outside the tensors (which would
-    poison the CUDA context: the synchronize below would raise), forward and backward; on the
-    compact grid also never a hang (overlapping sequences list more key tiles than its bound:
-    the deterministic backward must not wait for a key tile that is not in the grid)."""
+    poison the CUDA context: the synchronize below would raise), forward and backward, and
+    never a hang (the deterministic backward must not wait for a key tile that no CTA runs)."""
     monkeypatch.delenv("FLASH_ATTN_EXT_DEBUG_CHECKS", raising=False)
     args = _cuda_varlen_inputs(case, dtype, head_dim)
     for causal, deterministic in ((False, False), (True, False), (True, True)):
@@ -443,11 +442,10 @@ def test_cuda_varlen_bad_cu_values_unchecked(case, dtype, head_dim, varlen_grid,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_cuda_varlen_overlapping_sequences(head_dim, varlen_grid, monkeypatch):
+def test_cuda_varlen_overlapping_sequences(head_dim, monkeypatch):
     """cu_seqlens_k that go down and up again ([0, 1000, 0, 1000]): sequences 0 and 2 both
-    take keys 0..999, more key tiles than the compact grid's bound on the packed rows; the
-    sequence that does not fit is dropped whole (wrong gradients, as for any bad values), and
-    the deterministic backward finishes instead of waiting for a key tile not in the grid."""
+    take keys 0..999 (wrong gradients, as for any bad values), and the deterministic backward
+    finishes instead of waiting for a key tile that no CTA runs."""
     monkeypatch.delenv("FLASH_ATTN_EXT_DEBUG_CHECKS", raising=False)
     q = torch.randn(30, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1000, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -210,7 +210,7 @@ def check_varlen_sm90(dtype, head_dim, causal, lens_q, lens_k, **variant):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen(sm90, impl, varlen_grid, dtype, head_dim, causal):
+def test_varlen(sm90, impl, dtype, head_dim, causal):
     """Packed sequences (varlen) in the Hopper forward: sequences shorter than, equal to and
     longer than a tile, empty ones, GQA, and NaN in the rows past cu_seqlens[-1]: a tile
     reads past its sequence (the next sequence's rows, or the buffer's tail), which the key
@@ -228,7 +228,7 @@ def test_varlen(sm90, impl, varlen_grid, dtype, head_dim, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_three_warpgroups(sm90, varlen_grid, causal):
+def test_varlen_three_warpgroups(sm90, causal):
     """D = 64 packed sequences longer than 1024 rows: the causal kernel with three consumer
     warpgroups (192-row tiles; shorter causal calls take two), tiles across sequence ends."""
     check_varlen_sm90(torch.bfloat16, 64, causal, [1100, 5, 0, 1300, 191], [1100, 7, 3, 1250, 400])
@@ -236,22 +236,27 @@ def test_varlen_three_warpgroups(sm90, varlen_grid, causal):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_compact_tiles_many_sequences(sm90, head_dim, causal, monkeypatch):
-    """300 packed sequences (the list kernel ranks each among all 300 in 256-thread strides)
-    in random order of length, so that the longest-first list reorders them, some empty:
-    a tile's result does not depend on which CTA ran it or when, so the compact list gives
-    the padded grid's out and lse bit for bit; both pass the reference."""
+def test_varlen_many_sequences(sm90, head_dim, causal):
+    """300 packed sequences (the compact tile list's kernel ranks each among all 300 in
+    256-thread strides) in random order of length, so that the longest-first list reorders
+    them, some empty."""
     gen = torch.Generator().manual_seed(5)
     lens_q = torch.randint(0, 400, (300,), generator=gen).tolist()
     lens_k = torch.randint(0, 400, (300,), generator=gen).tolist()
     lens_q[:3], lens_k[3:6] = [0, 0, 0], [0, 0, 0]
-    results = {}
-    for grid in ("padded", "compact"):
-        monkeypatch.setenv("FLASH_ATTN_EXT_VARLEN_GRID", grid)
-        call, out, lse, rows = check_varlen_sm90(torch.bfloat16, head_dim, causal, lens_q, lens_k)
-        results[grid] = (out[:rows], lse[:, :rows])
-    for a, b in zip(results["padded"], results["compact"]):
-        assert torch.equal(a, b)
+    check_varlen_sm90(torch.bfloat16, head_dim, causal, lens_q, lens_k)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_more_sequences_than_the_tile_list_ranks(sm90, causal):
+    """4100 packed sequences, more than the compact tile list ranks (kCompactTilesMaxBatch =
+    4096): the padded grid, which claims the longest sequence's tile count for every sequence
+    and skips the tiles past each one."""
+    gen = torch.Generator().manual_seed(7)
+    lens_q = torch.randint(0, 24, (4100,), generator=gen).tolist()
+    lens_k = torch.randint(0, 24, (4100,), generator=gen).tolist()
+    lens_q[0], lens_k[0] = 130, 70  # longer than a decode-sized call: the Hopper forward
+    check_varlen_sm90(torch.bfloat16, 64, causal, lens_q, lens_k)
 
 
 def test_varlen_dispatch(sm90):
@@ -269,7 +274,7 @@ def test_varlen_dispatch(sm90):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_seqused_k(sm90, varlen_grid, dtype, head_dim, causal):
+def test_seqused_k(sm90, dtype, head_dim, causal):
     """seqused_k (a plain KV cache's cache_seqlens) in the Hopper forward. Padded: NaN in every
     key and value past it (a cache's unused rows), a batch entry with no key and one with a
     single key, more queries than keys used; packed: varlen with seqused_k."""
@@ -305,7 +310,7 @@ VARLEN_VARIANTS = {  # causal, window_size, softcap, ALiBi slopes
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("case", list(VARLEN_VARIANTS))
-def test_varlen_variants(sm90, varlen_grid, dtype, head_dim, case):
+def test_varlen_variants(sm90, dtype, head_dim, case):
     """Packed sequences with a window / softcap / ALiBi in the Hopper variant kernel (per
     sequence: bottom-right windows, [batch, heads] slopes), NaN past the packed rows."""
     causal, window, softcap, alibi = VARLEN_VARIANTS[case]
@@ -363,7 +368,7 @@ def test_paged_kv_cache(sm90, dtype, head_dim, causal, page_size):
 
 
 @pytest.mark.parametrize("mode", ["paged", "batch_idx", "leftpad", "varlen_paged"])
-def test_kv_cache_prefill_matches_mma(sm90, impl, varlen_grid, mode):
+def test_kv_cache_prefill_matches_mma(sm90, impl, mode):
     """Hopper vs mma.sync on the same KV-cache prefill calls: appending new keys across pages
     (paged), cache_batch_idx picking permuted cache rows, left-padded caches with softcap
     (keys from cache_leftpad on), packed queries against a paged cache (varlen + block_table)

@@ -250,7 +250,7 @@ def varlen_ran_sm90(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_varlen(sm90, gqa_walk, varlen_grid, dtype, head_dim, causal, deterministic):
+def test_varlen(sm90, gqa_walk, dtype, head_dim, causal, deterministic):
     # Sequences shorter than, equal to and longer than a tile, empty ones, GQA, and
     # NaN in the rows past cu_seqlens[-1]: packed tiles read neighbouring rows, which
     # the kernel zeroes in shared memory, so nothing leaks between sequences.
@@ -284,12 +284,10 @@ def test_varlen(sm90, gqa_walk, varlen_grid, dtype, head_dim, causal, determinis
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_compact_grid_many_sequences(sm90, head_dim, causal, monkeypatch):
-    # 300 sequences (the preprocess block of each ranks it among all 300 in 256-thread
-    # strides), lengths in random order so that the longest-first list reorders them, some
-    # without keys or queries. Deterministic: each (sequence, head)'s key tiles add dQ in
-    # the same order on both grids, so the gradients are bit-identical; and they pass the
-    # FlashAttention rule.
+def test_varlen_many_sequences(sm90, head_dim, causal):
+    # 300 sequences in random order of length, some without keys or queries: gradients pass
+    # the FlashAttention rule, deterministic mode repeats them bit for bit, and the rows past
+    # the last sequence are zeros.
     gen = torch.Generator().manual_seed(3)
     lens_q = torch.randint(0, 300, (300,), generator=gen).tolist()
     lens_k = torch.randint(0, 300, (300,), generator=gen).tolist()
@@ -298,43 +296,26 @@ def test_varlen_compact_grid_many_sequences(sm90, head_dim, causal, monkeypatch)
                                                     torch.bfloat16, DEVICE, pad_q=3, pad_k=5)
     rows, keys = sum(lens_q), sum(lens_k)
     kwargs = dict(causal=causal, deterministic=True)
-    grads = {}
-    for grid in ("padded", "compact"):
-        monkeypatch.setenv("FLASH_ATTN_EXT_VARLEN_GRID", grid)
-        assert varlen_ran_sm90(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
-        out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
-        dout = randn(out.shape, torch.bfloat16, DEVICE, 21)
-        dout[rows:] = 0
-        grads[grid] = torch.autograd.grad(out, (q, k, v), dout)
-    for a, b in zip(grads["padded"], grads["compact"]):
+    assert varlen_ran_sm90(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    dout = randn(out.shape, torch.bfloat16, DEVICE, 21)
+    dout[rows:] = 0
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    again = torch.autograd.grad(out, (q, k, v), dout)
+    for a, b in zip(grads, again):
         assert torch.equal(a, b)
     clean = [t.detach().clone() for t in (q, k, v)]
     for t, n in zip(clean, (rows, keys, keys)):
         t[n:] = 0
     ref, base = ref_and_base(lambda q, k, v: varlen_attention(q, k, v, cu_q, cu_k, causal),
                              clean, dout)
-    check_out_and_grads(out, grads["compact"], ref, base, torch.bfloat16, rows=rows)
-    dq, dk, dv = grads["compact"]
+    check_out_and_grads(out, grads, ref, base, torch.bfloat16, rows=rows)
+    dq, dk, dv = grads
     assert torch.all(dq[rows:] == 0) and torch.all(dk[keys:] == 0) and torch.all(dv[keys:] == 0)
-    # Non-deterministic on the compact grid: the same gradients up to the order of the adds.
+    # Non-deterministic: the same gradients up to the order of the adds.
     out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
     loose = torch.autograd.grad(out, (q, k, v), dout)
     check_out_and_grads(out, loose, ref, base, torch.bfloat16, rows=rows)
-
-
-def test_varlen_grid_switch_rejects_unknown(sm90, monkeypatch):
-    # Longer than 16 query rows: the Hopper forward (a decode-sized call takes mma.sync's
-    # 16-row tile, which has no grid to lay out).
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([50, 90], [70, 30], 2, 2, 64,
-                                                    torch.bfloat16, DEVICE)
-    monkeypatch.setenv("FLASH_ATTN_EXT_VARLEN_GRID", "tight")
-    with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_VARLEN_GRID"):
-        fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
-    monkeypatch.delenv("FLASH_ATTN_EXT_VARLEN_GRID")
-    out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
-    monkeypatch.setenv("FLASH_ATTN_EXT_VARLEN_GRID", "tight")
-    with pytest.raises(RuntimeError, match="FLASH_ATTN_EXT_VARLEN_GRID"):
-        out.backward(torch.ones_like(out))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -450,7 +431,7 @@ def test_variants_seqused_k(sm90, gqa_walk, head_dim, case):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("case", ["sliding", "causal_window", "all"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_variants_varlen(sm90, varlen_grid, head_dim, case, deterministic):
+def test_variants_varlen(sm90, head_dim, case, deterministic):
     lens_q, lens_k = [0, 1, 63, 200, 128, 77, 5], [5, 0, 63, 129, 300, 77, 1]
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, 4, 2, head_dim,
                                                     torch.bfloat16, DEVICE, pad_q=9, pad_k=70)
@@ -644,7 +625,7 @@ def test_dropout_deterministic(sm90, head_dim):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_dropout_varlen(sm90, varlen_grid, head_dim):
+def test_dropout_varlen(sm90, head_dim):
     # Rows and keys numbered within each sequence: sequence b takes keep[b, :, :len_q, :len_k].
     lens_q, lens_k = [0, 1, 63, 200, 128, 77, 5], [5, 0, 63, 129, 300, 77, 1]
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, 4, 2, head_dim,

@@ -19,7 +19,6 @@
 #include <string>
 #include <type_traits>
 
-#include "common/compact_tiles.cuh"
 #include "common/env.h"
 #include "flash_api.h"
 #include "simt/bwd_fp32.h"
@@ -86,13 +85,6 @@ int64_t row_stat_floats(const AttentionBwdParams& p) {
 int64_t dq_semaphore_ints(const AttentionBwdParams& p) {
   if (row_stat_floats(p) == 0 || !p.deterministic) return 0;
   return 2 * static_cast<int64_t>(p.batch) * p.heads * (seqlen_q_padded(p) / 64);
-}
-// The compact tile list of a packed Hopper backward (params.h compact_tiles,
-// FLASH_ATTN_EXT_VARLEN_GRID=compact): two ints per entry, sized for the
-// smallest key tile (64 keys), which bounds every kernel's.
-int64_t compact_tiles_ints(const AttentionBwdParams& p) {
-  if (row_stat_floats(p) == 0 || !compact_tiles_apply(p)) return 0;
-  return 2 * compact_tiles_capacity(p.total_k, p.batch, 64);
 }
 
 [[noreturn]] void not_compiled(const AttentionBwdParams& p, const char* what) {
@@ -263,7 +255,7 @@ int64_t dq_accum_floats(const AttentionBwdParams& params, int num_sms) {
 
 int64_t bwd_workspace_floats(const AttentionBwdParams& params, int num_sms) {
   return dsum_floats(params) + dq_accum_floats(params, num_sms) + row_stat_floats(params) +
-         dq_semaphore_ints(params) + compact_tiles_ints(params);
+         dq_semaphore_ints(params);
 }
 
 void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms) {
@@ -276,12 +268,8 @@ void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms
     params.seqlen_q_padded = seqlen_q_padded(params);
     params.lse_log2_padded = after_dq;
     params.dsum_padded = params.lse_log2_padded + row_stats / 2;
-    int* const after_row_stats = reinterpret_cast<int*>(params.dsum_padded + row_stats / 2);
-    if (dq_semaphore_ints(params) > 0) params.dq_semaphore = after_row_stats;
-    if (compact_tiles_ints(params) > 0) {
-      params.compact_tiles = after_row_stats + dq_semaphore_ints(params);
-      // The launcher sets the capacity and key tile of its kernel (<= this).
-      params.compact_tiles_capacity = static_cast<int>(compact_tiles_ints(params) / 2);
+    if (dq_semaphore_ints(params) > 0) {
+      params.dq_semaphore = reinterpret_cast<int*>(params.dsum_padded + row_stats / 2);
     }
   }
 }

@@ -467,7 +467,7 @@ static bool fwd_needs_tile_counter(const AttentionFwdParams& params, int num_spl
          use_sm90_forward(params, fwd_rounded_head_dim(params.head_dim));
 }
 
-// With FLASH_ATTN_EXT_VARLEN_GRID=compact, a packed call's compact tile list
+// A packed call's compact tile list
 // (params.h compact_tiles) after the counter and a pad (8-byte entries):
 // two ints per (head, query tile) entry, sized for the smallest query tile
 // (64 rows), which bounds every kernel's.

@@ -1,7 +1,6 @@
 """Benchmark timing, shared by every suite: medians per device (triton do_bench / CUDA events /
 perf_counter), peak memory, start-up peaks, one backend's passes (by name for the attention
 suite, from a factory for the others), rotated rounds, progress, and the CUDA check."""
-import contextlib
 import importlib
 import itertools
 import os
@@ -290,18 +289,3 @@ def rotated_rounds(names, time_one, rounds, reduce=statistics.median):
         times = [t for t in times if t is not None]
         results[name][p]["ms"] = reduce(times) if times else None
     return results
-
-
-@contextlib.contextmanager
-def env_set(name, value):
-    """os.environ[name] = value inside the block: a run-time switch of ours (read on every
-    call, forward and backward) for one backend of a same-process comparison."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old

@@ -6,8 +6,7 @@
 //     and a kernel; the writes overlap the reads); for the Hopper backward
 //     also padded copies of lse (as log2) and D (with dropout: lse - log2 scale
 //     and D / scale, see below), and the zeroed dQ order
-//     counters of its deterministic mode (params.h), and the key tiles of
-//     its compact grid for a packed batch (compact_tiles.cuh).
+//     counters of its deterministic mode (params.h).
 //   * bwd_convert_dq_kernel: dq = softmax_scale * sum_{split} dq_accum[split]
 //     in input dtype, with dq's own strides. Splits are summed in the fixed
 //     order 0, 1, ..., so the deterministic mode is bit-reproducible.
@@ -20,7 +19,6 @@
 #include <string>
 
 #include "../../params.h"
-#include "compact_tiles.cuh"
 #include "ptx.cuh"
 
 namespace flash_attn_ext {
@@ -111,14 +109,6 @@ __global__ void __launch_bounds__(256)
   const int row = blockIdx.x * kDotRowsPerBlock + threadIdx.x / kDotThreadsPerRow;
   const int sub = threadIdx.x % kDotThreadsPerRow;
   const int h = blockIdx.y, b = blockIdx.z;
-  // The Hopper backward's key tiles, listed by the blocks (0, 0, b) (the
-  // block is set by its launcher alone: mma.sync lists nothing).
-  if (params.compact_tiles_block > 0 && blockIdx.x == 0 && h == 0) {
-    const int block_n = params.compact_tiles_block;
-    list_sequence_tiles(params, b, /*count_down=*/false, /*copies=*/1, [&](int s) {
-      return (seq_bounds(params, s).seqlen_k + block_n - 1) / block_n;
-    });
-  }
   const SeqBounds seq = seq_bounds(params, b);
   const int64_t packed_row = seq.row0_q + row;
   float acc = 0.f;

@@ -27,16 +27,5 @@ inline int env_choice(const char* env_name, std::initializer_list<const char*> v
                            ", got '" + raw + "'");
 }
 
-// FLASH_ATTN_EXT_VARLEN_GRID: how the Hopper kernels lay out a packed (varlen)
-// batch's work. `padded` (default): the grids count the longest sequence's
-// tiles for every sequence, and the shorter sequences' CTAs (backward) exit
-// or their tiles (forward) are claimed and skipped. `compact`: both walk a
-// list of the (sequence, tile) pairs that exist, longest sequences first
-// (params.h compact_tiles). Not the default: measured on an H200 it was not
-// yet faster (docs/PERFORMANCE.md, "Varlen: compact grids").
-inline bool varlen_grid_compact() {
-  return env_choice("FLASH_ATTN_EXT_VARLEN_GRID", {"padded", "compact"}) == 1;
-}
-
 }  // namespace cuda
 }  // namespace flash_attn_ext

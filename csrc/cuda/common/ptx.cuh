@@ -173,16 +173,6 @@ FAE_DEVICE void quad_transpose(uint32_t (&v)[4], int quad_lane) {
   }
 }
 
-// A 4-byte load that is issued where it stands: never merged with another
-// load of the same word, so a value can be loaded again where it is needed
-// instead of kept live in a register (the Hopper backward's producer warps,
-// at 24 registers, spilled a value loaded before their setmaxnreg).
-FAE_DEVICE int ld_global_s32_reissued(const int* ptr) {
-  int v;
-  asm volatile("ld.global.s32 %0, [%1];\n" : "=r"(v) : "l"(__cvta_generic_to_global(ptr)));
-  return v;
-}
-
 // One 16-byte store to global memory (ptr 16-byte aligned). Written as PTX
 // because a uint4 store through a pointer was not always kept whole: NVVM
 // split the first 16-byte group of store_accumulator_row into four 4-byte

@@ -148,29 +148,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Grid (key tile, head, batch), or (batch, key tile, head) for an attn_mask
   // that broadcasts over the batch (mask_blocks.cuh). The grid's head is the
   // query head, or with kWalkGroup the kv head, whose group the CTA walks
-  // (query heads [h_first, h_first + walk_heads)). Packed sequences on the
-  // compact grid: (list entry, head), the entry's
-  // (sequence, key tile) from the preprocess kernel's list (params.h
-  // compact_tiles; b = -1 past its end). cta_batch() is called again by each
-  // role where it needs b, as blockIdx is read again for free: a b loaded
-  // once and kept live across setmaxnreg made the varlen D = 64 kernel spill.
+  // (query heads [h_first, h_first + walk_heads)). Packed sequences keep the
+  // padded grid (the longest sequence's key tiles for every sequence; the
+  // CTAs past a sequence exit here): one CTA per (sequence, key tile) that
+  // exists, longest sequences first, measured no faster (docs/PERFORMANCE.md,
+  // "Varlen: compact grids").
   const bool batch_first = kHasAttnMask && attn_mask_grid_batch_first(params);
-  const bool listed = kVarSeq && params.compact_tiles != nullptr;
-  // 8-byte aligned: the list follows an even number of ints (bwd_dispatch.cu).
-  auto cta_batch = [&]() {
-    return listed ? ld_global_s32_reissued(params.compact_tiles + 2 * blockIdx.x)
-                  : static_cast<int>(batch_first ? blockIdx.x : blockIdx.z);
-  };
   const int grid_head = batch_first ? blockIdx.z : blockIdx.y;
-  const int b_prologue = cta_batch();
-  if (listed && b_prologue < 0) return;  // past the compact grid's list
-  const int grid_block = listed ? params.compact_tiles[2 * blockIdx.x + 1]
-                                : static_cast<int>(batch_first ? blockIdx.y : blockIdx.x);
+  const int b = batch_first ? blockIdx.x : blockIdx.z;
+  const int grid_block = batch_first ? blockIdx.y : blockIdx.x;
   const int group = params.heads / params.heads_k;
   const int h_k = kWalkGroup ? grid_head : grid_head / group;
   const int h_first = kWalkGroup ? h_k * group : grid_head;
   const int walk_heads = kWalkGroup ? group : 1;
-  const SeqBounds seq = seq_bounds<kVarSeq>(params, b_prologue);
+  const SeqBounds seq = seq_bounds<kVarSeq>(params, b);
   const int n_tiles = (seq.seqlen_k + kBlockN - 1) / kBlockN;
   // Deterministic and causal (or with variants): the last key tile first (see
   // the dQ writer, bwd_sm90_producer.cuh).
@@ -204,7 +195,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int g = 0; g < walk_heads; ++g) {
           for (int r = m * kBlockM / kMaskBlock; r <= r1; ++r) {
             for (int c = c0; c <= c1; ++c) {
-              bits |= attn_mask_block(params, b_prologue, h_first + g, r, c);
+              bits |= attn_mask_block(params, b, h_first + g, r, c);
             }
           }
         }
@@ -220,6 +211,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Packed (varlen) tensors are one batch entry of total rows; this
   // sequence's rows start at row0 (params.h).
   const bool packed = kVarSeq && params.cu_seqlens_q != nullptr;
+  const int tma_batch = packed ? 0 : b;
   const int q_row0 = static_cast<int>(seq.row0_q), k_row0 = static_cast<int>(seq.row0_k);
   // Broadcast from lane 0 so that ptxas sees a warp-uniform value: wgmmas
   // under a branch on it are then not serialised as in a divergent path.
@@ -245,8 +237,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // ---------------- producer (helpers: bwd_sm90_producer.cuh) ----------------
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (m_begin >= m_end) return;
-    const int b = cta_batch();
-    const int tma_batch = packed ? 0 : b;
     if (threadIdx.x == 0) {
       // ---- loader: K, V once, then Q, dO, lse, D of every step ----
       prefetch_tensor_map(&tmap_q);
@@ -295,9 +285,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // ---------------- consumers ----------------
   setmaxnreg_inc<Traits::kConsumerRegs>();
-  // b in the steps only where variants read it (ALiBi's [B, H] slopes,
-  // dropout's stream); the epilogue reads it again.
-  const int b = kHasVariants ? cta_batch() : 0;
   const int wg = warpgroup - 1;
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32;
@@ -674,9 +661,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // above), else the query head (GQA there: per query head, summed by the op
   // layer).
   const int grad_head = kWalkGroup ? h_k : h_first;
-  const int b_epilogue = cta_batch();
-  bwd_sm90_store_dk_dv<Traits, kColsKB>(params, dk, dk_b, dv, b_epilogue, grad_head, k_row0, n0,
-                                        key_row, seq.seqlen_k, wg, lane);
+  bwd_sm90_store_dk_dv<Traits, kColsKB>(params, dk, dk_b, dv, b, grad_head, k_row0, n0, key_row,
+                                        seq.seqlen_k, wg, lane);
 #endif
 }
 

@@ -17,7 +17,6 @@
 #include <type_traits>
 
 #include "../common/bwd_preprocess.cuh"
-#include "../common/compact_tiles.cuh"
 #include "bwd_sm90.h"
 #include "bwd_sm90_kernel.cuh"
 
@@ -47,27 +46,11 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // The caller's accumulator (params.dq_accum_external) is added into as it
   // is: no zeroing here, no conversion at the end.
   const bool external = params.dq_accum_external;
+  launch_bwd_preprocess<T>(params, kHeadDim, external ? 0 : 1, stream, /*padded_row_stats=*/true);
+
   // Packed (varlen) tensors are mapped as one batch entry of all their rows;
   // the kernel offsets each sequence's tiles by its first row.
   const bool packed = params.cu_seqlens_q != nullptr;
-  AttentionBwdParams kernel_params = params;  // + the compact grid, the attn_mask summary
-  // The compact grid (params.h compact_tiles): the preprocess kernel lists
-  // this kernel's key tiles, in the room the workspace has for 64-key tiles.
-  const bool compact = packed && params.compact_tiles != nullptr;
-  if (compact) {
-    const int64_t capacity = compact_tiles_capacity(params.total_k, params.batch, Traits::kBlockN);
-    if (capacity > params.compact_tiles_capacity) {
-      throw std::runtime_error("flash_attn_ext: internal error: the Hopper backward's CTA list "
-                               "does not fit its workspace");
-    }
-    kernel_params.compact_tiles_capacity = static_cast<int>(capacity);
-    kernel_params.compact_tiles_block = Traits::kBlockN;
-  } else {
-    kernel_params.compact_tiles = nullptr;
-  }
-  launch_bwd_preprocess<T>(kernel_params, kHeadDim, external ? 0 : 1, stream,
-                           /*padded_row_stats=*/true);
-
   const int rows_q = packed ? static_cast<int>(params.total_q) : params.seqlen_q;
   const int rows_k = packed ? static_cast<int>(params.total_k) : params.seqlen_k;
   const int map_batch = packed ? 1 : params.batch;
@@ -105,11 +88,9 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   const bool walk_group = bwd_sm90_sums_gqa_groups(params);
   const int grid_heads = walk_group ? params.heads_k : params.heads;
   const bool batch_first = kHasVariants && attn_mask_grid_batch_first(params);
-  // Compact (packed sequences): (list entry, head), the list longest
-  // sequence first.
-  const dim3 grid = compact       ? dim3(kernel_params.compact_tiles_capacity, grid_heads, 1)
-                    : batch_first ? dim3(params.batch, n_tiles, grid_heads)
-                                  : dim3(n_tiles, grid_heads, params.batch);
+  const dim3 grid = batch_first ? dim3(params.batch, n_tiles, grid_heads)
+                                : dim3(n_tiles, grid_heads, params.batch);
+  AttentionBwdParams kernel_params = params;  // + the attn_mask summary's strides
   auto launch = [&](auto kernel) {
     bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Traits::kSmemBytes),
@@ -138,7 +119,7 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
       }
     }
   };
-  if (n_tiles > 0 && grid.x > 0) {  // compact: no keys in any sequence, no entries
+  if (n_tiles > 0) {
     // A boolean attn_mask's block summary, per consumer's 64 keys.
     if (kHasVariants) compute_attn_mask_blocks(kernel_params, 64, stream);
     if (walk_group) {

@@ -77,9 +77,9 @@ namespace cuda {
 // keys a tile reads past its sequence (or past seqused_k) are masked (P
 // exactly 0), the query rows not stored, and the V rows zeroed in shared
 // memory (FP8: V^T, padded per sequence, holds zeros there already). The
-// producer skips the tiles past a sequence's end (the grid counts max_seqlen_q
-// rows), or walks a compact list of the tiles that exist (params.h
-// compact_tiles, FLASH_ATTN_EXT_VARLEN_GRID=compact).
+// producer walks a compact list of the tiles that exist (params.h
+// compact_tiles), or with more than kCompactTilesMaxBatch sequences skips
+// the tiles past a sequence's end (the padded grid counts max_seqlen_q rows).
 template <typename Traits, bool kIsCausal, bool kHasVariants = false, bool kAttnMask = false,
           bool kDropout = kAttnMask, bool kVarSeq = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)

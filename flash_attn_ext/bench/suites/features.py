@@ -13,7 +13,6 @@ seeding, the timing, the rows (CSV_FIELDS, a `section` column naming the suite) 
 outputs.
 """
 import argparse
-import contextlib
 import functools
 import importlib
 import inspect
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 import flash_attn_ext as fa
 from ..backends import DTYPES, PASS_FLOP_FACTOR, _sdpa_backend_enum, missing_backend
 from ..report import _fmt, _geomean, write_json, write_rows_csv
-from ..timing import (Progress, Skip, env_set, measure_peaks, require_cuda, rotated_rounds,
+from ..timing import (Progress, Skip, measure_peaks, require_cuda, rotated_rounds,
                       time_passes, timer_name)
 
 VARLEN_DOC = """\
@@ -36,8 +35,6 @@ tokens (the last length is cut so that the total is 16384 exactly, or dropped wh
 --lengths LO:HI and --tokens N change the range and the total),
 H=16 (hidden 2048 at D=128), D in {64, 128}, causal 0/1, fwd and bwd. Backends:
   ours         flash_attn_ext.flash_attn_varlen_func on packed q/k/v [total, H, D]
-  ours_compact ours with FLASH_ATTN_EXT_VARLEN_GRID=compact: the Hopper kernels walk a list of
-               the (sequence, tile) pairs that exist (CUDA; experimental, docs/API.md)
   ours_padded  flash_attn_ext.flash_attn_func on the padded batch [B, max_len, H, D]
   sdpa_flash   torch SDPA pinned to FLASH_ATTENTION on the padded batch [B, H, max_len, D]
   sdpa_cudnn   torch SDPA pinned to CUDNN_ATTENTION, same padded input
@@ -241,8 +238,7 @@ def _varlen_causal_kw(f, causal):
 
 def varlen_backends(device):
     f, pinnable = _torch_varlen()
-    names = ["ours"] + (["ours_compact"] if device == "cuda" else [])
-    names += ["ours_padded", "sdpa_flash", "sdpa_cudnn"]
+    names = ["ours", "ours_padded", "sdpa_flash", "sdpa_cudnn"]
     names += ["varlen_flash", "varlen_cudnn"] if pinnable else ["varlen"]
     if device == "cuda" and missing_backend("fa4") is None:
         names.append("fa4_varlen")
@@ -250,7 +246,7 @@ def varlen_backends(device):
 
 
 def make_varlen_fn(name, causal, cu, max_len, device, torch_varlen):
-    if name in ("ours", "ours_compact"):  # (ours_compact: run_varlen sets its switch)
+    if name == "ours":
         if not hasattr(fa, "flash_attn_varlen_func"):
             raise Skip("no fa.flash_attn_varlen_func")
         return lambda q, k, v: fa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
@@ -318,14 +314,11 @@ def run_varlen(run, sizes, progress):
         for causal in (False, True):
             base = 4.0 * H * D * sum(n * n for n in lens) / (2 if causal else 1)
             def time_one(name, first_round, inp=inp, causal=causal):
-                packed = name in ("ours", "ours_compact", "fa4_varlen") or name.startswith("varlen")
+                packed = name in ("ours", "fa4_varlen") or name.startswith("varlen")
                 layout = "packed" if packed else "bshd" if name == "ours_padded" else "bhsd"
                 make = functools.partial(make_varlen_fn, name, causal, inp["cu"], inp["max_len"],
                                          device, torch_varlen)
-                switch = (env_set("FLASH_ATTN_EXT_VARLEN_GRID", "compact")
-                          if name == "ours_compact" else contextlib.nullcontext())
-                with switch:
-                    res = time_passes(make, [inp[layout]], passes, device)
+                res = time_passes(make, [inp[layout]], passes, device)
                 if first_round:
                     progress.step(f"varlen D={D} causal={int(causal)} {name}")
                 return res
