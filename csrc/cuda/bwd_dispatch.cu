@@ -246,8 +246,22 @@ bool bwd_sums_gqa_groups_in_kernel(const AttentionBwdParams& params, int num_sms
 }
 
 namespace {
+// The Hopper backward's flat dQ accumulator (bwd_sm90.h, FAE_BWD_FLAT_DQ):
+// seqlen_q_padded rows per (batch, head), in blocks of 64 x 64.
+bool flat_dq(const AttentionBwdParams& params) {
+#ifdef FAE_HAS_SM90A
+  return use_sm90_backward(params) && bwd_sm90_flat_dq(params, accum_dim(params));
+#else
+  (void)params;
+  return false;
+#endif
+}
 int64_t dq_accum_floats(const AttentionBwdParams& params, int num_sms) {
   if (params.dq_accum_external) return 0;
+  if (flat_dq(params)) {
+    return static_cast<int64_t>(params.batch) * params.heads * seqlen_q_padded(params) *
+           accum_dim(params);
+  }
   return static_cast<int64_t>(bwd_dq_splits(params, num_sms)) * params.q_rows_total *
          accum_dim(params);
 }
@@ -263,6 +277,7 @@ void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms
   float* const after_dq = workspace + dsum_floats(params) + dq_accum_floats(params, num_sms);
   if (!params.dq_accum_external) params.dq_accum = workspace + dsum_floats(params);
   params.num_splits = bwd_dq_splits(params, num_sms);
+  params.dq_accum_flat = flat_dq(params);
   const int64_t row_stats = row_stat_floats(params);
   if (row_stats > 0) {
     params.seqlen_q_padded = seqlen_q_padded(params);

@@ -149,12 +149,24 @@ __global__ void __launch_bounds__(256)
       counters[0] = counters[1] = 0;
     }
   }
+  // The Hopper backward's flat dQ accumulator (bwd_sm90.h): its blocks hold
+  // no rows, so the (batch, head)'s seqlen_q_padded x accum_dim floats are
+  // zeroed whole, as rows of that pitch.
+  const bool flat = params.dq_accum_flat;
+  if (flat && num_splits > 0 && row < params.seqlen_q_padded) {
+    float* accum_row =
+        params.dq_accum +
+        ((static_cast<int64_t>(b) * params.heads + h) * params.seqlen_q_padded + row) * accum_dim;
+    for (int c = sub * 4; c < accum_dim; c += kDotThreadsPerRow * 4) {
+      *reinterpret_cast<float4*>(accum_row + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
   if (row >= seq.seqlen_q) return;
   const int64_t index = seq.lse_index(params, b, h, row);
   if (sub == 0) params.dsoftmax_sum[index] = acc;
   // The row's 8 threads write consecutive float4s (accum_dim is a multiple of 32).
   const int64_t split_stride = params.q_rows_total * accum_dim;
-  for (int s = 0; s < num_splits; ++s) {
+  for (int s = 0; s < (flat ? 0 : num_splits); ++s) {
     float* accum_row = params.dq_accum + s * split_stride + index * accum_dim;
     for (int c = sub * 4; c < accum_dim; c += kDotThreadsPerRow * 4) {
       *reinterpret_cast<float4*>(accum_row + c) = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -194,6 +206,49 @@ __global__ void __launch_bounds__(256)
   store8<T>(dst, sum);
 }
 
+// The Hopper backward's flat dQ accumulator (bwd_sm90.h, FAE_BWD_FLAT_DQ)
+// to dq: one 64 x 64 block per CTA of 128 threads. Thread t reads the 8
+// float4s that consumer thread t added (coalesced: float4 k of all threads is
+// 2 KB in a row), puts them at their rows and columns in shared memory, and
+// then stores 8 columns of a row 4 times (rows past seqlen_q, columns past
+// head_dim skipped). Padded batches only: rows from 0, one accumulator.
+// grid = (seqlen_q_padded / 64 * accum_dim / 64, heads, batch).
+template <typename T>
+__global__ void __launch_bounds__(128)
+    bwd_convert_dq_flat_kernel(const AttentionBwdParams params, int accum_dim) {
+  constexpr int kPitch = 64 + 4;  // floats per staged row; 16-byte aligned rows
+  __shared__ __align__(16) float tile[64 * kPitch];
+  const int chunks = accum_dim / 64;
+  const int r = blockIdx.x / chunks, c = blockIdx.x % chunks;
+  const int h = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
+  const int64_t slice = static_cast<int64_t>(b) * params.heads + h;
+  const float* block = params.dq_accum + ((slice * (params.seqlen_q_padded / 64) + r) * chunks + c) * 4096;
+  const int frag_row = 16 * (t / 32) + (t % 32) / 4, frag_col = 2 * (t % 4);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float4 x = *reinterpret_cast<const float4*>(block + (k * 128 + t) * 4);
+    float* upper = tile + frag_row * kPitch + 8 * k + frag_col;
+    upper[0] = x.x;
+    upper[1] = x.y;
+    upper[8 * kPitch] = x.z;
+    upper[8 * kPitch + 1] = x.w;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int item = i * 128 + t, tile_row = item / 8, group = item % 8;
+    const int row = r * 64 + tile_row, col = c * 64 + 8 * group;
+    if (row >= params.seqlen_q || col >= params.head_dim) continue;
+    float v[8];
+    load8<float>(tile + tile_row * kPitch + 8 * group, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] *= params.softmax_scale;
+    T* dst = static_cast<T*>(params.dq) + b * params.dq_strides.batch + row * params.dq_strides.row +
+             h * params.dq_strides.head + col;
+    store8<T>(dst, v);
+  }
+}
+
 // Host helpers: launch both with the shapes above. accum_dim and num_splits
 // describe the dQ accumulator(s) (the main kernel's row pitch and count; the
 // preprocess zeroes num_splits of them, none for the caller's accumulator);
@@ -210,6 +265,13 @@ inline void launch_bwd_preprocess(const AttentionBwdParams& params, int accum_di
 template <typename T>
 inline void launch_bwd_convert_dq(const AttentionBwdParams& params, int accum_dim, int num_splits,
                                   cudaStream_t stream) {
+#ifdef FAE_BWD_FLAT_DQ
+  if (params.dq_accum_flat) {  // (only set in builds with the experiment)
+    const dim3 grid(params.seqlen_q_padded / 64 * (accum_dim / 64), params.heads, params.batch);
+    bwd_convert_dq_flat_kernel<T><<<grid, 128, 0, stream>>>(params, accum_dim);
+    return;
+  }
+#endif
   const int64_t chunks = static_cast<int64_t>(params.seqlen_q) * (params.head_dim / 8);
   const dim3 grid(static_cast<unsigned>((chunks + 255) / 256), params.heads, params.batch);
   bwd_convert_dq_kernel<T><<<grid, 256, 0, stream>>>(params, accum_dim, num_splits);

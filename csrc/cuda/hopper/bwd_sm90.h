@@ -28,6 +28,32 @@ inline bool bwd_sm90_sums_gqa_groups(const AttentionBwdParams& p) {
   return p.dkv_per_kv_head && p.heads > p.heads_k;
 }
 
+// The flat dQ accumulator (experiment, built with -DFAE_BWD_FLAT_DQ through
+// FLASH_ATTN_EXT_NVCC_EXTRA; off by default): a consumer's 64 x 64 fp32 dQ
+// partial of a step is staged in its registers' fragment order (8 16-byte
+// stores per thread at fixed offsets: no swizzle, no bank conflict, no row
+// selects) and added by one 16 KB bulk reduce (cp.reduce.async.bulk) into a
+// block of the same order, which the convert kernel un-permutes; as
+// FlashAttention-4 does (ncu: our D = 128 step issues 37% more instructions
+// and three times its MIO stalls, a third of the difference the dQ staging's;
+// docs/PERFORMANCE.md). Block (slice, r, c) of 64 rows r and 64 columns c,
+// slice = b * heads + h, starts at float ((slice * seqlen_q_padded / 64 + r) *
+// accum_dim / 64 + c) * 4096; float (k * 128 + t) * 4 + e of it is consumer
+// thread t's dq[k][e]: row 16 (t / 32) + (t % 32) / 4 + 8 (e / 2), column
+// 8 k + 2 (t % 4) + e % 2. For the key split (D <= 128) on padded batches,
+// plain kernels, the workspace's accumulator (not varlen, variants or a
+// caller's accumulator, whose layouts stay [rows][accum dim]).
+inline bool bwd_sm90_flat_dq(const AttentionBwdParams& p, int kernel_dim) {
+#ifdef FAE_BWD_FLAT_DQ
+  return kernel_dim <= 128 && p.head_dim_v == p.head_dim && !p.dq_accum_external &&
+         !has_var_seqs(p) && !has_variants(p);
+#else
+  (void)p;
+  (void)kernel_dim;
+  return false;
+#endif
+}
+
 // kHeadDimV: v's head dim where it is not q's (instantiations/bwd_sm90_*_v<Dv>_*.cu:
 // MLA's 192 / 128).
 template <typename T, int kHeadDim, bool kIsCausal, int kHeadDimV = kHeadDim>

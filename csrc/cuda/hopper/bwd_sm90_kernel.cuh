@@ -122,8 +122,9 @@
 namespace flash_attn_ext {
 namespace cuda {
 
+// kFlatDq: the flat dQ accumulator (the FAE_BWD_FLAT_DQ experiment, bwd_sm90.h).
 template <typename Traits, bool kIsCausal, bool kVarSeq, bool kHasVariants = false,
-          bool kHasAttnMask = false, bool kWalkGroup = false>
+          bool kHasAttnMask = false, bool kWalkGroup = false, bool kFlatDq = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmap_q,
                           const __grid_constant__ CUtensorMap tmap_k,
@@ -276,9 +277,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     } else if (threadIdx.x == 32 || threadIdx.x == 64) {
       const int w = threadIdx.x / 32 - 1;
-      bwd_sm90_write_dq<Traits, kIsCausal, kHasVariants>(&tmap_dq_accum, params, smem, walk, seq,
-                                                         w, b, h_first, n_block, n_tiles,
-                                                         packed, q_row0);
+      bwd_sm90_write_dq<Traits, kIsCausal, kHasVariants, kFlatDq>(
+          &tmap_dq_accum, params, smem, walk, seq, w, b, h_first, n_block, n_tiles, packed, q_row0);
     }
     return;
   }
@@ -467,7 +467,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int buf = i % kDqBuffers;
       // The buffer's previous chunk (step i - kDqBuffers) has been read.
       mbar_wait(smem.dq_empty(wg, buf), ((i / kDqBuffers) & 1) ^ 1);
-      consumer.stage_dq(smem.dq_buffer(wg, stage, buf, 0), dq);
+      if constexpr (kFlatDq) {
+        consumer.stage_dq_flat(smem.dq_buffer(wg, stage, buf, 0), dq);
+      } else {
+        consumer.stage_dq(smem.dq_buffer(wg, stage, buf, 0), dq);
+      }
       consumer.hand_dq_to_writer(i);
       wgmma_wait<0>();  // dK
       consumer.fence_grads(dk, dv);

@@ -46,6 +46,11 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // The caller's accumulator (params.dq_accum_external) is added into as it
   // is: no zeroing here, no conversion at the end.
   const bool external = params.dq_accum_external;
+  // The flat dQ accumulator (bwd_sm90.h): the workspace was sized for it.
+  if (params.dq_accum_flat != bwd_sm90_flat_dq(params, kHeadDim)) {
+    throw std::runtime_error("flash_attn_ext: internal error: the dQ accumulator's layout does "
+                             "not match the Hopper backward's");
+  }
   launch_bwd_preprocess<T>(params, kHeadDim, external ? 0 : 1, stream, /*padded_row_stats=*/true);
 
   // Packed (varlen) tensors are mapped as one batch entry of all their rows;
@@ -115,6 +120,14 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
       if (kHasVariants && params.attn_bias != nullptr) {
         launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false, kHasVariants, kHasVariants, kWalk>);
       } else {
+#ifdef FAE_BWD_FLAT_DQ
+        if constexpr (!kHasVariants && !Traits::kSplitHeadDim) {
+          if (params.dq_accum_flat) {
+            launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false, false, false, kWalk, true>);
+            return;
+          }
+        }
+#endif
         launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false, kHasVariants, false, kWalk>);
       }
     }

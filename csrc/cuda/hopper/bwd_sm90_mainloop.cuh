@@ -182,6 +182,18 @@ struct BwdSm90Consumer {
       }
     }
   }
+  // The flat dQ accumulator (bwd_sm90.h, FAE_BWD_FLAT_DQ): the 64 x 64 chunk
+  // in fragment order, thread tid's dq[k][0..3] at float4 k * 128 + tid: a
+  // warp's store is 512 contiguous bytes (no bank conflict, no swizzle
+  // arithmetic), and the writer adds the 16 KB with one bulk reduce.
+  FAE_DEVICE void stage_dq_flat(uint32_t buf, const float (&dq)[kDqCols / 8][4]) const {
+    static_assert(kDqRows == 64 && kDqCols == 64 && Traits::kDqBufferBytes == 128 * 32 * 4,
+                  "a consumer's 128 threads hold the 64 x 64 chunk, 32 floats each");
+#pragma unroll
+    for (int k = 0; k < kDqCols / 8; ++k) {
+      sm90::st_shared_v4_f32(buf + (k * 128 + tid) * 16, dq[k][0], dq[k][1], dq[k][2], dq[k][3]);
+    }
+  }
   // Staged dQ chunks of step i go to this consumer's dQ writer (dq_full).
   FAE_DEVICE void hand_dq_to_writer(int i) const {
     sm90::fence_proxy_async_smem();

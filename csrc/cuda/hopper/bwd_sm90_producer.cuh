@@ -73,7 +73,9 @@ FAE_DEVICE uint32_t bwd_sm90_mask_reads(const AttentionBwdParams& params, const 
 // the argument holds step by step across heads.
 // n_block, n_tiles: the key tile and the sequence's key tiles; packed: the
 // tensors hold packed sequences (varlen), the sequence's rows from q_row0.
-template <typename Traits, bool kIsCausal, bool kHasVariants, bool kWalkGroup>
+// kFlatDq: one bulk reduce of the consumer's 16 KB chunk into its block of
+// the flat accumulator (bwd_sm90.h) instead of the tensor map's boxes.
+template <typename Traits, bool kIsCausal, bool kHasVariants, bool kFlatDq, bool kWalkGroup>
 FAE_DEVICE void bwd_sm90_write_dq(const CUtensorMap* tmap_dq_accum,
                                   const AttentionBwdParams& params,
                                   const BwdSm90Smem<Traits>& smem,
@@ -120,7 +122,15 @@ FAE_DEVICE void bwd_sm90_write_dq(const CUtensorMap* tmap_dq_accum,
       }
       wait_flag_equal(turn, rank);
     }
-    if constexpr (Traits::kDqPieces) {
+    if constexpr (kFlatDq) {
+      static_assert(!Traits::kSplitHeadDim && Traits::kDqChunks == 1 && !Traits::kDqPieces,
+                    "the key split's one 64 x 64 chunk per consumer and step");
+      const int64_t block_row = (m_block * kBlockM + smem.dq_row0(w)) / 64;
+      float* block = params.dq_accum + ((static_cast<int64_t>(dq_slice) * (params.seqlen_q_padded / 64) +
+                                         block_row) * (Traits::kHeadDim / 64) +
+                                        smem.dq_col0(w, 0) / 64) * 4096;
+      bulk_reduce_add_f32(block, smem.dq_buffer(w, stage, buf, 0), Traits::kDqBufferBytes);
+    } else if constexpr (Traits::kDqPieces) {
 #pragma unroll
       for (int box = 0; box < Traits::kDqBoxes; ++box) {
         tma_reduce_add_3d(tmap_dq_accum, smem.dq_buffer(w, stage, buf, 0) + box * kDqRows * 128,

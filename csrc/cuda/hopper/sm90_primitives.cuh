@@ -108,6 +108,15 @@ FAE_DEVICE void tma_reduce_add_3d(const CUtensorMap* map, uint32_t smem_src, int
       "r"(smem_src), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// Shared -> global element-wise fp32 add of `bytes` contiguous bytes (a
+// multiple of 16, both addresses 16-byte aligned): a 1-D bulk reduce, tracked
+// by the same bulk groups (the flat dQ accumulator, bwd_sm90.h).
+FAE_DEVICE void bulk_reduce_add_f32(float* gmem_dst, uint32_t smem_src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                   __cvta_generic_to_global(gmem_dst)),
+               "r"(smem_src), "r"(bytes)
+               : "memory");
+}
 FAE_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // The shared-memory sources of all but the newest kPending groups were read
 // (their buffers may be written again).
