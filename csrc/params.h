@@ -511,6 +511,34 @@ struct AttentionBwdParams : AttentionFwdParams {
   int dsink_partials_stride = 0;
 };
 
+// The flat dQ accumulator (dq_accum_flat; cuda/hopper/bwd_sm90.h) in blocks
+// of 64 rows x 64 floats, accum_dim / 64 column chunks per block row. Padded
+// batch: seqlen_q_padded / 64 block rows per (batch, head). Packed: per head
+// total_q / 64 + batch + 1, sequence b's rows from block row row0_q / 64 + b
+// (each sequence rounded up to whole blocks, the + b absorbing what the
+// roundings add, as FlashAttention-4's padded offsets: no two sequences share
+// a block, and a sequence inside the packed rows stays inside its head's).
+// The block row of sequence b's (rows from row0_q) first 64 rows of head h:
+// flat_dq_block_base(b) + h * flat_dq_head_blocks. Block rows are 16 KB x
+// accum_dim / 64 each, so their count fits an int with room to spare (2^23
+// block rows fill 141 GB); only float offsets need 64 bits.
+FAE_HOST_DEVICE int flat_dq_head_blocks(const AttentionBwdParams& p) {
+  return p.cu_seqlens_q != nullptr ? static_cast<int>(p.total_q / 64) + p.batch + 1
+                                   : p.seqlen_q_padded / 64;
+}
+FAE_HOST_DEVICE int flat_dq_block_base(const AttentionBwdParams& p, int b, int64_t row0_q) {
+  return p.cu_seqlens_q != nullptr ? static_cast<int>(row0_q / 64) + b
+                                   : b * p.heads * (p.seqlen_q_padded / 64);
+}
+FAE_HOST_DEVICE int flat_dq_block_row0(const AttentionBwdParams& p, int b, int h, int64_t row0_q) {
+  return flat_dq_block_base(p, b, row0_q) + h * flat_dq_head_blocks(p);
+}
+// All block rows (the accumulator's size over 64 * accum_dim floats).
+FAE_HOST_DEVICE int64_t flat_dq_block_rows(const AttentionBwdParams& p) {
+  return (p.cu_seqlens_q != nullptr ? 1 : static_cast<int64_t>(p.batch)) * p.heads *
+         flat_dq_head_blocks(p);
+}
+
 // Merging blocks' partial attention results into a running one by their
 // log-sum-exps (flash_attn_ext::merge_partial_, ring attention's forward): with
 // the running (prev, lse) and the blocks j = 0 .. num_blocks - 1,

@@ -247,7 +247,7 @@ bool bwd_sums_gqa_groups_in_kernel(const AttentionBwdParams& params, int num_sms
 
 namespace {
 // The Hopper backward's flat dQ accumulator (bwd_sm90.h, FAE_BWD_FLAT_DQ):
-// seqlen_q_padded rows per (batch, head), in blocks of 64 x 64.
+// blocks of 64 x 64 floats (params.h flat_dq_block_rows).
 bool flat_dq(const AttentionBwdParams& params) {
 #ifdef FAE_HAS_SM90A
   return use_sm90_backward(params) && bwd_sm90_flat_dq(params, accum_dim(params));
@@ -259,8 +259,9 @@ bool flat_dq(const AttentionBwdParams& params) {
 int64_t dq_accum_floats(const AttentionBwdParams& params, int num_sms) {
   if (params.dq_accum_external) return 0;
   if (flat_dq(params)) {
-    return static_cast<int64_t>(params.batch) * params.heads * seqlen_q_padded(params) *
-           accum_dim(params);
+    AttentionBwdParams padded = params;  // (bwd_set_workspace sets seqlen_q_padded)
+    padded.seqlen_q_padded = seqlen_q_padded(params);
+    return flat_dq_block_rows(padded) * 64 * accum_dim(params);
   }
   return static_cast<int64_t>(bwd_dq_splits(params, num_sms)) * params.q_rows_total *
          accum_dim(params);

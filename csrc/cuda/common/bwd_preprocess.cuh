@@ -150,13 +150,15 @@ __global__ void __launch_bounds__(256)
     }
   }
   // The Hopper backward's flat dQ accumulator (bwd_sm90.h): its blocks hold
-  // no rows, so the (batch, head)'s seqlen_q_padded x accum_dim floats are
-  // zeroed whole, as rows of that pitch.
+  // no rows, so the sequence's blocks (params.h flat_dq_block_row0) are zeroed
+  // whole, 64 x accum_dim floats per block row, as rows of that pitch.
   const bool flat = params.dq_accum_flat;
-  if (flat && num_splits > 0 && row < params.seqlen_q_padded) {
+  const int flat_rows = params.cu_seqlens_q != nullptr ? (seq.seqlen_q + 63) / 64 * 64
+                                                       : params.seqlen_q_padded;
+  if (flat && num_splits > 0 && row < flat_rows) {
     float* accum_row =
         params.dq_accum +
-        ((static_cast<int64_t>(b) * params.heads + h) * params.seqlen_q_padded + row) * accum_dim;
+        (static_cast<int64_t>(flat_dq_block_row0(params, b, h, seq.row0_q)) * 64 + row) * accum_dim;
     for (int c = sub * 4; c < accum_dim; c += kDotThreadsPerRow * 4) {
       *reinterpret_cast<float4*>(accum_row + c) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -211,7 +213,7 @@ __global__ void __launch_bounds__(256)
 // float4s that consumer thread t added (coalesced: float4 k of all threads is
 // 2 KB in a row), puts them at their rows and columns in shared memory, and
 // then stores 8 columns of a row 4 times (rows past seqlen_q, columns past
-// head_dim skipped). Padded batches only: rows from 0, one accumulator.
+// head_dim skipped; blocks past the sequence exit). One accumulator.
 // grid = (seqlen_q_padded / 64 * accum_dim / 64, heads, batch).
 template <typename T>
 __global__ void __launch_bounds__(128)
@@ -221,8 +223,11 @@ __global__ void __launch_bounds__(128)
   const int chunks = accum_dim / 64;
   const int r = blockIdx.x / chunks, c = blockIdx.x % chunks;
   const int h = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
-  const int64_t slice = static_cast<int64_t>(b) * params.heads + h;
-  const float* block = params.dq_accum + ((slice * (params.seqlen_q_padded / 64) + r) * chunks + c) * 4096;
+  const SeqBounds seq = seq_bounds(params, b);
+  if (r * 64 >= seq.seqlen_q) return;
+  const float* block =
+      params.dq_accum +
+      (static_cast<int64_t>(flat_dq_block_row0(params, b, h, seq.row0_q) + r) * chunks + c) * 4096;
   const int frag_row = 16 * (t / 32) + (t % 32) / 4, frag_col = 2 * (t % 4);
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
@@ -238,13 +243,13 @@ __global__ void __launch_bounds__(128)
   for (int i = 0; i < 4; ++i) {
     const int item = i * 128 + t, tile_row = item / 8, group = item % 8;
     const int row = r * 64 + tile_row, col = c * 64 + 8 * group;
-    if (row >= params.seqlen_q || col >= params.head_dim) continue;
+    if (row >= seq.seqlen_q || col >= params.head_dim) continue;
     float v[8];
     load8<float>(tile + tile_row * kPitch + 8 * group, v);
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] *= params.softmax_scale;
-    T* dst = static_cast<T*>(params.dq) + b * params.dq_strides.batch + row * params.dq_strides.row +
-             h * params.dq_strides.head + col;
+    T* dst = static_cast<T*>(params.dq) + b * params.dq_strides.batch +
+             (seq.row0_q + row) * params.dq_strides.row + h * params.dq_strides.head + col;
     store8<T>(dst, v);
   }
 }

@@ -36,17 +36,18 @@ inline bool bwd_sm90_sums_gqa_groups(const AttentionBwdParams& p) {
 // block of the same order, which the convert kernel un-permutes; as
 // FlashAttention-4 does (ncu: our D = 128 step issues 37% more instructions
 // and three times its MIO stalls, a third of the difference the dQ staging's;
-// docs/PERFORMANCE.md). Block (slice, r, c) of 64 rows r and 64 columns c,
-// slice = b * heads + h, starts at float ((slice * seqlen_q_padded / 64 + r) *
-// accum_dim / 64 + c) * 4096; float (k * 128 + t) * 4 + e of it is consumer
-// thread t's dq[k][e]: row 16 (t / 32) + (t % 32) / 4 + 8 (e / 2), column
-// 8 k + 2 (t % 4) + e % 2. For the key split (D <= 128) on padded batches,
-// plain kernels, the workspace's accumulator (not varlen, variants or a
-// caller's accumulator, whose layouts stay [rows][accum dim]).
+// docs/PERFORMANCE.md). The block of block row R (params.h
+// flat_dq_block_row0: per (batch, head), or per head and sequence for packed
+// rows) and 64 columns c starts at float (R * accum_dim / 64 + c) * 4096;
+// float (k * 128 + t) * 4 + e of it is consumer thread t's dq[k][e]: row
+// 16 (t / 32) + (t % 32) / 4 + 8 (e / 2), column 8 k + 2 (t % 4) + e % 2. For
+// the key split (D <= 128), plain kernels (padded, packed, seqused_k) and the
+// workspace's accumulator (variants and a caller's accumulator keep the
+// tensor map's [rows][accum dim]).
 inline bool bwd_sm90_flat_dq(const AttentionBwdParams& p, int kernel_dim) {
 #ifdef FAE_BWD_FLAT_DQ
   return kernel_dim <= 128 && p.head_dim_v == p.head_dim && !p.dq_accum_external &&
-         !has_var_seqs(p) && !has_variants(p);
+         !has_kv_cache_addressing(p) && !has_variants(p);
 #else
   (void)p;
   (void)kernel_dim;

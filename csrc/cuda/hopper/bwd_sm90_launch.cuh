@@ -114,6 +114,14 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
       if (kHasVariants && params.attn_bias != nullptr) {
         launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true, kHasVariants, kHasVariants, kWalk>);
       } else {
+#ifdef FAE_BWD_FLAT_DQ
+        if constexpr (!kHasVariants && !Traits::kSplitHeadDim) {
+          if (params.dq_accum_flat) {
+            launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true, false, false, kWalk, true>);
+            return;
+          }
+        }
+#endif
         launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true, kHasVariants, false, kWalk>);
       }
     } else {
