@@ -15,16 +15,10 @@
 #   AB_ROUNDS       runs of the whole variant list, in alternating order (default 1)
 #   FLASH_ATTN_EXT_HEAD_DIMS (default 64,128), FLASH_ATTN_EXT_CUDA_ARCHS (default 90a), MAX_JOBS
 set -uo pipefail
-if [[ $# -eq 0 || "$1" == -h || "$1" == --help ]]; then
-  sed -n '2,/^set /p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
-  exit 0
-fi
-OUT=${OUT:-/tmp/fae_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-# The GPU image's default CXX (/opt/gcc wrapper) built an extension whose error-message
-# formatting segfaulted (libstdc++ mismatch with the runtime); the system compiler is fine.
-if [[ -x /usr/bin/g++ && "${CXX:-}" == /opt/gcc/* ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
-export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+source bench/gpu_env.bash
+if [[ $# -eq 0 || "$1" == -h || "$1" == --help ]]; then print_header_usage bench/ab_builds.sh; exit 0; fi
+OUT=${OUT:-/tmp/fae_out}; mkdir -p "$OUT"
 export FLASH_ATTN_EXT_HEAD_DIMS=${FLASH_ATTN_EXT_HEAD_DIMS:-64,128}
 export FLASH_ATTN_EXT_CUDA_ARCHS=${FLASH_ATTN_EXT_CUDA_ARCHS:-90a}
 read -r -a bench_args <<< "${AB_BENCH_ARGS:---pass bwd --hdims 64,128 --seqlens 1024,4096,16384 --causal 0,1 --backends ours,cudnn --layout bshd --rounds 3}"

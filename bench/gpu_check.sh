@@ -13,21 +13,18 @@
 # FLASH_ATTN_EXT_HEAD_DIMS / FLASH_ATTN_EXT_DTYPES (faster builds), PYTEST_ARGS,
 # TEST_TIMEOUT (s, default 420), BENCH_ARGS, BENCH_PY, BENCH_TIMEOUT (s, default 300).
 set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/gpu_env.bash
 for step in "$@"; do
   case $step in
     build|test|test_mma|bench|sanitize) ;;
-    -h|--help) sed -n '2,/^set /p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) print_header_usage bench/gpu_check.sh; exit 0 ;;
     *) echo "gpu_check.sh: unknown step '$step' (see --help)" >&2; exit 2 ;;
   esac
 done
 OUT=${OUT:-/tmp/fae_out}
 mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
-# The GPU image's default CXX (/opt/gcc wrapper) built an extension whose error-message
-# formatting segfaulted (libstdc++ mismatch with the runtime); the system compiler is fine.
-if [[ -x /usr/bin/g++ && "${CXX:-}" == /opt/gcc/* ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 steps=${*:-build test bench}
-export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 export FLASH_ATTN_EXT_CUDA_ARCHS=${FLASH_ATTN_EXT_CUDA_ARCHS:-80;90a}
 PY=python3
 

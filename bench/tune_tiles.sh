@@ -16,16 +16,11 @@
 # Environment: OUT (logs, default /tmp/fae_out), TUNE_SEQLENS (fwd/bwd/sm90 key lengths,
 # default 2048,8192), MAX_JOBS, BENCH_PY (default bench/bench_attention.py).
 set -uo pipefail
-if [[ $# -eq 0 || "$1" == -h || "$1" == --help ]]; then
-  sed -n '2,/^set /p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
-  exit 0
-fi
-OUT=${OUT:-/tmp/fae_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-# The GPU image's default CXX (/opt/gcc wrapper) built an extension whose error-message
-# formatting segfaulted (libstdc++ mismatch with the runtime); the system compiler is fine.
-if [[ -x /usr/bin/g++ && "${CXX:-}" == /opt/gcc/* ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
-export MAX_JOBS=${MAX_JOBS:-16} FLASH_ATTN_EXT_DTYPES=bf16
+source bench/gpu_env.bash
+if [[ $# -eq 0 || "$1" == -h || "$1" == --help ]]; then print_header_usage bench/tune_tiles.sh; exit 0; fi
+OUT=${OUT:-/tmp/fae_out}; mkdir -p "$OUT"
+export FLASH_ATTN_EXT_DTYPES=bf16
 archs=${FLASH_ATTN_EXT_CUDA_ARCHS:-90}
 for variant in "$@"; do
   read -r pass D a b c d e <<< "$variant"

@@ -107,37 +107,29 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // Varlen and seqused_k read per-sequence bounds (and zero rows past them);
   // the padded batch keeps them in the constant bank.
   // Variants: attn_mask calls (padded batches, maybe seqused_k) take the
-  // kernel that reads the mask.
+  // kernel that reads the mask; the others with the flat dQ accumulator
+  // (FAE_BWD_FLAT_DQ builds, bwd_sm90.h) its kernel.
+  auto launch_seqs = [&](auto var_tag, auto walk_tag) {
+    constexpr bool kVar = decltype(var_tag)::value, kWalk = decltype(walk_tag)::value;
+    if (kHasVariants && params.attn_bias != nullptr) {
+      launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, kHasVariants, kHasVariants, kWalk>);
+      return;
+    }
+#ifdef FAE_BWD_FLAT_DQ
+    if constexpr (!kHasVariants && !Traits::kSplitHeadDim) {
+      if (params.dq_accum_flat) {
+        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, false, false, kWalk, true>);
+        return;
+      }
+    }
+#endif
+    launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, kHasVariants, false, kWalk>);
+  };
   auto launch_walk = [&](auto walk_tag) {
-    constexpr bool kWalk = decltype(walk_tag)::value;
     if (has_var_seqs(params)) {
-      if (kHasVariants && params.attn_bias != nullptr) {
-        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true, kHasVariants, kHasVariants, kWalk>);
-      } else {
-#ifdef FAE_BWD_FLAT_DQ
-        if constexpr (!kHasVariants && !Traits::kSplitHeadDim) {
-          if (params.dq_accum_flat) {
-            launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true, false, false, kWalk, true>);
-            return;
-          }
-        }
-#endif
-        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, true, kHasVariants, false, kWalk>);
-      }
+      launch_seqs(std::true_type{}, walk_tag);
     } else {
-      if (kHasVariants && params.attn_bias != nullptr) {
-        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false, kHasVariants, kHasVariants, kWalk>);
-      } else {
-#ifdef FAE_BWD_FLAT_DQ
-        if constexpr (!kHasVariants && !Traits::kSplitHeadDim) {
-          if (params.dq_accum_flat) {
-            launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false, false, false, kWalk, true>);
-            return;
-          }
-        }
-#endif
-        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, false, kHasVariants, false, kWalk>);
-      }
+      launch_seqs(std::false_type{}, walk_tag);
     }
   };
   if (n_tiles > 0) {
