@@ -11,9 +11,10 @@ key_averages() sorted by self device time (self CPU time on the CPU), then the r
 kernels alone.
 
 --ncu prints the Nsight Compute command that profiles our forward and backward kernels with
-`--set full` (for the GUI: it writes a .ncu-rep), and, when `ncu` is installed, runs ncu with
-`--csv --page details` on the same small config and prints per kernel: achieved occupancy,
-registers per thread, shared memory per block, local-memory (spill) instructions, SM
+`--set full` (for the GUI: it writes a .ncu-rep; with --backend, another backend's kernels of
+the same config, e.g. `--backend fa4` for FlashAttention-4's), and, when `ncu` is installed,
+runs ncu with `--csv --page details` on the same small config and prints per kernel: achieved
+occupancy, registers per thread, shared memory per block, local-memory (spill) instructions, SM
 throughput and DRAM throughput (% of peak). ncu needs access to the GPU performance counters
 (root, or the nvidia driver option NVreg_RestrictProfilingToAdminUsers=0).
 """
@@ -30,12 +31,14 @@ import torch
 
 from flash_attn_ext import bench
 
-# Our __global__ functions (csrc/cuda): flash_fwd_kernel, flash_fwd_combine_kernel (split-KV),
-# flash_fwd_fp32_kernel, bwd_main_kernel, bwd_preprocess_kernel (D, dQ zeroing),
-# bwd_convert_dq_kernel, bwd_fp32_kernel. Matched against the plain function name, which is
-# ncu's default --kernel-name-base. Torch's own FlashAttention kernels are also called
-# flash_fwd_kernel, but this script launches only ours.
-OUR_KERNELS = r"flash_fwd|flash_bwd|fwd_fp32|bwd_fp32|bwd_main|bwd_preprocess|bwd_convert_dq"
+# Our __global__ functions (csrc/cuda): flash_fwd_kernel, flash_fwd_sm90_kernel,
+# flash_fwd_combine_kernel (split-KV), compact_query_tiles_kernel (varlen), flash_fwd_fp32_kernel,
+# bwd_main_kernel, flash_bwd_sm90_kernel, bwd_preprocess_kernel (D, dQ zeroing),
+# bwd_convert_dq_kernel (and its _flat_ twin), bwd_fp32_kernel. Matched against the plain
+# function name, which is ncu's default --kernel-name-base. Torch's own FlashAttention kernels
+# are also called flash_fwd_kernel, but this script launches only ours.
+OUR_KERNELS = (r"flash_fwd|flash_bwd|fwd_fp32|bwd_fp32|bwd_main|bwd_preprocess|bwd_convert_dq|"
+               r"compact_query_tiles")
 # Extra raw metrics: local-memory instructions are what register spills turn into.
 SPILL_METRICS = ("smsp__sass_inst_executed_op_local_ld.sum", "smsp__sass_inst_executed_op_local_st.sum")
 
@@ -119,9 +122,17 @@ def profile(args):
         step()
     sync(args.device)
     if args.plain:
+        # ncu (--profile-from-start off) profiles what runs between these two calls: the
+        # iterations, not the warm-up or the inputs. (Not NVTX ranges: autograd runs the
+        # backward on a thread of its own, outside a range pushed here.)
+        cudart = torch.cuda.cudart() if args.device == "cuda" else None
+        if cudart is not None:
+            cudart.cudaProfilerStart()
         for _ in range(args.iters):
             step()
         sync(args.device)
+        if cudart is not None:
+            cudart.cudaProfilerStop()
         return
     activities = [ProfilerActivity.CPU]
     if args.device == "cuda":
@@ -175,7 +186,11 @@ def ncu_command(args, ncu="ncu", csv_mode=False, report=None, spill_metrics=True
             child += [flag, str(val)]
     if args.deterministic:
         child.append("--deterministic")
-    cmd = [ncu, "--set", "full", "--kernel-name", f"regex:{OUR_KERNELS}", "--target-processes", "all"]
+    # The iteration's kernels (the child brackets them with cudaProfilerStart / Stop): ours by
+    # name, another backend's (e.g. --backend fa4, FlashAttention-4) all of them.
+    cmd = [ncu, "--set", "full", "--profile-from-start", "off", "--target-processes", "all"]
+    if args.backend == "ours":
+        cmd += ["--kernel-name", f"regex:{OUR_KERNELS}"]
     if spill_metrics:
         cmd += ["--metrics", ",".join(SPILL_METRICS)]
     if csv_mode:
