@@ -4,7 +4,7 @@
 # process of its own with a reference backend (cuDNN) in every process; last, a table of
 # ours' time per config and variant, each against the first variant and against the
 # reference (which shows how far the processes' clocks drifted apart).
-#   bash bench/ab_builds.sh "base:" "flat:-DFAE_BWD_FLAT_DQ"
+#   bash bench/ab_builds.sh "base:" "stages3:-DFAE_SM90_STAGES=3"
 # A variant is NAME:DEFINES (DEFINES may be empty: the default build). Environment:
 #   OUT             logs and CSVs (default /tmp/fae_out): build_NAME.log, ab_NAME.csv, ab.txt
 #   AB_BENCH_ARGS   the benchmark's arguments (default: --pass bwd --hdims 64,128

@@ -477,8 +477,8 @@ struct AttentionBwdParams : AttentionFwdParams {
   // as the workspace's; rows = seqlen_q padded, total_q packed).
   bool dq_accum_external = false;
   int64_t dq_accum_row_pitch = 0, dq_accum_slice_pitch = 0;
-  // The Hopper backward's flat dQ accumulator (the FAE_BWD_FLAT_DQ experiment,
-  // cuda/hopper/bwd_sm90.h): [batch * heads][seqlen_q_padded / 64][accum dim /
+  // The Hopper backward's flat dQ accumulator (cuda/hopper/bwd_sm90.h
+  // bwd_sm90_flat_dq): [batch * heads][seqlen_q_padded / 64][accum dim /
   // 64] blocks of 64 x 64 floats in the consumers' fragment order.
   bool dq_accum_flat = false;
   bool deterministic = false;

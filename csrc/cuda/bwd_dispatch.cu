@@ -246,7 +246,7 @@ bool bwd_sums_gqa_groups_in_kernel(const AttentionBwdParams& params, int num_sms
 }
 
 namespace {
-// The Hopper backward's flat dQ accumulator (bwd_sm90.h, FAE_BWD_FLAT_DQ):
+// The Hopper backward's flat dQ accumulator (bwd_sm90.h bwd_sm90_flat_dq):
 // blocks of 64 x 64 floats (params.h flat_dq_block_rows).
 bool flat_dq(const AttentionBwdParams& params) {
 #ifdef FAE_HAS_SM90A

@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(256)
   store8<T>(dst, sum);
 }
 
-// The Hopper backward's flat dQ accumulator (bwd_sm90.h, FAE_BWD_FLAT_DQ)
+// The Hopper backward's flat dQ accumulator (bwd_sm90.h bwd_sm90_flat_dq)
 // to dq: one 64 x 64 block per CTA of 128 threads. Thread t reads the 8
 // float4s that consumer thread t added (coalesced: float4 k of all threads is
 // 2 KB in a row), puts them at their rows and columns in shared memory, and
@@ -270,13 +270,11 @@ inline void launch_bwd_preprocess(const AttentionBwdParams& params, int accum_di
 template <typename T>
 inline void launch_bwd_convert_dq(const AttentionBwdParams& params, int accum_dim, int num_splits,
                                   cudaStream_t stream) {
-#ifdef FAE_BWD_FLAT_DQ
-  if (params.dq_accum_flat) {  // (only set in builds with the experiment)
+  if (params.dq_accum_flat) {  // the Hopper backward's flat dQ accumulator
     const dim3 grid(params.seqlen_q_padded / 64 * (accum_dim / 64), params.heads, params.batch);
     bwd_convert_dq_flat_kernel<T><<<grid, 128, 0, stream>>>(params, accum_dim);
     return;
   }
-#endif
   const int64_t chunks = static_cast<int64_t>(params.seqlen_q) * (params.head_dim / 8);
   const dim3 grid(static_cast<unsigned>((chunks + 255) / 256), params.heads, params.batch);
   bwd_convert_dq_kernel<T><<<grid, 256, 0, stream>>>(params, accum_dim, num_splits);

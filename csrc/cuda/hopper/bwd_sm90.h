@@ -28,8 +28,8 @@ inline bool bwd_sm90_sums_gqa_groups(const AttentionBwdParams& p) {
   return p.dkv_per_kv_head && p.heads > p.heads_k;
 }
 
-// The flat dQ accumulator (experiment, built with -DFAE_BWD_FLAT_DQ through
-// FLASH_ATTN_EXT_NVCC_EXTRA; off by default): a consumer's 64 x 64 fp32 dQ
+// The flat dQ accumulator (measured 1.8% faster than the tensor map's boxes
+// over D = 64 / 128, docs/PERFORMANCE.md): a consumer's 64 x 64 fp32 dQ
 // partial of a step is staged in its registers' fragment order (8 16-byte
 // stores per thread at fixed offsets: no swizzle, no bank conflict, no row
 // selects) and added by one 16 KB bulk reduce (cp.reduce.async.bulk) into a
@@ -45,14 +45,8 @@ inline bool bwd_sm90_sums_gqa_groups(const AttentionBwdParams& p) {
 // workspace's accumulator (variants and a caller's accumulator keep the
 // tensor map's [rows][accum dim]).
 inline bool bwd_sm90_flat_dq(const AttentionBwdParams& p, int kernel_dim) {
-#ifdef FAE_BWD_FLAT_DQ
   return kernel_dim <= 128 && p.head_dim_v == p.head_dim && !p.dq_accum_external &&
          !has_kv_cache_addressing(p) && !has_variants(p);
-#else
-  (void)p;
-  (void)kernel_dim;
-  return false;
-#endif
 }
 
 // kHeadDimV: v's head dim where it is not q's (instantiations/bwd_sm90_*_v<Dv>_*.cu:

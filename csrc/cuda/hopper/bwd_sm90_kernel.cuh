@@ -122,7 +122,7 @@
 namespace flash_attn_ext {
 namespace cuda {
 
-// kFlatDq: the flat dQ accumulator (the FAE_BWD_FLAT_DQ experiment, bwd_sm90.h).
+// kFlatDq: the flat dQ accumulator (bwd_sm90.h bwd_sm90_flat_dq).
 template <typename Traits, bool kIsCausal, bool kVarSeq, bool kHasVariants = false,
           bool kHasAttnMask = false, bool kWalkGroup = false, bool kFlatDq = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)

@@ -4,9 +4,11 @@
 //   1. D = rowsum(dO o O), zeroed fp32 dQ accumulator, padded lse (log2) and D
 //      rows (bwd_preprocess.cuh, shared with mma.sync),
 //   2. the wgmma kernel: dK, dV, dQ sums   (bwd_sm90_kernel.cuh; dQ added into the
-//      accumulator by TMA reduce-adds; deterministic: in a fixed order; GQA:
-//      dK, dV summed over each kv head's group, bwd_sm90_sums_gqa_groups),
-//   3. dq = softmax_scale * dQ accumulator (bwd_preprocess.cuh).
+//      accumulator by bulk (flat, bwd_sm90_flat_dq) or TMA reduce-adds;
+//      deterministic: in a fixed order; GQA: dK, dV summed over each kv
+//      head's group, bwd_sm90_sums_gqa_groups),
+//   3. dq = softmax_scale * dQ accumulator (bwd_preprocess.cuh; the flat one
+//      un-permuted on the way).
 // With the caller's accumulator (params.dq_accum_external) step 1 leaves it
 // as it is and step 3 is skipped: the caller converts once after many calls.
 #pragma once
@@ -107,22 +109,20 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // Varlen and seqused_k read per-sequence bounds (and zero rows past them);
   // the padded batch keeps them in the constant bank.
   // Variants: attn_mask calls (padded batches, maybe seqused_k) take the
-  // kernel that reads the mask; the others with the flat dQ accumulator
-  // (FAE_BWD_FLAT_DQ builds, bwd_sm90.h) its kernel.
+  // kernel that reads the mask. Plain calls of the key split with the flat
+  // dQ accumulator (bwd_sm90.h bwd_sm90_flat_dq) take its kernel.
   auto launch_seqs = [&](auto var_tag, auto walk_tag) {
     constexpr bool kVar = decltype(var_tag)::value, kWalk = decltype(walk_tag)::value;
     if (kHasVariants && params.attn_bias != nullptr) {
       launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, kHasVariants, kHasVariants, kWalk>);
       return;
     }
-#ifdef FAE_BWD_FLAT_DQ
     if constexpr (!kHasVariants && !Traits::kSplitHeadDim) {
       if (params.dq_accum_flat) {
         launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, false, false, kWalk, true>);
         return;
       }
     }
-#endif
     launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, kHasVariants, false, kWalk>);
   };
   auto launch_walk = [&](auto walk_tag) {

@@ -182,7 +182,7 @@ struct BwdSm90Consumer {
       }
     }
   }
-  // The flat dQ accumulator (bwd_sm90.h, FAE_BWD_FLAT_DQ): the 64 x 64 chunk
+  // The flat dQ accumulator (bwd_sm90.h bwd_sm90_flat_dq): the 64 x 64 chunk
   // in fragment order, thread tid's dq[k][0..3] at float4 k * 128 + tid: a
   // warp's store is 512 contiguous bytes (no bank conflict, no swizzle
   // arithmetic), and the writer adds the 16 KB with one bulk reduce.
