@@ -4,7 +4,8 @@
 # build     pip install -e . with MAX_JOBS (default 16) jobs and ptxas's register / spill
 #           report (-Xptxas=-v added to FLASH_ATTN_EXT_NVCC_EXTRA); prints spilling kernels
 #           and ptxas's C75xx notes (serialised wgmma in a Hopper kernel)
-# test      the GPU tests (pytest -m gpu; on sm_90 they cover the Hopper forward and backward)
+# test      the GPU tests (pytest -m gpu; on sm_90 they cover the Hopper forward and backward;
+#           with FLASH_ATTN_EXT_HEAD_DIMS / _DTYPES set, kernels outside the build are skips)
 # test_mma  the same with both passes pinned to the mma.sync kernels
 #           (FLASH_ATTN_EXT_FWD_IMPL=mma, FLASH_ATTN_EXT_BWD_IMPL=mma)
 # bench     bench/bench_attention.py $BENCH_ARGS (or $BENCH_PY), CSV in $OUT/bench.csv
