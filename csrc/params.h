@@ -478,9 +478,12 @@ struct AttentionBwdParams : AttentionFwdParams {
   bool dq_accum_external = false;
   int64_t dq_accum_row_pitch = 0, dq_accum_slice_pitch = 0;
   // The Hopper backward's flat dQ accumulator (cuda/hopper/bwd_sm90.h
-  // bwd_sm90_flat_dq): [batch * heads][seqlen_q_padded / 64][accum dim /
-  // 64] blocks of 64 x 64 floats in the consumers' fragment order.
+  // bwd_sm90_flat_dq): [batch * heads][seqlen_q_padded / rows][accum dim /
+  // 64] blocks of dq_flat_rows x 64 floats in the consumers' fragment order:
+  // 64 rows, or 80 for the 80-query steps (bwd_sm90_flat_dq_rows), whose
+  // blocks hold dQ^T's fragments.
   bool dq_accum_flat = false;
+  int dq_flat_rows = 64;
   bool deterministic = false;
   // GQA: dk / dv have heads_k heads and the kernel sums each group of query
   // heads itself (the Hopper backward's group walk); else they have `heads`
@@ -489,7 +492,8 @@ struct AttentionBwdParams : AttentionFwdParams {
   bool dkv_per_kv_head = false;
   // Padded-batch row statistics for the Hopper backward, [batch * heads]
   // [seqlen_q_padded] each (seqlen_q rounded up to 128, the longest query
-  // step, so that a step's bulk copy stays inside its head): lse as log2, +inf
+  // step, or to 80 for 80-query steps, so that a step's bulk copy stays
+  // inside its head): lse as log2, +inf
   // where P = 0 (rows past seqlen_q, fully masked rows), and D, 0 past
   // seqlen_q. The preprocess kernel writes them when asked (scratch, nullptr
   // where the workspace has none), so that the kernel copies a step's rows
@@ -512,31 +516,35 @@ struct AttentionBwdParams : AttentionFwdParams {
 };
 
 // The flat dQ accumulator (dq_accum_flat; cuda/hopper/bwd_sm90.h) in blocks
-// of 64 rows x 64 floats, accum_dim / 64 column chunks per block row. Padded
-// batch: seqlen_q_padded / 64 block rows per (batch, head). Packed: per head
-// total_q / 64 + batch + 1, sequence b's rows from block row row0_q / 64 + b
-// (each sequence rounded up to whole blocks, the + b absorbing what the
-// roundings add, as FlashAttention-4's padded offsets: no two sequences share
-// a block, and a sequence inside the packed rows stays inside its head's).
-// The block row of sequence b's (rows from row0_q) first 64 rows of head h:
-// flat_dq_block_base(b) + h * flat_dq_head_blocks. Block rows are 16 KB x
-// accum_dim / 64 each, so their count fits an int with room to spare (2^23
-// block rows fill 141 GB); only float offsets need 64 bits.
-FAE_HOST_DEVICE int flat_dq_head_blocks(const AttentionBwdParams& p) {
-  return p.cu_seqlens_q != nullptr ? static_cast<int>(p.total_q / 64) + p.batch + 1
-                                   : p.seqlen_q_padded / 64;
+// of R = dq_flat_rows (64 or 80) rows x 64 floats, accum_dim / 64 column
+// chunks per block row. Padded batch: seqlen_q_padded / R block rows per
+// (batch, head). Packed: per head total_q / R + batch + 1, sequence b's rows
+// from block row row0_q / R + b (each sequence rounded up to whole blocks, the
+// + b absorbing what the roundings add, as FlashAttention-4's padded offsets:
+// no two sequences share a block, and a sequence inside the packed rows stays
+// inside its head's). The block row of sequence b's (rows from row0_q) first
+// R rows of head h: flat_dq_block_base(b) + h * flat_dq_head_blocks. Block
+// rows are at most 20 KB x accum_dim / 64 each, so their count fits an int
+// with room to spare (2^23 block rows fill 176 GB); only float offsets need
+// 64 bits.
+// rows: p.dq_flat_rows, which the Hopper kernel passes as its compile-time
+// kDqRows (a division by a constant in its 24-register dQ writers).
+FAE_HOST_DEVICE int flat_dq_head_blocks(const AttentionBwdParams& p, int rows) {
+  return p.cu_seqlens_q != nullptr ? static_cast<int>(p.total_q / rows) + p.batch + 1
+                                   : p.seqlen_q_padded / rows;
 }
-FAE_HOST_DEVICE int flat_dq_block_base(const AttentionBwdParams& p, int b, int64_t row0_q) {
-  return p.cu_seqlens_q != nullptr ? static_cast<int>(row0_q / 64) + b
-                                   : b * p.heads * (p.seqlen_q_padded / 64);
+FAE_HOST_DEVICE int flat_dq_block_base(const AttentionBwdParams& p, int b, int64_t row0_q, int rows) {
+  return p.cu_seqlens_q != nullptr ? static_cast<int>(row0_q / rows) + b
+                                   : b * p.heads * (p.seqlen_q_padded / rows);
 }
-FAE_HOST_DEVICE int flat_dq_block_row0(const AttentionBwdParams& p, int b, int h, int64_t row0_q) {
-  return flat_dq_block_base(p, b, row0_q) + h * flat_dq_head_blocks(p);
+FAE_HOST_DEVICE int flat_dq_block_row0(const AttentionBwdParams& p, int b, int h, int64_t row0_q,
+                                       int rows) {
+  return flat_dq_block_base(p, b, row0_q, rows) + h * flat_dq_head_blocks(p, rows);
 }
-// All block rows (the accumulator's size over 64 * accum_dim floats).
+// All block rows (the accumulator's size over dq_flat_rows * accum_dim floats).
 FAE_HOST_DEVICE int64_t flat_dq_block_rows(const AttentionBwdParams& p) {
   return (p.cu_seqlens_q != nullptr ? 1 : static_cast<int64_t>(p.batch)) * p.heads *
-         flat_dq_head_blocks(p);
+         flat_dq_head_blocks(p, p.dq_flat_rows);
 }
 
 // Merging blocks' partial attention results into a running one by their

@@ -75,7 +75,13 @@ int64_t dsum_floats(const AttentionBwdParams& p) {
 
 // The padded row statistics of the Hopper backward and, deterministic, its
 // dQ order counters (params.h, 4-byte ints), reserved for the calls it takes.
-int seqlen_q_padded(const AttentionBwdParams& p) { return (p.seqlen_q + 127) / 128 * 128; }
+int flat_dq_rows(const AttentionBwdParams& p);
+// Rounded up to the longest query step (128 rows), or to 80 for 80-query
+// steps (bwd_sm90_flat_dq_rows: the flat accumulator's blocks, whole steps).
+int seqlen_q_padded(const AttentionBwdParams& p) {
+  const int step = flat_dq_rows(p) == 80 ? 80 : 128;
+  return (p.seqlen_q + step - 1) / step * step;
+}
 int64_t row_stat_floats(const AttentionBwdParams& p) {
 #ifdef FAE_HAS_SM90A
   if (use_sm90_backward(p)) return 2 * static_cast<int64_t>(p.batch) * p.heads * seqlen_q_padded(p);
@@ -247,7 +253,7 @@ bool bwd_sums_gqa_groups_in_kernel(const AttentionBwdParams& params, int num_sms
 
 namespace {
 // The Hopper backward's flat dQ accumulator (bwd_sm90.h bwd_sm90_flat_dq):
-// blocks of 64 x 64 floats (params.h flat_dq_block_rows).
+// blocks of 64 (or 80) x 64 floats (params.h flat_dq_block_rows).
 bool flat_dq(const AttentionBwdParams& params) {
 #ifdef FAE_HAS_SM90A
   return use_sm90_backward(params) && bwd_sm90_flat_dq(params, accum_dim(params));
@@ -256,12 +262,21 @@ bool flat_dq(const AttentionBwdParams& params) {
   return false;
 #endif
 }
+// Rows per block of the flat accumulator (bwd_sm90.h bwd_sm90_flat_dq_rows).
+int flat_dq_rows(const AttentionBwdParams& params) {
+#ifdef FAE_HAS_SM90A
+  if (flat_dq(params)) return bwd_sm90_flat_dq_rows(params, accum_dim(params));
+#endif
+  (void)params;
+  return 64;
+}
 int64_t dq_accum_floats(const AttentionBwdParams& params, int num_sms) {
   if (params.dq_accum_external) return 0;
   if (flat_dq(params)) {
-    AttentionBwdParams padded = params;  // (bwd_set_workspace sets seqlen_q_padded)
+    AttentionBwdParams padded = params;  // (bwd_set_workspace sets these)
     padded.seqlen_q_padded = seqlen_q_padded(params);
-    return flat_dq_block_rows(padded) * 64 * accum_dim(params);
+    padded.dq_flat_rows = flat_dq_rows(params);
+    return flat_dq_block_rows(padded) * padded.dq_flat_rows * accum_dim(params);
   }
   return static_cast<int64_t>(bwd_dq_splits(params, num_sms)) * params.q_rows_total *
          accum_dim(params);
@@ -279,6 +294,7 @@ void bwd_set_workspace(AttentionBwdParams& params, float* workspace, int num_sms
   if (!params.dq_accum_external) params.dq_accum = workspace + dsum_floats(params);
   params.num_splits = bwd_dq_splits(params, num_sms);
   params.dq_accum_flat = flat_dq(params);
+  params.dq_flat_rows = flat_dq_rows(params);
   const int64_t row_stats = row_stat_floats(params);
   if (row_stats > 0) {
     params.seqlen_q_padded = seqlen_q_padded(params);

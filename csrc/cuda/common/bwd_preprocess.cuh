@@ -151,14 +151,19 @@ __global__ void __launch_bounds__(256)
   }
   // The Hopper backward's flat dQ accumulator (bwd_sm90.h): its blocks hold
   // no rows, so the sequence's blocks (params.h flat_dq_block_row0) are zeroed
-  // whole, 64 x accum_dim floats per block row, as rows of that pitch.
+  // whole, dq_flat_rows x accum_dim floats per block row, as rows of that pitch.
   const bool flat = params.dq_accum_flat;
-  const int flat_rows = params.cu_seqlens_q != nullptr ? (seq.seqlen_q + 63) / 64 * 64
-                                                       : params.seqlen_q_padded;
+  const int block_rows = params.dq_flat_rows;
+  const int flat_rows = params.cu_seqlens_q != nullptr
+                            ? (seq.seqlen_q + block_rows - 1) / block_rows * block_rows
+                            : params.seqlen_q_padded;
   if (flat && num_splits > 0 && row < flat_rows) {
     float* accum_row =
         params.dq_accum +
-        (static_cast<int64_t>(flat_dq_block_row0(params, b, h, seq.row0_q)) * 64 + row) * accum_dim;
+        (static_cast<int64_t>(flat_dq_block_row0(params, b, h, seq.row0_q, block_rows)) *
+             block_rows +
+         row) *
+            accum_dim;
     for (int c = sub * 4; c < accum_dim; c += kDotThreadsPerRow * 4) {
       *reinterpret_cast<float4*>(accum_row + c) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -209,40 +214,55 @@ __global__ void __launch_bounds__(256)
 }
 
 // The Hopper backward's flat dQ accumulator (bwd_sm90.h bwd_sm90_flat_dq)
-// to dq: one 64 x 64 block per CTA of 128 threads. Thread t reads the 8
-// float4s that consumer thread t added (coalesced: float4 k of all threads is
-// 2 KB in a row), puts them at their rows and columns in shared memory, and
-// then stores 8 columns of a row 4 times (rows past seqlen_q, columns past
-// head_dim skipped; blocks past the sequence exit). One accumulator.
-// grid = (seqlen_q_padded / 64 * accum_dim / 64, heads, batch).
-template <typename T>
+// to dq: one block of kRows x 64 per CTA of 128 threads. Thread t reads the
+// kRows / 8 float4s that consumer thread t added (coalesced: float4 k of all
+// threads is 2 KB in a row), puts them at their rows and columns in shared
+// memory, and then stores 8 columns of a row kRows / 16 times (rows past
+// seqlen_q, columns past head_dim skipped; blocks past the sequence exit).
+// kRows = 64: the fragments of a 64 x 64 dQ chunk (row 16 (t / 32) +
+// (t % 32) / 4 + 8 (e / 2), column 8 k + 2 (t % 4) + e % 2); kRows = 80: of a
+// 64 x 80 dQ^T chunk (the 80-query steps), the same with row and column
+// swapped. One accumulator.
+// grid = (seqlen_q_padded / kRows * accum_dim / 64, heads, batch).
+template <typename T, int kRows>
 __global__ void __launch_bounds__(128)
     bwd_convert_dq_flat_kernel(const AttentionBwdParams params, int accum_dim) {
+  static_assert(kRows == 64 || kRows == 80, "64 x 64 dQ or 64 x 80 dQ^T fragments");
+  constexpr bool kTransposed = kRows == 80;
   constexpr int kPitch = 64 + 4;  // floats per staged row; 16-byte aligned rows
-  __shared__ __align__(16) float tile[64 * kPitch];
+  __shared__ __align__(16) float tile[kRows * kPitch];
   const int chunks = accum_dim / 64;
   const int r = blockIdx.x / chunks, c = blockIdx.x % chunks;
   const int h = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
   const SeqBounds seq = seq_bounds(params, b);
-  if (r * 64 >= seq.seqlen_q) return;
+  if (r * kRows >= seq.seqlen_q) return;
   const float* block =
       params.dq_accum +
-      (static_cast<int64_t>(flat_dq_block_row0(params, b, h, seq.row0_q) + r) * chunks + c) * 4096;
+      (static_cast<int64_t>(flat_dq_block_row0(params, b, h, seq.row0_q, kRows) + r) * chunks + c) *
+          (kRows * 64);
   const int frag_row = 16 * (t / 32) + (t % 32) / 4, frag_col = 2 * (t % 4);
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
+  for (int k = 0; k < kRows / 8; ++k) {
     const float4 x = *reinterpret_cast<const float4*>(block + (k * 128 + t) * 4);
-    float* upper = tile + frag_row * kPitch + 8 * k + frag_col;
-    upper[0] = x.x;
-    upper[1] = x.y;
-    upper[8 * kPitch] = x.z;
-    upper[8 * kPitch + 1] = x.w;
+    if constexpr (kTransposed) {  // fragment rows are dQ columns, its columns queries
+      float* upper = tile + (8 * k + frag_col) * kPitch + frag_row;
+      upper[0] = x.x;
+      upper[kPitch] = x.y;
+      upper[8] = x.z;
+      upper[kPitch + 8] = x.w;
+    } else {
+      float* upper = tile + frag_row * kPitch + 8 * k + frag_col;
+      upper[0] = x.x;
+      upper[1] = x.y;
+      upper[8 * kPitch] = x.z;
+      upper[8 * kPitch + 1] = x.w;
+    }
   }
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < kRows / 16; ++i) {
     const int item = i * 128 + t, tile_row = item / 8, group = item % 8;
-    const int row = r * 64 + tile_row, col = c * 64 + 8 * group;
+    const int row = r * kRows + tile_row, col = c * 64 + 8 * group;
     if (row >= seq.seqlen_q || col >= params.head_dim) continue;
     float v[8];
     load8<float>(tile + tile_row * kPitch + 8 * group, v);
@@ -271,8 +291,13 @@ template <typename T>
 inline void launch_bwd_convert_dq(const AttentionBwdParams& params, int accum_dim, int num_splits,
                                   cudaStream_t stream) {
   if (params.dq_accum_flat) {  // the Hopper backward's flat dQ accumulator
-    const dim3 grid(params.seqlen_q_padded / 64 * (accum_dim / 64), params.heads, params.batch);
-    bwd_convert_dq_flat_kernel<T><<<grid, 128, 0, stream>>>(params, accum_dim);
+    const int rows = params.dq_flat_rows;
+    const dim3 grid(params.seqlen_q_padded / rows * (accum_dim / 64), params.heads, params.batch);
+    if (rows == 80) {
+      bwd_convert_dq_flat_kernel<T, 80><<<grid, 128, 0, stream>>>(params, accum_dim);
+    } else {
+      bwd_convert_dq_flat_kernel<T, 64><<<grid, 128, 0, stream>>>(params, accum_dim);
+    }
     return;
   }
   const int64_t chunks = static_cast<int64_t>(params.seqlen_q) * (params.head_dim / 8);

@@ -40,13 +40,27 @@ inline bool bwd_sm90_sums_gqa_groups(const AttentionBwdParams& p) {
 // flat_dq_block_row0: per (batch, head), or per head and sequence for packed
 // rows) and 64 columns c starts at float (R * accum_dim / 64 + c) * 4096;
 // float (k * 128 + t) * 4 + e of it is consumer thread t's dq[k][e]: row
-// 16 (t / 32) + (t % 32) / 4 + 8 (e / 2), column 8 k + 2 (t % 4) + e % 2. For
+// 16 (t / 32) + (t % 32) / 4 + 8 (e / 2), column 8 k + 2 (t % 4) + e % 2.
+// With 80-query steps (bwd_sm90_flat_dq_rows) a block is 80 rows x 64
+// columns, 5120 floats, of dQ^T's fragments: the same formula with row and
+// column swapped, k < 10. For
 // the key split (D <= 128), plain kernels (padded, packed, seqused_k) and the
 // workspace's accumulator (variants and a caller's accumulator keep the
 // tensor map's [rows][accum dim]).
 inline bool bwd_sm90_flat_dq(const AttentionBwdParams& p, int kernel_dim) {
   return kernel_dim <= 128 && p.head_dim_v == p.head_dim && !p.dq_accum_external &&
          !has_kv_cache_addressing(p) && !has_variants(p);
+}
+
+// Rows per block of the flat dQ accumulator, and queries per step of the
+// kernel that fills it: 80 for D = 128 non-causal calls (bwd_sm90_traits.cuh
+// kDqTransposed: 80-query steps, dQ^T's fragments in the blocks), else 64.
+// Deterministic calls keep 64-query steps (their order counters are laid out
+// per 64 rows).
+inline int bwd_sm90_flat_dq_rows(const AttentionBwdParams& p, int kernel_dim) {
+  return bwd_sm90_flat_dq(p, kernel_dim) && kernel_dim == 128 && !p.causal && !p.deterministic
+             ? 80
+             : 64;
 }
 
 // kHeadDimV: v's head dim where it is not q's (instantiations/bwd_sm90_*_v<Dv>_*.cu:

@@ -12,7 +12,8 @@
 //       staged dQ_i (dq_full), adds it into the fp32 accumulator with TMA
 //       reduce-adds and frees the buffer once the TMA has read it (dq_empty).
 //   warpgroups 1, 2 (consumers, 240 registers). Per query tile i (kBlockM
-//   rows: 128 at D = 64, else 64):
+//   rows: 128 at D = 64, 80 at D = 128 non-causal with the flat dQ
+//   accumulator (dQ then computed transposed, bwd_sm90_traits.cuh), else 64):
 //       S^T  = K Q_i^T                   wgmma SS (both K-major, as loaded)
 //       dP^T = V dO_i^T                  wgmma SS
 //       P^T  = exp2(S^T * scale*log2e - lse*log2e), masked   (registers)
@@ -138,10 +139,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
   constexpr int kDqBuffers = Traits::kDqBuffers;
-  constexpr int kDqCols = Traits::kDqCols;
   constexpr int kChunks = Traits::kChunks;
   constexpr int kChunksV = Traits::kChunksV;
   using namespace sm90;
+  static_assert(!Traits::kDqTransposed || (kFlatDq && !kIsCausal && !kHasVariants),
+                "80-query steps: plain non-causal kernels with the flat dQ accumulator");
 
   extern __shared__ uint8_t smem_raw[];
   const BwdSm90Smem<Traits> smem(smem_raw);
@@ -458,18 +460,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       consumer.store_ds(ds_buf, ds_frag);
       fence_proxy_async_smem();
       named_barrier_sync(kDsBarrier, 256);
-      float dq[kDqCols / 8][4];
-      consumer.issue_dq_chunk(dq, ds_buf, 0);
+      float dq[Traits::kDqAccN / 8][4];  // 80-query steps: dQ^T
+      if constexpr (Traits::kDqTransposed) {
+        // dV retired first: its P^T operand's 20 registers would not fit
+        // beside dQ^T's 40 (ptxas serialised every wgmma, C7512).
+        wgmma_wait<0>();
+        consumer.fence_grads(dk, dv);
+        fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
+        consumer.issue_dq_transposed(dq, ds_buf);
+      } else {
+        consumer.issue_dq_chunk(dq, ds_buf, 0);
+      }
       consumer.issue_grad_update<Traits::kGradColsA>(dk, ds_frag, smem.q(stage), 0);
       wgmma_commit();
       wgmma_wait<1>();  // dV, dQ
-      fence_registers(reinterpret_cast<float(&)[kDqCols / 2]>(dq));
+      fence_registers(reinterpret_cast<float(&)[Traits::kDqAccN / 2]>(dq));
       const int buf = i % kDqBuffers;
       // The buffer's previous chunk (step i - kDqBuffers) has been read.
       mbar_wait(smem.dq_empty(wg, buf), ((i / kDqBuffers) & 1) ^ 1);
       if constexpr (kFlatDq) {
         consumer.stage_dq_flat(smem.dq_buffer(wg, stage, buf, 0), dq);
-      } else {
+      } else if constexpr (!Traits::kDqTransposed) {
         consumer.stage_dq(smem.dq_buffer(wg, stage, buf, 0), dq);
       }
       consumer.hand_dq_to_writer(i);

@@ -26,9 +26,12 @@ namespace flash_attn_ext {
 namespace cuda {
 
 // kHeadDimV: v's head dim where it is not q's (MLA's 192 / 128): exactly these dims.
-template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, int kHeadDimV = kHeadDim>
+// kBlockM: the traits' queries per step where not the default (80: the
+// 80-query steps of bwd_sm90_flat_dq_rows, whose calls are all flat).
+template <typename T, int kHeadDim, bool kIsCausal, bool kHasVariants, int kHeadDimV = kHeadDim,
+          int kBlockM = 0>
 void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream) {
-  using Traits = BwdSm90Traits<T, kHeadDim, kHeadDimV>;
+  using Traits = BwdSm90Traits<T, kHeadDim, kHeadDimV, kBlockM>;
   static_assert(Traits::kBlockN == bwd_sm90_block_n(kHeadDim), "bwd_sm90.h names the key tile");
   const bool dims_ok = kHeadDimV == kHeadDim
                            ? params.head_dim <= kHeadDim && params.head_dim_v == params.head_dim
@@ -49,7 +52,9 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // is: no zeroing here, no conversion at the end.
   const bool external = params.dq_accum_external;
   // The flat dQ accumulator (bwd_sm90.h): the workspace was sized for it.
-  if (params.dq_accum_flat != bwd_sm90_flat_dq(params, kHeadDim)) {
+  if (params.dq_accum_flat != bwd_sm90_flat_dq(params, kHeadDim) ||
+      (params.dq_accum_flat && params.dq_flat_rows != Traits::kDqRows) ||
+      (Traits::kDqTransposed && !params.dq_accum_flat)) {
     throw std::runtime_error("flash_attn_ext: internal error: the dQ accumulator's layout does "
                              "not match the Hopper backward's");
   }
@@ -113,9 +118,11 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // dQ accumulator (bwd_sm90.h bwd_sm90_flat_dq) take its kernel.
   auto launch_seqs = [&](auto var_tag, auto walk_tag) {
     constexpr bool kVar = decltype(var_tag)::value, kWalk = decltype(walk_tag)::value;
-    if (kHasVariants && params.attn_bias != nullptr) {
-      launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, kHasVariants, kHasVariants, kWalk>);
-      return;
+    if constexpr (kHasVariants) {
+      if (params.attn_bias != nullptr) {
+        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, true, true, kWalk>);
+        return;
+      }
     }
     if constexpr (!kHasVariants && !Traits::kSplitHeadDim) {
       if (params.dq_accum_flat) {
@@ -123,7 +130,9 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
         return;
       }
     }
-    launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, kHasVariants, false, kWalk>);
+    if constexpr (!Traits::kDqTransposed) {
+      launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, kHasVariants, false, kWalk>);
+    }
   };
   auto launch_walk = [&](auto walk_tag) {
     if (has_var_seqs(params)) {
@@ -146,6 +155,12 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
 
 template <typename T, int kHeadDim, bool kIsCausal, int kHeadDimV>
 void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
+  if constexpr (kHeadDim == 128 && !kIsCausal && kHeadDimV == kHeadDim) {
+    if (params.dq_accum_flat && params.dq_flat_rows == 80) {  // bwd_sm90_flat_dq_rows
+      run_bwd_sm90_kernels<T, kHeadDim, kIsCausal, false, kHeadDimV, 80>(params, stream);
+      return;
+    }
+  }
   run_bwd_sm90_kernels<T, kHeadDim, kIsCausal, /*kHasVariants=*/false, kHeadDimV>(params, stream);
 }
 

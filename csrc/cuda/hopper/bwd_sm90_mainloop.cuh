@@ -100,11 +100,26 @@ struct BwdSm90Consumer {
     return ds_buf + (kk / 4) * kBlockN * 128 + r * 128 +
            (((2 * (kk % 4) + lane / 16) ^ (r % 8)) * 16);
   }
+  // 80-query steps (Traits::kDqTransposed): dS, not dS^T, as dQ^T's K-major B
+  // operand: [key chunk wg][kBlockM queries][64 keys], 16-byte unit u of
+  // query row q at unit u ^ (q % 8). stmatrix .trans stores fragment word w
+  // (keys key_row + 8 (w % 2), queries 16 kk + 8 (w / 2) + ..) as 8 query rows
+  // of one 16-byte key unit, 2 warp + w % 2: lane l gives query row
+  // 16 kk + 8 (w / 2) + l % 8 of w = l / 8. The 8 lanes of a matrix hit 8
+  // rows with 8 different swizzled units: conflict-free.
+  FAE_DEVICE uint32_t ds_query_row_addr(uint32_t ds_buf, int kk) const {
+    const int m = lane / 8;
+    const int q = 16 * kk + 8 * (m / 2) + lane % 8;
+    const int unit = 2 * warp + m % 2;
+    return ds_buf + (wg_key0 / 64) * kBlockM * 128 + q * 128 + ((unit ^ (q % 8)) * 16);
+  }
   FAE_DEVICE void store_ds(uint32_t ds_buf, const uint32_t (&ds_frag)[kBlockM / 16][4]) const {
     using namespace sm90;
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      if constexpr (!Traits::kSplitHeadDim) {
+      if constexpr (Traits::kDqTransposed) {
+        stmatrix_x4_trans(ds_query_row_addr(ds_buf, kk), ds_frag[kk]);
+      } else if constexpr (!Traits::kSplitHeadDim) {
         stmatrix_x4(ds_row_addr(ds_buf, kk), ds_frag[kk]);
       } else {
 #pragma unroll
@@ -146,6 +161,28 @@ struct BwdSm90Consumer {
     }
     wgmma_commit();
   }
+  // 80-query steps: dQ^T (this consumer's 64 columns x kBlockM queries) =
+  // K^T dS^T over all kBlockN keys: A = K's column chunk wg read transposed
+  // (MN-major, k-steps of 16 keys = 2048 B, as issue_dq_piece reads K), B =
+  // dS query-major (K-major: k-step kk is key chunk kk / 4, 32 B into its
+  // 128-byte rows, as issue_transposed_scores reads Q). Issued and committed
+  // here; staged after the wait (stage_dq_flat).
+  FAE_DEVICE void issue_dq_transposed(float (&dq)[kBlockM / 8][4], uint32_t ds_buf) const {
+    using namespace sm90;
+    static_assert(Traits::kDqTransposed && Traits::kGradColsA == kHeadDim,
+                  "80-query steps: the key split's column halves of dQ");
+    wgmma_fence();
+    const uint64_t desc_a = smem_desc_sw128(smem.k + smem.dq_col0(wg, 0) / 64 * kBlockN * 128,
+                                            kBlockN * 128, 1024);
+    const uint64_t desc_b = smem_desc_sw128(ds_buf, 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      WgmmaOps<T, kBlockM>::ss_a_mnmajor(
+          &dq[0][0], smem_desc_advance(desc_a, kk * 2048),
+          smem_desc_advance(desc_b, (kk / 4) * kBlockM * 128 + (kk % 4) * 32), kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+  }
   // dk, dv: kJ / kJV 8-column groups (the accumulators of any piece).
   template <int kJ, int kJV>
   static FAE_DEVICE void fence_grads(float (&dk)[kJ][4], float (&dv)[kJV][4]) {
@@ -183,14 +220,17 @@ struct BwdSm90Consumer {
     }
   }
   // The flat dQ accumulator (bwd_sm90.h bwd_sm90_flat_dq): the 64 x 64 chunk
-  // in fragment order, thread tid's dq[k][0..3] at float4 k * 128 + tid: a
-  // warp's store is 512 contiguous bytes (no bank conflict, no swizzle
-  // arithmetic), and the writer adds the 16 KB with one bulk reduce.
-  FAE_DEVICE void stage_dq_flat(uint32_t buf, const float (&dq)[kDqCols / 8][4]) const {
-    static_assert(kDqRows == 64 && kDqCols == 64 && Traits::kDqBufferBytes == 128 * 32 * 4,
-                  "a consumer's 128 threads hold the 64 x 64 chunk, 32 floats each");
+  // (80-query steps: the 64 x 80 dQ^T chunk) in fragment order, thread tid's
+  // dq[k][0..3] at float4 k * 128 + tid: a warp's store is 512 contiguous
+  // bytes (no bank conflict, no swizzle arithmetic), and the writer adds the
+  // 16 KB (20 KB) with one bulk reduce.
+  static constexpr int kDqAccN = Traits::kDqAccN;
+  FAE_DEVICE void stage_dq_flat(uint32_t buf, const float (&dq)[kDqAccN / 8][4]) const {
+    static_assert(kDqCols == 64 && Traits::kDqBufferBytes == 128 * (kDqAccN / 2) * 4 &&
+                      kDqRows * kDqCols == 64 * kDqAccN,
+                  "a consumer's 128 threads hold the chunk, kDqAccN / 2 floats each");
 #pragma unroll
-    for (int k = 0; k < kDqCols / 8; ++k) {
+    for (int k = 0; k < kDqAccN / 8; ++k) {
       sm90::st_shared_v4_f32(buf + (k * 128 + tid) * 16, dq[k][0], dq[k][1], dq[k][2], dq[k][3]);
     }
   }

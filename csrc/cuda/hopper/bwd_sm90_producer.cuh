@@ -124,15 +124,16 @@ FAE_DEVICE void bwd_sm90_write_dq(const CUtensorMap* tmap_dq_accum,
     }
     if constexpr (kFlatDq) {
       static_assert(!Traits::kSplitHeadDim && Traits::kDqChunks == 1 && !Traits::kDqPieces,
-                    "the key split's one 64 x 64 chunk per consumer and step");
+                    "the key split's one kDqRows x 64 chunk per consumer and step");
       // (The base again per step, from the kernel's b and q_row0: a value
-      // kept across the loop spilled in these 24-register warps.)
-      const int block_row = flat_dq_block_base(params, b, q_row0) +
-                            (h_first + step.g) * flat_dq_head_blocks(params) +
-                            (m_block * kBlockM + smem.dq_row0(w)) / 64;
+      // kept across the loop spilled in these 24-register warps.) Blocks of
+      // kDqRows rows (params.dq_flat_rows, checked by the launcher).
+      const int block_row = flat_dq_block_base(params, b, q_row0, kDqRows) +
+                            (h_first + step.g) * flat_dq_head_blocks(params, kDqRows) +
+                            (m_block * kBlockM + smem.dq_row0(w)) / kDqRows;
       float* block = params.dq_accum + static_cast<int64_t>(block_row * (Traits::kHeadDim / 64) +
                                                             smem.dq_col0(w, 0) / 64) *
-                                           4096;
+                                           (kDqRows * 64);
       bulk_reduce_add_f32(block, smem.dq_buffer(w, stage, buf, 0), Traits::kDqBufferBytes);
     } else if constexpr (Traits::kDqPieces) {
 #pragma unroll

@@ -103,12 +103,18 @@
 //   (kDqStagingAlternatesRows)
 //   D = 192 / 128 with a kernel of its own instead of padded to 256: 1.8x
 //   (0.81-0.85x FlashAttention-4, S = 8k, causal and not)
+//   D = 128 non-causal, 80-query steps (dQ transposed) against 64-query
+//   steps (H100, 2026-12-07, one build, S 1k-16k, two rounds): 1.032x
+//   geomean, 1.04-1.08x at 16k; causal calls not measured yet
 //
 // Shared memory (tiles in 64-column chunks of [rows x 128 B], TMA's 128-byte
 // swizzle; every tile 1024-byte aligned):
 //   | K [kChunks][kBlockN][64] | V | Q [kStages][kChunks][64][64] | dO [...] |
 //   | dS^T [kDsBuffers][kBlockM / 64][kBlockN keys][64 queries] | dQ [consumers][kDqBuffers][boxes][64][32] fp32
 //     (key split) | P^T (head-dim split) | lse (log2), D [kStages][2][64] fp32 | mbarriers, step words |
+//   80-query steps (kDqTransposed): Q / dO stages [kChunks][80][64]; dS (not
+//   dS^T) [kDsBuffers][kBlockN / 64 key chunks][80 queries][64 keys]; dQ^T
+//   [consumers][80 x 64 fp32 in fragment order]: 231,792 of 232,448 bytes.
 #pragma once
 #include "sm90_primitives.cuh"
 
@@ -117,8 +123,9 @@ namespace cuda {
 
 // kHeadDimV_: v's (and dO's, dV's) head dim where it is not q's (DeepSeek
 // MLA's 192 / 128 training shape, head-dim split only): see the MLA note in
-// the file comment.
-template <typename T_, int kHeadDim_, int kHeadDimV_ = kHeadDim_>
+// the file comment. kBlockM_: the queries per step where not the head dim's
+// default (kBlockM below); 80 at D = 128 (kDqTransposed).
+template <typename T_, int kHeadDim_, int kHeadDimV_ = kHeadDim_, int kBlockM_ = 0>
 struct BwdSm90Traits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -130,7 +137,18 @@ struct BwdSm90Traits {
   // takes: twice the GEMM work per step's fixed costs (the dS barrier, the
   // waits, the dQ hand-over), and the registers allow it there (S^T and dP^T
   // 64 each, dK + dV 64 per thread); at D = 128 dK + dV alone take 128.
-  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
+  // D = 128 non-causal calls with the flat dQ accumulator take 80-query
+  // steps (kBlockM_ = 80, bwd_sm90.h bwd_sm90_flat_dq_rows), as
+  // FlashAttention-3 / -4 do there: 25% more GEMM work per step's fixed
+  // latencies (the waits, the dS^T barrier, the dQ hand-over). 80 is not a
+  // multiple of wgmma's M, so dQ is computed transposed (kDqTransposed):
+  // dQ^T = K^T dS^T with the head dim on M (each consumer its 64-column half
+  // over all 128 keys), dS stored query-major (keys contiguous, stmatrix
+  // .trans) as its K-major B operand, and the fp32 dQ^T fragments staged flat
+  // for the convert kernel to un-permute. Causal steps keep 64 queries (the
+  // diagonal's masked work grows with the step).
+  static constexpr int kBlockM = kBlockM_ != 0 ? kBlockM_ : kHeadDim == 64 ? 128 : 64;
+  static constexpr bool kDqTransposed = kBlockM == 80;
   // Q/dO ring depth. 3 stages at D = 64 (64-query steps) measured no faster
   // (H100, 6 configs: 0.79x against 0.80x cuDNN geomean); D = 128 has no room
   // for a third.
@@ -163,10 +181,15 @@ struct BwdSm90Traits {
   // reduce-add traffic of one per consumer). 128-query steps (kDqByRows):
   // consumer w takes query rows [64w, 64w + 64), every column; 64-query
   // steps: every row, its half of the columns, in kDqChunks chunks.
+  // kDqTransposed: 80 rows x 64 columns per consumer, one dQ^T wgmma of
+  // M = 64 columns, N = 80 queries.
   static constexpr bool kDqByRows = kBlockM == 128;
-  static constexpr int kDqRows = 64;
+  static constexpr int kDqRows = kDqTransposed ? kBlockM : 64;
   static constexpr int kDqCols = 64;
   static constexpr int kDqChunks = (kDqByRows ? kHeadDim : kHeadDim / kConsumerWarpgroups) / kDqCols;
+  // A consumer's dQ chunk accumulator: [kDqAccN / 8][4] fp32 (wgmma's N: the
+  // columns, or the queries of dQ^T).
+  static constexpr int kDqAccN = kDqTransposed ? kBlockM : kDqCols;
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // one Q (or dO) stage
@@ -198,7 +221,7 @@ struct BwdSm90Traits {
   // each chunk is issued, waited for and staged in turn, so the selects sit
   // on the step's critical path: 0.90x there (H100, 2026-11-28).
   static constexpr bool kDqStagingAlternatesRows = !kDqInQdoStage;
-  static constexpr int kDqBuffers = kDqByRows || kDqPieces ? 1 : 2;
+  static constexpr int kDqBuffers = kDqByRows || kDqPieces || kDqTransposed ? 1 : 2;
   static constexpr int kDqBufferCols = kDqPieces ? kGradCols : kDqCols;
   static constexpr int kDqBufferBytes = kDqRows * kDqBufferCols * 4;
   static constexpr int kDqBoxes = kDqBufferCols / kDqBoxCols;  // per buffer
@@ -245,9 +268,13 @@ struct BwdSm90Traits {
                 "D = 192 only as MLA's 192 / 128 (shared memory: 226 KB)");
   static_assert(kGradColsB == 0 || kGradColsB == 32, "a 32-column piece at most");
   static_assert(kGradCols <= 128, "at most 128 dK/dV columns per consumer (register budget)");
-  static_assert(kBlockM == 64 || (kBlockM == 128 && !kSplitHeadDim),
+  static_assert(kBlockM == 64 || (kBlockM == 128 && !kSplitHeadDim) ||
+                    (kBlockM == 80 && kHeadDim == 128 && kHeadDimV == 128),
                 "dS^T holds 64-query chunks of 128-byte swizzle rows; 128-query steps only "
-                "with the key split");
+                "with the key split; 80-query steps (dQ transposed) only at D = 128");
+  static_assert(!kDqTransposed || (kDqBuffers == 1 && kDqChunks == 1 && kBlockM % 16 == 0),
+                "80-query steps: one 80 x 64 dQ^T chunk per consumer, one buffer (shared "
+                "memory), whole 16-query k-steps for dV / dK");
   static_assert(kDqPieces ||
                     (kDqByRows ? kDqRows * kConsumerWarpgroups == kBlockM && kDqChunks * kDqCols == kHeadDim
                                : kDqRows == kBlockM && kDqChunks * kDqCols * kConsumerWarpgroups == kHeadDim),

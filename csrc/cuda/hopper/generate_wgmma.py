@@ -8,6 +8,7 @@ used:
   ss_kmajor   D (+)= A[smem] * B[smem], both K-major    (S = Q K^T; bwd S^T = K Q^T, dP^T = V dO^T)
   rs_mnmajor  D  += A[regs] * B[smem], B MN-major        (O += P V; bwd dV += P^T dO, dK += dS^T Q)
   ss_mnmajor  D (+)= A[smem] * B[smem], both MN-major    (bwd dQ = dS K, dS stored as dS^T)
+  ss_a_mnmajor D (+)= A[smem] MN-major * B[smem] K-major (bwd dQ^T = K^T dS^T, 80-query steps)
 FP8 (e4m3) has m64nNk32 only with K-major operands (no transposed reads), so its
 wrappers (WgmmaOps<__nv_fp8_e4m3, N>, the FP8 forward) are:
   ss_kmajor   D (+)= A[smem] * B[smem], both K-major    (S = Q K^T)
@@ -82,6 +83,16 @@ def wrapper_macro(n):
         f"          \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.\" PTX_TYPE \".\" PTX_TYPE \" \"",
         f"          \"{{{regs(nacc, 0)}}}, \"",
         f"          \"%{nacc}, %{nacc + 1}, p, 1, 1, 1, 1;\\n}}\\n\"",
+        f"          : {outputs(nacc)}",
+        "          : \"l\"(desc_a), \"l\"(desc_b), \"r\"(scale_d));",
+        "    }",
+        "    /* D (+)= A * B, A MN-major (read transposed), B K-major in shared memory. */",
+        "    static __device__ __forceinline__ void ss_a_mnmajor(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {",
+        "      asm volatile(",
+        f"          \"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nacc + 2}, 0;\\n\"",
+        f"          \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.\" PTX_TYPE \".\" PTX_TYPE \" \"",
+        f"          \"{{{regs(nacc, 0)}}}, \"",
+        f"          \"%{nacc}, %{nacc + 1}, p, 1, 1, 1, 0;\\n}}\\n\"",
         f"          : {outputs(nacc)}",
         "          : \"l\"(desc_a), \"l\"(desc_b), \"r\"(scale_d));",
         "    }",

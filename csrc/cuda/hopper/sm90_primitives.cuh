@@ -177,6 +177,16 @@ FAE_DEVICE void stmatrix_x4(uint32_t row_addr, const uint32_t (&r)[4]) {
                "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                : "memory");
 }
+// The transposed store: lane l gives the 16-byte row (l % 8) of stored
+// matrix l / 8, which receives register i's matrix transposed: element
+// (row lane / 4, column 2 (lane % 4) + e) lands in stored row 2 (lane % 4) + e,
+// column lane / 4.
+FAE_DEVICE void stmatrix_x4_trans(uint32_t row_addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   row_addr),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
 // The transposed load: lane l gives the 16-byte row (l % 8) of matrix l / 8;
 // its register i holds rows 2 (lane % 4) + {0, 1}, column lane / 4 of matrix i.
 FAE_DEVICE void ldmatrix_x4_trans_at(uint32_t row_addr, uint32_t (&r)[4]) {
