@@ -99,7 +99,8 @@ def run_and_check_grads(q, k, v, causal, bottom_right=True, layout="bshd", **kwa
 @pytest.mark.parametrize("head_dim", [40, 64, 104, 128, 232, 256])
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (63, 1025), (127, 127),
-                                               (128, 129), (1025, 63), (1025, 1025), (300, 3000)])
+                                               (128, 129), (1025, 63), (1025, 1025), (300, 3000),
+                                               (80, 161), (161, 80)])  # 80-query steps' edges
 def test_grads_match_reference(sm90, dtype, head_dim, causal, bottom_right, seqlen_q, seqlen_k):
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 3, head_dim, dtype, DEVICE)
     run_and_check_grads(q, k, v, causal, bottom_right)
