@@ -169,6 +169,16 @@ def test_long_sequence(sm90, head_dim):
     run_and_check_grads(q, k, v, causal=True)
 
 
+# Causal D = 128 calls take 80-query steps from 4096 query rows on (bwd_sm90.h
+# kBwdSm90CausalQ80MinRows): odd lengths either side of Sk, both alignments.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bottom_right", [True, False])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(4097, 4500), (4500, 4097)])
+def test_causal_80_query_steps(sm90, dtype, bottom_right, seqlen_q, seqlen_k):
+    q, k, v = make_qkv(1, seqlen_q, seqlen_k, 2, 128, dtype, DEVICE)
+    run_and_check_grads(q, k, v, True, bottom_right)
+
+
 def test_broadcast_inputs_stay_on_mma(sm90):
     # K/V and dO broadcast over the batch (stride 0, e.g. from expand()) cannot be described
     # by a TMA tensor map: both passes take the mma.sync kernels and stay exact.

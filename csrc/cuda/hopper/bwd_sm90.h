@@ -45,20 +45,32 @@ inline bool bwd_sm90_sums_gqa_groups(const AttentionBwdParams& p) {
 // columns, 5120 floats, of dQ^T's fragments: the same formula with row and
 // column swapped, k < 10. For
 // the key split (D <= 128), plain kernels (padded, packed, seqused_k) and the
-// workspace's accumulator (variants and a caller's accumulator keep the
-// tensor map's [rows][accum dim]).
+// workspace's accumulator; the variant kernels (window, softcap, ALiBi,
+// attn_mask, dropout) at D = 128, where it measured 2-5% faster than the
+// boxes (H100, 2026-12-07). D = 64's variant kernels (not measured) and a
+// caller's accumulator keep the tensor map's [rows][accum dim].
 inline bool bwd_sm90_flat_dq(const AttentionBwdParams& p, int kernel_dim) {
   return kernel_dim <= 128 && p.head_dim_v == p.head_dim && !p.dq_accum_external &&
-         !has_kv_cache_addressing(p) && !has_variants(p);
+         !has_kv_cache_addressing(p) && (!has_variants(p) || kernel_dim == 128);
 }
 
+// Causal calls take 80-query steps from this many query rows on: the
+// diagonal's masked share of the work grows with the step (about 5% of a 4k
+// causal call against 3% with 64-query steps), which the larger step's gain
+// outweighs only on long rows (H100, 2026-12-07, one build: 0.98x at 1k,
+// 1.015x at 4k, 1.05x at 16k against 64-query steps).
+constexpr int kBwdSm90CausalQ80MinRows = 4096;
+
 // Rows per block of the flat dQ accumulator, and queries per step of the
-// kernel that fills it: 80 for D = 128 non-causal calls (bwd_sm90_traits.cuh
+// kernel that fills it: 80 for plain D = 128 calls, non-causal or with at
+// least kBwdSm90CausalQ80MinRows query rows (bwd_sm90_traits.cuh
 // kDqTransposed: 80-query steps, dQ^T's fragments in the blocks), else 64.
 // Deterministic calls keep 64-query steps (their order counters are laid out
-// per 64 rows).
+// per 64 rows), and so do the variant kernels.
 inline int bwd_sm90_flat_dq_rows(const AttentionBwdParams& p, int kernel_dim) {
-  return bwd_sm90_flat_dq(p, kernel_dim) && kernel_dim == 128 && !p.causal && !p.deterministic
+  const bool long_enough = !p.causal || p.seqlen_q >= kBwdSm90CausalQ80MinRows;
+  return bwd_sm90_flat_dq(p, kernel_dim) && kernel_dim == 128 && !p.deterministic &&
+                 !has_variants(p) && long_enough
              ? 80
              : 64;
 }

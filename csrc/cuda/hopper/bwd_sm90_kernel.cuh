@@ -12,8 +12,9 @@
 //       staged dQ_i (dq_full), adds it into the fp32 accumulator with TMA
 //       reduce-adds and frees the buffer once the TMA has read it (dq_empty).
 //   warpgroups 1, 2 (consumers, 240 registers). Per query tile i (kBlockM
-//   rows: 128 at D = 64, 80 at D = 128 non-causal with the flat dQ
-//   accumulator (dQ then computed transposed, bwd_sm90_traits.cuh), else 64):
+//   rows: 128 at D = 64, 80 at D = 128 for plain calls with the flat dQ
+//   accumulator, causal ones from 4096 rows on (dQ then computed transposed,
+//   bwd_sm90_traits.cuh, bwd_sm90.h bwd_sm90_flat_dq_rows), else 64):
 //       S^T  = K Q_i^T                   wgmma SS (both K-major, as loaded)
 //       dP^T = V dO_i^T                  wgmma SS
 //       P^T  = exp2(S^T * scale*log2e - lse*log2e), masked   (registers)
@@ -142,8 +143,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kChunks = Traits::kChunks;
   constexpr int kChunksV = Traits::kChunksV;
   using namespace sm90;
-  static_assert(!Traits::kDqTransposed || (kFlatDq && !kIsCausal && !kHasVariants),
-                "80-query steps: plain non-causal kernels with the flat dQ accumulator");
+  static_assert(!Traits::kDqTransposed || (kFlatDq && !kHasVariants),
+                "80-query steps: plain kernels with the flat dQ accumulator");
 
   extern __shared__ uint8_t smem_raw[];
   const BwdSm90Smem<Traits> smem(smem_raw);

@@ -114,10 +114,21 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // Varlen and seqused_k read per-sequence bounds (and zero rows past them);
   // the padded batch keeps them in the constant bank.
   // Variants: attn_mask calls (padded batches, maybe seqused_k) take the
-  // kernel that reads the mask. Plain calls of the key split with the flat
-  // dQ accumulator (bwd_sm90.h bwd_sm90_flat_dq) take its kernel.
+  // kernel that reads the mask. Calls with the flat dQ accumulator
+  // (bwd_sm90.h bwd_sm90_flat_dq: plain calls of the key split, variant
+  // calls at D = 128) take its kernels.
   auto launch_seqs = [&](auto var_tag, auto walk_tag) {
     constexpr bool kVar = decltype(var_tag)::value, kWalk = decltype(walk_tag)::value;
+    if constexpr (kHasVariants && kHeadDim == 128) {  // bwd_sm90_flat_dq
+      if (params.dq_accum_flat) {
+        if (params.attn_bias != nullptr) {
+          launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, true, true, kWalk, true>);
+        } else {
+          launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, true, false, kWalk, true>);
+        }
+        return;
+      }
+    }
     if constexpr (kHasVariants) {
       if (params.attn_bias != nullptr) {
         launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, true, true, kWalk>);
@@ -155,7 +166,7 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
 
 template <typename T, int kHeadDim, bool kIsCausal, int kHeadDimV>
 void run_bwd_sm90_impl(const AttentionBwdParams& params, cudaStream_t stream) {
-  if constexpr (kHeadDim == 128 && !kIsCausal && kHeadDimV == kHeadDim) {
+  if constexpr (kHeadDim == 128 && kHeadDimV == kHeadDim) {
     if (params.dq_accum_flat && params.dq_flat_rows == 80) {  // bwd_sm90_flat_dq_rows
       run_bwd_sm90_kernels<T, kHeadDim, kIsCausal, false, kHeadDimV, 80>(params, stream);
       return;

@@ -105,7 +105,11 @@
 //   (0.81-0.85x FlashAttention-4, S = 8k, causal and not)
 //   D = 128 non-causal, 80-query steps (dQ transposed) against 64-query
 //   steps (H100, 2026-12-07, one build, S 1k-16k, two rounds): 1.032x
-//   geomean, 1.04-1.08x at 16k; causal calls not measured yet
+//   geomean, 1.04-1.08x at 16k; causal (same method, one round): 0.98x at
+//   1k, 1.015x at 4k, 1.05x at 16k, so from 4096 query rows on
+//   D = 128 variant kernels (window, softcap, ALiBi, attn_mask, dropout)
+//   with the flat dQ accumulator instead of the boxes (H100, 2026-12-07,
+//   one round): softcap / dropout backward 1.02-1.05x
 //
 // Shared memory (tiles in 64-column chunks of [rows x 128 B], TMA's 128-byte
 // swizzle; every tile 1024-byte aligned):
@@ -137,16 +141,17 @@ struct BwdSm90Traits {
   // takes: twice the GEMM work per step's fixed costs (the dS barrier, the
   // waits, the dQ hand-over), and the registers allow it there (S^T and dP^T
   // 64 each, dK + dV 64 per thread); at D = 128 dK + dV alone take 128.
-  // D = 128 non-causal calls with the flat dQ accumulator take 80-query
-  // steps (kBlockM_ = 80, bwd_sm90.h bwd_sm90_flat_dq_rows), as
+  // D = 128 plain calls with the flat dQ accumulator take 80-query steps
+  // (kBlockM_ = 80, bwd_sm90.h bwd_sm90_flat_dq_rows), as
   // FlashAttention-3 / -4 do there: 25% more GEMM work per step's fixed
   // latencies (the waits, the dS^T barrier, the dQ hand-over). 80 is not a
   // multiple of wgmma's M, so dQ is computed transposed (kDqTransposed):
   // dQ^T = K^T dS^T with the head dim on M (each consumer its 64-column half
   // over all 128 keys), dS stored query-major (keys contiguous, stmatrix
   // .trans) as its K-major B operand, and the fp32 dQ^T fragments staged flat
-  // for the convert kernel to un-permute. Causal steps keep 64 queries (the
-  // diagonal's masked work grows with the step).
+  // for the convert kernel to un-permute. Causal calls take them only from
+  // kBwdSm90CausalQ80MinRows query rows on (the diagonal's masked work grows
+  // with the step).
   static constexpr int kBlockM = kBlockM_ != 0 ? kBlockM_ : kHeadDim == 64 ? 128 : 64;
   static constexpr bool kDqTransposed = kBlockM == 80;
   // Q/dO ring depth. 3 stages at D = 64 (64-query steps) measured no faster
