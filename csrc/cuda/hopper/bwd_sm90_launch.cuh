@@ -119,31 +119,27 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   // calls at D = 128) take its kernels.
   auto launch_seqs = [&](auto var_tag, auto walk_tag) {
     constexpr bool kVar = decltype(var_tag)::value, kWalk = decltype(walk_tag)::value;
-    if constexpr (kHasVariants && kHeadDim == 128) {  // bwd_sm90_flat_dq
-      if (params.dq_accum_flat) {
-        if (params.attn_bias != nullptr) {
-          launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, true, true, kWalk, true>);
-        } else {
-          launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, true, false, kWalk, true>);
+    // The flat kernels built: those bwd_sm90_flat_dq can choose.
+    constexpr bool kHasFlatDq = !Traits::kSplitHeadDim && (!kHasVariants || kHeadDim == 128);
+    auto launch_dq = [&](auto mask_tag) {
+      constexpr bool kMask = decltype(mask_tag)::value;
+      if constexpr (kHasFlatDq) {
+        if (params.dq_accum_flat) {
+          launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, kHasVariants, kMask, kWalk, true>);
+          return;
         }
-        return;
       }
-    }
+      if constexpr (!Traits::kDqTransposed) {
+        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, kHasVariants, kMask, kWalk>);
+      }
+    };
     if constexpr (kHasVariants) {
       if (params.attn_bias != nullptr) {
-        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, true, true, kWalk>);
+        launch_dq(std::true_type{});
         return;
       }
     }
-    if constexpr (!kHasVariants && !Traits::kSplitHeadDim) {
-      if (params.dq_accum_flat) {
-        launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, false, false, kWalk, true>);
-        return;
-      }
-    }
-    if constexpr (!Traits::kDqTransposed) {
-      launch(flash_bwd_sm90_kernel<Traits, kIsCausal, kVar, kHasVariants, false, kWalk>);
-    }
+    launch_dq(std::false_type{});
   };
   auto launch_walk = [&](auto walk_tag) {
     if (has_var_seqs(params)) {
