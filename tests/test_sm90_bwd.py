@@ -5,6 +5,7 @@ target; FLASH_ATTN_EXT_BWD_IMPL (read on every call) switches between the
 Hopper kernel ("auto"/"wgmma") and the mma.sync kernels ("mma").
 """
 import os
+import re
 
 import pytest
 import torch
@@ -169,14 +170,30 @@ def test_long_sequence(sm90, head_dim):
     run_and_check_grads(q, k, v, causal=True)
 
 
+def bwd_query_steps(names):
+    """Query rows per step of the Hopper backward kernel among `names`, from its traits
+    (BwdSm90Traits<T, head dim, v's head dim, rows>, rows 0 for the default 64)."""
+    for name in names:
+        match = re.search(r"BwdSm90Traits<[^,]+, \d+, \d+, (\d+)>", name)
+        if match:
+            return int(match.group(1)) or 64
+    return None
+
+
 # Causal D = 128 calls take 80-query steps from 4096 query rows on (bwd_sm90.h
-# kBwdSm90CausalQ80MinRows): odd lengths either side of Sk, both alignments.
+# kBwdSm90CausalQ80MinRows): odd lengths either side of Sk, both alignments; below
+# that, 64-query steps.
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bottom_right", [True, False])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(4097, 4500), (4500, 4097)])
 def test_causal_80_query_steps(sm90, dtype, bottom_right, seqlen_q, seqlen_k):
     q, k, v = make_qkv(1, seqlen_q, seqlen_k, 2, 128, dtype, DEVICE)
     run_and_check_grads(q, k, v, True, bottom_right)
+    for rows, steps in ((seqlen_q, 80), (4095, 64)):
+        q, k, v = make_qkv(1, rows, seqlen_k, 2, 128, dtype, DEVICE)
+        out = fa.flash_attn_func(q, k, v, causal=True)
+        names = kernel_names(lambda: torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+        assert bwd_query_steps(names) == steps, names
 
 
 def test_broadcast_inputs_stay_on_mma(sm90):
