@@ -211,7 +211,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   const int m_begin = query_tiles.begin, m_end = query_tiles.end;
   const BwdSm90StepWalk<kWalkGroup> walk{
-      m_begin, m_end, kWalkGroup ? walk_heads * max(0, m_end - m_begin) : 0};
+      m_begin, m_end, kWalkGroup ? walk_heads * max(0, m_end - m_begin) : 0,
+      !kWalkGroup && params.stagger_query_walk && m_end > m_begin ? n_block % (m_end - m_begin)
+                                                                   : 0};
   // Packed (varlen) tensors are one batch entry of total rows; this
   // sequence's rows start at row0 (params.h).
   const bool packed = kVarSeq && params.cu_seqlens_q != nullptr;
