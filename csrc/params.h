@@ -485,10 +485,6 @@ struct AttentionBwdParams : AttentionFwdParams {
   bool dq_accum_flat = false;
   int dq_flat_rows = 64;
   bool deterministic = false;
-  // EXPERIMENT (FAE_EXP_BWD_STAGGER; cuda/hopper/bwd_sm90_steps.cuh): the
-  // Hopper backward's CTAs start their query walk n_block tiles in. Set by
-  // its launcher, never with deterministic. Goes once the A/B decides.
-  bool stagger_query_walk = false;
   // GQA: dk / dv have heads_k heads and the kernel sums each group of query
   // heads itself (the Hopper backward's group walk); else they have `heads`
   // heads and the op layer sums the groups. Set by the op layer from

@@ -211,9 +211,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   const int m_begin = query_tiles.begin, m_end = query_tiles.end;
   const BwdSm90StepWalk<kWalkGroup> walk{
-      m_begin, m_end, kWalkGroup ? walk_heads * max(0, m_end - m_begin) : 0,
-      !kWalkGroup && params.stagger_query_walk && m_end > m_begin ? n_block % (m_end - m_begin)
-                                                                   : 0};
+      m_begin, m_end, kWalkGroup ? walk_heads * max(0, m_end - m_begin) : 0};
   // Packed (varlen) tensors are one batch entry of total rows; this
   // sequence's rows start at row0 (params.h).
   const bool packed = kVarSeq && params.cu_seqlens_q != nullptr;
@@ -464,46 +462,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       fence_proxy_async_smem();
       named_barrier_sync(kDsBarrier, 256);
       float dq[Traits::kDqAccN / 8][4];  // 80-query steps: dQ^T
-#ifndef FAE_EXP_DQ_ORDER
-#define FAE_EXP_DQ_ORDER 0
-#endif
-      if constexpr (Traits::kDqTransposed && FAE_EXP_DQ_ORDER != 0) {
-        if constexpr (FAE_EXP_DQ_ORDER == 1) {
-          // dK queued behind dV, dQ^T behind dK once dV has retired
-          consumer.issue_grad_update<Traits::kGradColsA>(dk, ds_frag, smem.q(stage), 0);
-          wgmma_commit();
-          wgmma_wait<1>();  // dV
-          consumer.fence_grads(dk, dv);
-          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
-          consumer.issue_dq_transposed(dq, ds_buf);
-          wgmma_wait<1>();  // dK
-          consumer.fence_grads(dk, dv);
-          mbar_arrive(smem.qdo_empty(stage));
-          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
-          wgmma_wait<0>();  // dQ^T
-        } else {
-          // FlashAttention-4's order: dQ^T queued behind dV, dK behind dQ^T
-          consumer.issue_dq_transposed(dq, ds_buf);
-          wgmma_wait<1>();  // dV
-          consumer.fence_grads(dk, dv);
-          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
-          consumer.issue_grad_update<Traits::kGradColsA>(dk, ds_frag, smem.q(stage), 0);
-          wgmma_commit();
-          wgmma_wait<1>();  // dQ^T
-        }
-        fence_registers(reinterpret_cast<float(&)[Traits::kDqAccN / 2]>(dq));
-        const int buf = i % kDqBuffers;
-        mbar_wait(smem.dq_empty(wg, buf), ((i / kDqBuffers) & 1) ^ 1);
-        consumer.stage_dq_flat(smem.dq_buffer(wg, stage, buf, 0), dq);
-        consumer.hand_dq_to_writer(i);
-        if constexpr (FAE_EXP_DQ_ORDER == 2) {
-          wgmma_wait<0>();  // dK
-          consumer.fence_grads(dk, dv);
-          mbar_arrive(smem.qdo_empty(stage));
-          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(ds_frag));
-        }
-        continue;
-      }
       if constexpr (Traits::kDqTransposed) {
         // dV retired first: its P^T operand's 20 registers would not fit
         // beside dQ^T's 40 (ptxas serialised every wgmma, C7512).

@@ -19,7 +19,6 @@
 #include <type_traits>
 
 #include "../common/bwd_preprocess.cuh"
-#include "../common/env.h"
 #include "bwd_sm90.h"
 #include "bwd_sm90_kernel.cuh"
 
@@ -104,10 +103,6 @@ void run_bwd_sm90_kernels(const AttentionBwdParams& params, cudaStream_t stream)
   const dim3 grid = batch_first ? dim3(params.batch, n_tiles, grid_heads)
                                 : dim3(n_tiles, grid_heads, params.batch);
   AttentionBwdParams kernel_params = params;  // + the attn_mask summary's strides
-  // EXPERIMENT, pending an A/B (bwd_sm90_steps.cuh): FAE_EXP_BWD_STAGGER = 0
-  // (default) | 1, read once per process. Goes once the A/B decides.
-  static const bool stagger = env_choice("FAE_EXP_BWD_STAGGER", {"0", "1"}) == 1;
-  kernel_params.stagger_query_walk = stagger && !params.deterministic;
   auto launch = [&](auto kernel) {
     bwd_check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Traits::kSmemBytes),

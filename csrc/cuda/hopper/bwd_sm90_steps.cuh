@@ -23,24 +23,14 @@ namespace cuda {
 // consumers' 240, the writers' 24).
 // Without kWalkGroup a step is (i, m_begin + i, 0), the expressions of the
 // loops before the walk, which therefore compile to the same code.
-// EXPERIMENT (FAE_EXP_BWD_STAGGER, pending an A/B): without kWalkGroup, a
-// nonzero `rotation` starts the walk `rotation` tiles in and wraps around, so
-// that the CTAs of one head that run side by side add into different dQ rows
-// at a time. Goes once the A/B decides.
 template <bool kWalkGroup>
 struct BwdSm90StepWalk {
   int m_begin, m_end, n_steps;
-  int rotation = 0;  // < m_end - m_begin; 0 with kWalkGroup
   struct Step {
     int i, m_block, g;
   };
   FAE_DEVICE bool more(int i) const { return kWalkGroup ? i < n_steps : m_begin + i < m_end; }
-  // Step i's query tile without kWalkGroup.
-  FAE_DEVICE int rotated(int i) const {
-    const int m = m_begin + rotation + i;
-    return m < m_end ? m : m - (m_end - m_begin);
-  }
-  FAE_DEVICE Step first() const { return {0, kWalkGroup ? m_begin : rotated(0), 0}; }
+  FAE_DEVICE Step first() const { return {0, m_begin, 0}; }
   FAE_DEVICE void advance(Step& s) const {
     ++s.i;
     if constexpr (kWalkGroup) {
@@ -49,7 +39,7 @@ struct BwdSm90StepWalk {
         ++s.g;
       }
     } else {
-      s.m_block = rotated(s.i);
+      s.m_block = m_begin + s.i;
     }
   }
   // The loader: step s's (m_block, g) into its word pair `words`
@@ -68,7 +58,7 @@ struct BwdSm90StepWalk {
       return Step{i, static_cast<int>(sm90::ld_shared_b32(words)),
                   static_cast<int>(sm90::ld_shared_b32(words + 4))};
     } else {
-      return Step{i, rotated(i), 0};
+      return Step{i, m_begin + i, 0};
     }
   }
 };

@@ -68,23 +68,6 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 namespace {
 
-// The L2 promotion of the Q / K / V / dO maps. EXPERIMENT, pending an A/B on
-// a GPU (docs/PERFORMANCE.md, "Descriptor adds in one instruction"): FA4 reads
-// K / V with fewer L2 sectors than we do, and CUTLASS-style encoders ask for
-// 128 bytes where we ask for 256. FAE_EXP_TMA_L2_PROMOTION = 256 (default),
-// 128, 64 or none; read once per process. Goes once the A/B decides.
-CUtensorMapL2promotion tensor_map_l2_promotion() {
-  static const CUtensorMapL2promotion promotion = [] {
-    switch (env_choice("FAE_EXP_TMA_L2_PROMOTION", {"256", "128", "64", "none"})) {
-      case 1: return CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
-      case 2: return CU_TENSOR_MAP_L2_PROMOTION_L2_64B;
-      case 3: return CU_TENSOR_MAP_L2_PROMOTION_NONE;
-      default: return CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-    }
-  }();
-  return promotion;
-}
-
 // A 4-D map (innermost first) over elements of `elem_bytes` bytes, element
 // strides of dims 1..3, 128-byte swizzle. A size-1 dimension may carry stride
 // 0 (packed tensors, params.h); TMA wants a positive multiple of 16 there, and
@@ -104,8 +87,8 @@ CUtensorMap encode_4d(const void* base, CUtensorMapDataType type, uint64_t elem_
   CUtensorMap map;
   const CUresult res = tensor_map_encoder()(
       &map, type, 4, const_cast<void*>(base), map_dims, byte_strides, map_box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, tensor_map_l2_promotion(),
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) {
     tensor_map_failed(res, std::string(what) + " of [" + std::to_string(dims[3]) + ", " +
                                std::to_string(dims[2]) + ", " + std::to_string(dims[1]) + ", " +
