@@ -145,13 +145,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using namespace sm90;
   static_assert(!Traits::kDqTransposed || (kFlatDq && !kHasVariants),
                 "80-query steps: plain kernels with the flat dQ accumulator");
-#ifndef FAE_EXP_Q80_SPLIT_DK
-#define FAE_EXP_Q80_SPLIT_DK 0
-#endif
-  // EXPERIMENT, pending an A/B on a GPU (compile-time: bench/gpu_check.sh build
-  // with FLASH_ATTN_EXT_NVCC_EXTRA=-DFAE_EXP_Q80_SPLIT_DK=1): the 80-query
-  // step's wgmma order (below). Goes once the A/B decides.
-  constexpr bool kQ80SplitDk = FAE_EXP_Q80_SPLIT_DK != 0;
 
   extern __shared__ uint8_t smem_raw[];
   const BwdSm90Smem<Traits> smem(smem_raw);
@@ -469,31 +462,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       fence_proxy_async_smem();
       named_barrier_sync(kDsBarrier, 256);
       float dq[Traits::kDqAccN / 8][4];  // 80-query steps: dQ^T
-      if constexpr (Traits::kDqTransposed && kQ80SplitDk) {
-        // EXPERIMENT (FAE_EXP_Q80_SPLIT_DK): dK's first column half, dQ^T and
-        // dK's second half queued behind dV without a wait, so that the
-        // tensor pipe does not drain between dV and dQ^T; the dQ staging
-        // runs under dK's second half. (dQ^T queued behind dV and dK behind
-        // dQ^T, FlashAttention-4's order, makes ptxas serialise every wgmma,
-        // C7512; this order compiles clean.)
-        consumer.issue_dk_half<0>(dk, ds_frag, smem.q(stage));
+      if constexpr (Traits::kDqTransposed) {
+        // dV retired first: its P^T operand's 20 registers would not fit
+        // beside dQ^T's 40 (ptxas serialised every wgmma, C7512).
+        wgmma_wait<0>();
+        consumer.fence_grads(dk, dv);
+        fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
         consumer.issue_dq_transposed(dq, ds_buf);
-        consumer.issue_dk_half<1>(dk, ds_frag, smem.q(stage));
       } else {
-        if constexpr (Traits::kDqTransposed) {
-          // dV retired first: dQ^T queued behind dV with dK behind it made
-          // ptxas serialise every wgmma (C7512).
-          wgmma_wait<0>();
-          consumer.fence_grads(dk, dv);
-          fence_registers(reinterpret_cast<uint32_t(&)[kBlockM / 4]>(p_frag));
-          consumer.issue_dq_transposed(dq, ds_buf);
-        } else {
-          consumer.issue_dq_chunk(dq, ds_buf, 0);
-        }
-        consumer.issue_grad_update<Traits::kGradColsA>(dk, ds_frag, smem.q(stage), 0);
-        wgmma_commit();
+        consumer.issue_dq_chunk(dq, ds_buf, 0);
       }
-      wgmma_wait<1>();  // dV, dQ (with kQ80SplitDk also dK's first half)
+      consumer.issue_grad_update<Traits::kGradColsA>(dk, ds_frag, smem.q(stage), 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // dV, dQ
       fence_registers(reinterpret_cast<float(&)[Traits::kDqAccN / 2]>(dq));
       const int buf = i % kDqBuffers;
       // The buffer's previous chunk (step i - kDqBuffers) has been read.

@@ -78,18 +78,6 @@ struct BwdSm90Consumer {
     }
   }
 
-  // 80-query steps: dK's 64-column half kHalf (acc += dS^T Q[:, 64 kHalf ..
-  // + 64)), issued and committed, so that dQ^T can queue between the halves.
-  template <int kHalf>
-  FAE_DEVICE void issue_dk_half(float (&dk)[Traits::kGradColsA / 8][4],
-                                const uint32_t (&ds_frag)[kBlockM / 16][4], uint32_t q_tile) const {
-    static_assert(Traits::kDqTransposed && Traits::kGradColsA == 128 && kHalf < 2,
-                  "80-query steps: dK's two 64-column halves");
-    issue_grad_update<64>(*reinterpret_cast<float(*)[8][4]>(&dk[8 * kHalf][0]), ds_frag, q_tile,
-                          64 * kHalf);
-    sm90::wgmma_commit();
-  }
-
   // dS^T (kBlockN keys x kBlockM queries, queries contiguous) in shared
   // memory, in the swizzled layout the dQ wgmma reads: 64-query chunks of
   // [kBlockN rows x 128 B], 16-byte unit u of row r at unit u ^ (r % 8). A

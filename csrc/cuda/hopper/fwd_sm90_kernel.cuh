@@ -80,16 +80,8 @@ namespace cuda {
 // producer walks a compact list of the tiles that exist (params.h
 // compact_tiles), or with more than kCompactTilesMaxBatch sequences skips
 // the tiles past a sequence's end (the padded grid counts max_seqlen_q rows).
-// kClusterKV (FAE_EXP_FWD_CLUSTER, an experiment): CTAs in clusters of two
-// that take adjacent query tiles of one head (the round-robin order with an
-// even grid and an even number of query tiles per head) and load each K / V
-// tile once for both: each CTA's producer copies half of the tile's 64-column
-// chunks, multicast into both CTAs' shared memory, so L2 serves every K / V
-// byte once per two query tiles (FlashAttention-3's cluster forward at D >=
-// 128, non-causal). A stage is rewritten only after the consumers of both
-// CTAs released it: the empty barriers count both CTAs' consumer warps.
 template <typename Traits, bool kIsCausal, bool kHasVariants = false, bool kAttnMask = false,
-          bool kDropout = kAttnMask, bool kVarSeq = false, bool kClusterKV = false>
+          bool kDropout = kAttnMask, bool kVarSeq = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmap_q,
                           const __grid_constant__ CUtensorMap tmap_k,
@@ -113,9 +105,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kChunks = Traits::kChunks;
   constexpr int kChunksV = Traits::kChunksV;
   using namespace sm90;
-  static_assert(!kClusterKV || (!kIsCausal && !kHasVariants && !kVarSeq && !kFp8 &&
-                                kChunks % 2 == 0 && kChunksV % 2 == 0),
-                "clusters: equal non-causal tiles, 16-bit K / V of an even number of chunks");
 
   extern __shared__ uint8_t smem_raw[];
   constexpr int kQRing = Traits::kQRing;
@@ -205,19 +194,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       batch = min(max(params.kv_batch_idx[tile.b], 0), params.kv_batch - 1);
     }
     if (lane == 0) {
-      if constexpr (kClusterKV) {  // this CTA's half of the chunks, into both CTAs
-        constexpr int kHalf = kTileChunks / 2;
-        const int first = cluster_cta_rank() * kHalf;
-#pragma unroll
-        for (int c = first; c < first + kHalf; ++c) {
-          tma_load_4d_multicast(dst + c * kBlockN * 128, map, full, c * Traits::kChunkCols,
-                                row0_k(tile) + n_block * kBlockN, tile.h_k, batch, 0x3);
-        }
-      } else {
-        tma_load_tile<kTileChunks, Traits::kChunkCols>(map, dst, kBlockN, full,
-                                                       row0_k(tile) + n_block * kBlockN,
-                                                       tile.h_k, batch);
-      }
+      tma_load_tile<kTileChunks, Traits::kChunkCols>(map, dst, kBlockN, full,
+                                                     row0_k(tile) + n_block * kBlockN, tile.h_k,
+                                                     batch);
     }
   };
   // Warp-uniform (shuffled from lane 0), so the role branches below are
@@ -232,16 +211,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem.k_full(s), 1);
       mbar_init(smem.v_full(s), 1);
-      mbar_init(smem.k_empty(s), Traits::kConsumerWarps * (kClusterKV ? 2 : 1));
-      mbar_init(smem.v_empty(s), Traits::kConsumerWarps * (kClusterKV ? 2 : 1));
+      mbar_init(smem.k_empty(s), Traits::kConsumerWarps);
+      mbar_init(smem.v_empty(s), Traits::kConsumerWarps);
     }
     fence_barrier_init();
   }
-  if constexpr (kClusterKV) {
-    cluster_sync();  // both CTAs' barriers initialised before any multicast
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   if (warpgroup == 0) {
     // ---------------- producer ----------------
@@ -363,14 +338,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // at 24 registers); the consumers are still kStages key tiles behind.
         t = next_tile(t);
       }
-      if constexpr (kClusterKV) {
-        // The other CTA's consumers arrive on this CTA's empty barriers: wait
-        // for every release of the loaded stages before the CTA may exit.
-        for (int count = kv_count; count < kv_count + kStages; ++count) {
-          mbar_wait(smem.k_empty(count % kStages), ((count / kStages) & 1) ^ 1);
-          mbar_wait(smem.v_empty(count % kStages), ((count / kStages) & 1) ^ 1);
-        }
-      }
     }
     return;
   }
@@ -444,13 +411,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     named_barrier_arrive(kPingPongBarrier + (wg + 1) % kWarpgroups, 256);
   };
   if (wg == kWarpgroups - 1) named_barrier_arrive(kPingPongBarrier, 256);
-  // A K / V stage released (by lane 0 of each consumer warp): with clusters
-  // in both CTAs, whose producers both write it.
-  const uint32_t peer_cta = kClusterKV ? static_cast<uint32_t>(cluster_cta_rank()) ^ 1u : 0u;
-  auto release_stage = [&](uint32_t empty) {
-    mbar_arrive(empty);
-    if constexpr (kClusterKV) mbar_arrive_cluster(empty, peer_cta);
-  };
 
   int kv_count = 0;  // K/V tiles consumed so far (same sequence as the producer)
   for (int tile_count = 0;; ++tile_count) {
@@ -661,7 +621,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
       bool mask_reads = read_mask_flag(stage_of(0));
       if (lane == 0) {
-        release_stage(smem.k_empty(stage_of(0)));
+        mbar_arrive(smem.k_empty(stage_of(0)));
         if (n_tiles == 1) mbar_arrive(smem.q_empty(q_slot));
       }
       softmax_tile(softmax, s, tile.keys.end - 1, rescale, mask_reads);  // O is 0: no rescale
@@ -696,7 +656,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
         mask_reads = read_mask_flag(stage_of(i));
         if (lane == 0) {
-          release_stage(smem.k_empty(stage_of(i)));
+          mbar_arrive(smem.k_empty(stage_of(i)));
           if (i == n_tiles - 1) mbar_arrive(smem.q_empty(q_slot));
         }
         const bool rescale_o =
@@ -711,7 +671,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if constexpr (!Traits::kPInSmem) {
           fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
         }
-        if (lane == 0) release_stage(smem.v_empty(stage_of(i - 1)));
+        if (lane == 0) mbar_arrive(smem.v_empty(stage_of(i - 1)));
         if (rescale_o) Softmax::rescale_rows(o, rescale);
         to_p_fragments(s, p);  // P: A operand of P V
       }
@@ -727,7 +687,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if constexpr (!Traits::kPInSmem) {
         fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
       }
-      if (lane == 0) release_stage(smem.v_empty(stage_of(last)));
+      if (lane == 0) mbar_arrive(smem.v_empty(stage_of(last)));
       kv_count += n_tiles;
     }
 

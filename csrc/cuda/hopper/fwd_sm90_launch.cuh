@@ -128,49 +128,6 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   }
   // A boolean attn_mask's block summary, at this kernel's key tiles.
   if (kHasVariants) compute_attn_mask_blocks(kernel_params, Traits::kBlockN, stream);
-#if FAE_EXP_FWD_CLUSTER
-  // Experiment: K / V multicast in clusters of two CTAs (flash_fwd_sm90_kernel's
-  // kClusterKV) where two adjacent query tiles always share a head: non-causal
-  // plain calls with an even number of query tiles per head.
-  if constexpr (!kIsCausal && !kHasVariants && !Traits::kFp8 && Traits::kChunks % 2 == 0 &&
-                Traits::kChunksV % 2 == 0) {
-    const int m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    if (!var_seqs && m_blocks % 2 == 0) {
-      auto cluster_kernel = flash_fwd_sm90_kernel<Traits, false, false, false, false, false, true>;
-      err = cudaFuncSetAttribute(cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 smem_bytes);
-      cudaLaunchAttribute attribute[1];
-      attribute[0].id = cudaLaunchAttributeClusterDimension;
-      attribute[0].val.clusterDim.x = 2;
-      attribute[0].val.clusterDim.y = 1;
-      attribute[0].val.clusterDim.z = 1;
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(static_cast<unsigned>(2 * (device_sm_count() / 2)));
-      config.blockDim = dim3(Traits::kNThreads);
-      config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
-      config.stream = stream;
-      config.attrs = attribute;
-      config.numAttrs = 1;
-      // As many clusters as fit at once (a GPC with an odd number of free
-      // SMs leaves one out); asked once per process and kernel.
-      static int max_clusters = 0;
-      if (err == cudaSuccess && max_clusters == 0) {
-        err = cudaOccupancyMaxActiveClusters(&max_clusters, cluster_kernel, &config);
-      }
-      if (err == cudaSuccess && max_clusters > 0) {
-        config.gridDim = dim3(static_cast<unsigned>(
-            2 * std::min<int64_t>(max_clusters, num_tiles / 2)));
-        err = cudaLaunchKernelEx(&config, cluster_kernel, tmap_q, tmap_k, tmap_v, kernel_params,
-                                 static_cast<int*>(nullptr));
-      }
-      if (err != cudaSuccess || max_clusters <= 0) {
-        throw std::runtime_error(std::string("flash_attn_ext: Hopper forward cluster launch: ") +
-                                 cudaGetErrorString(err));
-      }
-      return;
-    }
-  }
-#endif
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, device_sm_count())));
   kernel<<<grid, Traits::kNThreads, smem_bytes, stream>>>(tmap_q, tmap_k, tmap_v, kernel_params,
                                                           tile_counter);

@@ -59,18 +59,6 @@ FAE_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
   }
 }
 
-// ---- thread-block clusters (cluster_sync, cluster_cta_rank: ptx.cuh) -------
-// Arrive on the barrier at offset `bar` in the shared memory of CTA `rank`
-// of the cluster (this CTA's own, too).
-FAE_DEVICE void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
-  asm volatile(
-      "{\n.reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-      "r"(rank)
-      : "memory");
-}
-
 // ---- TMA: 4-D tiles (head_dim, seqlen, heads, batch) ------------------------
 FAE_DEVICE void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
@@ -84,17 +72,6 @@ FAE_DEVICE void tma_load_4d(uint32_t smem_dst, const CUtensorMap* map, uint32_t 
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-      : "memory");
-}
-// The same copy into every CTA of the cluster named in cta_mask, each at
-// smem_dst and completing on the barrier at `bar` of its own shared memory.
-FAE_DEVICE void tma_load_4d_multicast(uint32_t smem_dst, const CUtensorMap* map, uint32_t bar,
-                                      int c0, int c1, int c2, int c3, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(smem_dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar),
-      "h"(cta_mask)
       : "memory");
 }
 // Global -> shared, `bytes` contiguous bytes (16-byte aligned, a multiple of
