@@ -169,9 +169,9 @@ def test_race_free(sm90, dtype):
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(256, 1), (256, 777), (1000, 4100), (2048, 300)])
 def test_forward_even_query_tile_counts(sm90, head_dim, seqlen_q, seqlen_k):
-    """Non-causal calls with an even number of 128-row query tiles per head (the other tests
-    have odd counts): more tiles than SMs (2048 rows x 15 heads), odd key counts, one key; every
-    run bit for bit the same."""
+    """Non-causal calls with an even number of 128-row query tiles per head (all other tests
+    but test_sdpa_layout_and_gqa have odd counts): more tiles than SMs (2048 rows x 15 heads),
+    odd key counts, one key; every run bit for bit the same."""
     q, k, v = make_qkv(3, seqlen_q, seqlen_k, 5, head_dim, torch.bfloat16, DEVICE,
                        requires_grad=False)
     first, lse = check_forward(q, k, v, causal=False)
