@@ -80,6 +80,20 @@ namespace cuda {
 // producer walks a compact list of the tiles that exist (params.h
 // compact_tiles), or with more than kCompactTilesMaxBatch sequences skips
 // the tiles past a sequence's end (the padded grid counts max_seqlen_q rows).
+#ifndef FAE_EXP_FWD_NC_ORDER
+#define FAE_EXP_FWD_NC_ORDER 0
+#endif
+#if FAE_EXP_FWD_NC_ORDER == 2
+template <bool kRotate>
+FAE_DEVICE int fwd_exp_walk_rotation(int m_block, int n_tiles) {
+  return kRotate && n_tiles > 0 ? m_block % n_tiles : 0;
+}
+FAE_DEVICE int fwd_exp_walk_block(int keys_end, int n_tiles, int rot, int i) {
+  int j = i + rot;
+  if (j >= n_tiles) j -= n_tiles;
+  return keys_end - 1 - j;
+}
+#endif
 template <typename Traits, bool kIsCausal, bool kHasVariants = false, bool kAttnMask = false,
           bool kDropout = kAttnMask, bool kVarSeq = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
@@ -105,6 +119,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kChunks = Traits::kChunks;
   constexpr int kChunksV = Traits::kChunksV;
   using namespace sm90;
+#if FAE_EXP_FWD_NC_ORDER == 2
+  // Experiment: plain non-causal tiles walk their key tiles rotated by m_block.
+  constexpr bool kRotateWalk = !kIsCausal && !kHasVariants && !kVarSeq && !kFp8;
+#endif
 
   extern __shared__ uint8_t smem_raw[];
   constexpr int kQRing = Traits::kQRing;
@@ -327,6 +345,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // The tile's first K goes out before its Q: its stage was freed by
         // the previous tile's second-to-last Q K^T, Q's slices only by the
         // last one of each warpgroup.
+#if FAE_EXP_FWD_NC_ORDER == 2
+        const int walk_tiles = tile.keys.end - tile.keys.begin;
+        const int walk_rot = fwd_exp_walk_rotation<kRotateWalk>(tile.m_block, walk_tiles);
+        if (walk_tiles > 0) load_k(fwd_exp_walk_block(tile.keys.end, walk_tiles, walk_rot, 0), kv_count);
+        send_q(&tile);
+        for (int i = 0; i < walk_tiles; ++i, ++kv_count) {
+          load_v(fwd_exp_walk_block(tile.keys.end, walk_tiles, walk_rot, i), kv_count);
+          if (i + 1 < walk_tiles) {
+            load_k(fwd_exp_walk_block(tile.keys.end, walk_tiles, walk_rot, i + 1), kv_count + 1);
+          }
+        }
+#else
         const int n_last = tile.keys.end - 1;
         if (n_last >= tile.keys.begin) load_k(n_last, kv_count);
         send_q(&tile);
@@ -334,6 +364,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           load_v(n_block, kv_count);
           if (n_block > tile.keys.begin) load_k(n_block - 1, kv_count + 1);
         }
+#endif
         // Claim the next tile only now (holding it through the loop spilled
         // at 24 registers); the consumers are still kStages key tiles behind.
         t = next_tile(t);
@@ -624,7 +655,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         mbar_arrive(smem.k_empty(stage_of(0)));
         if (n_tiles == 1) mbar_arrive(smem.q_empty(q_slot));
       }
-      softmax_tile(softmax, s, tile.keys.end - 1, rescale, mask_reads);  // O is 0: no rescale
+#if FAE_EXP_FWD_NC_ORDER == 2
+      const int walk_rot = fwd_exp_walk_rotation<kRotateWalk>(tile.m_block, n_tiles);
+      auto walk_block = [&](int i) { return fwd_exp_walk_block(tile.keys.end, n_tiles, walk_rot, i); };
+#else
+      auto walk_block = [&](int i) { return tile.keys.end - 1 - i; };
+#endif
+      softmax_tile(softmax, s, walk_block(0), rescale, mask_reads);  // O is 0: no rescale
       to_p_fragments(s, p);  // P: A operand of P V
       if constexpr (kVarSeq && !kFp8) {
         // The first key tile (the sequence's last) may run past the sequence
@@ -660,7 +697,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           if (i == n_tiles - 1) mbar_arrive(smem.q_empty(q_slot));
         }
         const bool rescale_o =
-            softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale, mask_reads);
+            softmax_tile(softmax, s, walk_block(i), rescale, mask_reads);
         // The softmax's exponentials overlap this warpgroup's own P V (FA3's
         // intra-warpgroup overlap) only if the wait stays below them.
         if constexpr (Traits::kSoftmaxUnderOwnPv) {
