@@ -546,6 +546,67 @@ struct OnlineSoftmax {
     return !kLazyRescale || __any_sync(0xffffffffu, max_changed);
   }
 
+  // update_scores_folded in two halves (experiment FAE_EXP_FWD_SPLIT_SOFTMAX):
+  // first the row maxima, O's rescale factors and (kArgs) every exponent's
+  // argument s * scale_log2 - max in place; then the exponentials and row sums.
+  // The Hopper forward runs the first half under the warpgroup's own P V,
+  // as FlashAttention-4's SASS does.
+  template <bool kArgs, int kTilesN>
+  FAE_DEVICE void folded_max_half(float (&s)[kMmaM][kTilesN][4], float scale_log2,
+                                  float (&rescale)[kMmaM][2], float (&base)[kMmaM][2]) {
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float max_even = s[m][0][2 * h], max_odd = s[m][0][2 * h + 1];
+#pragma unroll
+        for (int j = 1; j < kTilesN; ++j) {
+          max_even = fmaxf(max_even, s[m][j][2 * h]);
+          max_odd = fmaxf(max_odd, s[m][j][2 * h + 1]);
+        }
+        const float tile_max = quad_max(fmaxf(max_even, max_odd)) * scale_log2;
+        const float new_max = fmaxf(row_max[m][h], tile_max);
+        base[m][h] = new_max == -INFINITY ? 0.f : new_max;  // see update_scores
+        rescale[m][h] = fast_exp2(row_max[m][h] - base[m][h]);
+        row_max[m][h] = new_max;
+        if constexpr (kArgs) {
+          const float offset = static_cast<float>(kPExp2Offset) - base[m][h];
+#pragma unroll
+          for (int j = 0; j < kTilesN; ++j) {
+            s[m][j][2 * h] = fmaf(s[m][j][2 * h], scale_log2, offset);
+            s[m][j][2 * h + 1] = fmaf(s[m][j][2 * h + 1], scale_log2, offset);
+          }
+        }
+      }
+    }
+  }
+  template <bool kArgs, int kTilesN>
+  FAE_DEVICE void folded_exp_half(float (&s)[kMmaM][kTilesN][4], float scale_log2,
+                                  const float (&rescale)[kMmaM][2],
+                                  const float (&base)[kMmaM][2]) {
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float tile_sum;
+        if constexpr (kArgs) {
+          float sum_even = 0.f, sum_odd = 0.f;
+#pragma unroll
+          for (int j = 0; j < kTilesN; ++j) {
+            s[m][j][2 * h] = fast_exp2(s[m][j][2 * h]);
+            s[m][j][2 * h + 1] = fast_exp2(s[m][j][2 * h + 1]);
+            sum_even += s[m][j][2 * h];
+            sum_odd += s[m][j][2 * h + 1];
+          }
+          tile_sum = sum_even + sum_odd;
+        } else {
+          tile_sum = exp2_row(s, m, h, scale_log2, static_cast<float>(kPExp2Offset) - base[m][h]);
+        }
+        row_sum[m][h] = row_sum[m][h] * rescale[m][h] + tile_sum;
+      }
+    }
+  }
+
   // update_scores_folded for scores bounded in magnitude (softcap_bounds_scores):
   // p = exp2(s * scale_log2), no running max, so no max reduction and no
   // rescaling of O or of the row sum (the softmax is shift-invariant; the LSE

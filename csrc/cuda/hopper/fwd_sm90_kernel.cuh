@@ -80,6 +80,9 @@ namespace cuda {
 // producer walks a compact list of the tiles that exist (params.h
 // compact_tiles), or with more than kCompactTilesMaxBatch sequences skips
 // the tiles past a sequence's end (the padded grid counts max_seqlen_q rows).
+#ifndef FAE_EXP_FWD_SPLIT_SOFTMAX
+#define FAE_EXP_FWD_SPLIT_SOFTMAX 0
+#endif
 #ifndef FAE_EXP_FWD_NC_ORDER
 #define FAE_EXP_FWD_NC_ORDER 0
 #endif
@@ -696,6 +699,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           mbar_arrive(smem.k_empty(stage_of(i)));
           if (i == n_tiles - 1) mbar_arrive(smem.q_empty(q_slot));
         }
+#if FAE_EXP_FWD_SPLIT_SOFTMAX
+        // Experiment: the row maxima (and with 1 the exponents' arguments)
+        // under this warpgroup's own P V, the exponentials after its wait.
+        constexpr bool kSplitSoftmax = !kHasVariants && !kFp8 && !kLazyRescale;
+        constexpr bool kSplitArgs = FAE_EXP_FWD_SPLIT_SOFTMAX == 1;
+        float split_base[1][2];
+        bool rescale_o = true;
+        if constexpr (kSplitSoftmax) {
+          const int n_block = walk_block(i);
+          if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, n_block)) {
+            scale_and_mask<true, kIsCausal, 1, kBlockN / 8, false>(
+                s, scale_log2, row_base, n_block * kBlockN + 2 * (lane % 4), seq.seqlen_k,
+                seq.causal_offset);
+          }
+          softmax.template folded_max_half<kSplitArgs>(s, scale_log2, rescale, split_base);
+          if constexpr (kSplitArgs) fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
+          keep_above_next_wait_uniform(split_base[0][0] + split_base[0][1] + rescale[0][0] + rescale[0][1]);
+        } else {
+          rescale_o = softmax_tile(softmax, s, walk_block(i), rescale, mask_reads);
+          if constexpr (Traits::kSoftmaxUnderOwnPv) {
+            keep_above_next_wait(softmax.row_sum[0][0] + softmax.row_sum[0][1]);
+          }
+        }
+#else
         const bool rescale_o =
             softmax_tile(softmax, s, walk_block(i), rescale, mask_reads);
         // The softmax's exponentials overlap this warpgroup's own P V (FA3's
@@ -703,12 +730,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if constexpr (Traits::kSoftmaxUnderOwnPv) {
           keep_above_next_wait(softmax.row_sum[0][0] + softmax.row_sum[0][1]);
         }
+#endif
         wgmma_wait<0>();
         fence_registers(reinterpret_cast<float(&)[kHeadDimV / 2]>(o));
         if constexpr (!Traits::kPInSmem) {
           fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
         }
         if (lane == 0) mbar_arrive(smem.v_empty(stage_of(i - 1)));
+#if FAE_EXP_FWD_SPLIT_SOFTMAX
+        if constexpr (kSplitSoftmax) {
+          softmax.template folded_exp_half<kSplitArgs>(s, scale_log2, rescale, split_base);
+        }
+#endif
         if (rescale_o) Softmax::rescale_rows(o, rescale);
         to_p_fragments(s, p);  // P: A operand of P V
       }

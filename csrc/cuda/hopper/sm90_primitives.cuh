@@ -287,6 +287,11 @@ FAE_DEVICE void fence_registers(uint32_t (&r)[kN]) {
 FAE_DEVICE void keep_above_next_wait(float v) {
   if (__float_as_uint(v) == 0xffffffffu) __trap();
 }
+// The same with a warp-uniform branch (a vote): a per-thread branch made
+// ptxas move the loop's wgmma descriptor arithmetic off the uniform datapath.
+FAE_DEVICE void keep_above_next_wait_uniform(float v) {
+  if (__any_sync(0xffffffffu, __float_as_uint(v) == 0xffffffffu)) __trap();
+}
 
 // The fp32 accumulators of an m64nN wgmma (kN / 8 n-tiles of 4 values) as the
 // register A operand of the next wgmma, whose K is that N: the accumulator pair
