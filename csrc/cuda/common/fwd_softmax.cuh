@@ -546,14 +546,17 @@ struct OnlineSoftmax {
     return !kLazyRescale || __any_sync(0xffffffffu, max_changed);
   }
 
-  // update_scores_folded in two halves (experiment FAE_EXP_FWD_SPLIT_SOFTMAX):
-  // first the row maxima, O's rescale factors and (kArgs) every exponent's
-  // argument s * scale_log2 - max in place; then the exponentials and row sums.
-  // The Hopper forward runs the first half under the warpgroup's own P V,
-  // as FlashAttention-4's SASS does.
-  template <bool kArgs, int kTilesN>
-  FAE_DEVICE void folded_max_half(float (&s)[kMmaM][kTilesN][4], float scale_log2,
-                                  float (&rescale)[kMmaM][2], float (&base)[kMmaM][2]) {
+  // update_scores_folded in two halves, for a caller that runs the first under
+  // a wgmma and only the second after its wait (the Hopper forward at D = 128:
+  // fwd_sm90_kernel.cuh, kMaxUnderOwnPv). exponent_args: the row maxima, the
+  // rescale factors of O and the running sum, and every exponent's argument
+  // s * scale_log2 - max in place. exponentiate: p = exp2(argument) in place
+  // and the row sums (two chains each, as update_scores_folded). No lazy
+  // rescaling (the D = 256 kernels keep update_scores_folded). base: the
+  // subtracted maxima, for the caller's keep_above_next_wait.
+  template <int kTilesN>
+  FAE_DEVICE void exponent_args(float (&s)[kMmaM][kTilesN][4], float scale_log2,
+                                float (&rescale)[kMmaM][2], float (&base)[kMmaM][2]) {
 #pragma unroll
     for (int m = 0; m < kMmaM; ++m) {
 #pragma unroll
@@ -569,40 +572,30 @@ struct OnlineSoftmax {
         base[m][h] = new_max == -INFINITY ? 0.f : new_max;  // see update_scores
         rescale[m][h] = fast_exp2(row_max[m][h] - base[m][h]);
         row_max[m][h] = new_max;
-        if constexpr (kArgs) {
-          const float offset = static_cast<float>(kPExp2Offset) - base[m][h];
+        const float offset = static_cast<float>(kPExp2Offset) - base[m][h];
 #pragma unroll
-          for (int j = 0; j < kTilesN; ++j) {
-            s[m][j][2 * h] = fmaf(s[m][j][2 * h], scale_log2, offset);
-            s[m][j][2 * h + 1] = fmaf(s[m][j][2 * h + 1], scale_log2, offset);
-          }
+        for (int j = 0; j < kTilesN; ++j) {
+          s[m][j][2 * h] = fmaf(s[m][j][2 * h], scale_log2, offset);
+          s[m][j][2 * h + 1] = fmaf(s[m][j][2 * h + 1], scale_log2, offset);
         }
       }
     }
   }
-  template <bool kArgs, int kTilesN>
-  FAE_DEVICE void folded_exp_half(float (&s)[kMmaM][kTilesN][4], float scale_log2,
-                                  const float (&rescale)[kMmaM][2],
-                                  const float (&base)[kMmaM][2]) {
+  template <int kTilesN>
+  FAE_DEVICE void exponentiate(float (&s)[kMmaM][kTilesN][4], const float (&rescale)[kMmaM][2]) {
 #pragma unroll
     for (int m = 0; m < kMmaM; ++m) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float tile_sum;
-        if constexpr (kArgs) {
-          float sum_even = 0.f, sum_odd = 0.f;
+        float sum_even = 0.f, sum_odd = 0.f;
 #pragma unroll
-          for (int j = 0; j < kTilesN; ++j) {
-            s[m][j][2 * h] = fast_exp2(s[m][j][2 * h]);
-            s[m][j][2 * h + 1] = fast_exp2(s[m][j][2 * h + 1]);
-            sum_even += s[m][j][2 * h];
-            sum_odd += s[m][j][2 * h + 1];
-          }
-          tile_sum = sum_even + sum_odd;
-        } else {
-          tile_sum = exp2_row(s, m, h, scale_log2, static_cast<float>(kPExp2Offset) - base[m][h]);
+        for (int j = 0; j < kTilesN; ++j) {
+          s[m][j][2 * h] = fast_exp2(s[m][j][2 * h]);
+          s[m][j][2 * h + 1] = fast_exp2(s[m][j][2 * h + 1]);
+          sum_even += s[m][j][2 * h];
+          sum_odd += s[m][j][2 * h + 1];
         }
-        row_sum[m][h] = row_sum[m][h] * rescale[m][h] + tile_sum;
+        row_sum[m][h] = row_sum[m][h] * rescale[m][h] + (sum_even + sum_odd);
       }
     }
   }

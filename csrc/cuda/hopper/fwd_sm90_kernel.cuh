@@ -80,23 +80,6 @@ namespace cuda {
 // producer walks a compact list of the tiles that exist (params.h
 // compact_tiles), or with more than kCompactTilesMaxBatch sequences skips
 // the tiles past a sequence's end (the padded grid counts max_seqlen_q rows).
-#ifndef FAE_EXP_FWD_SPLIT_SOFTMAX
-#define FAE_EXP_FWD_SPLIT_SOFTMAX 0
-#endif
-#ifndef FAE_EXP_FWD_NC_ORDER
-#define FAE_EXP_FWD_NC_ORDER 0
-#endif
-#if FAE_EXP_FWD_NC_ORDER == 2
-template <bool kRotate>
-FAE_DEVICE int fwd_exp_walk_rotation(int m_block, int n_tiles) {
-  return kRotate && n_tiles > 0 ? m_block % n_tiles : 0;
-}
-FAE_DEVICE int fwd_exp_walk_block(int keys_end, int n_tiles, int rot, int i) {
-  int j = i + rot;
-  if (j >= n_tiles) j -= n_tiles;
-  return keys_end - 1 - j;
-}
-#endif
 template <typename Traits, bool kIsCausal, bool kHasVariants = false, bool kAttnMask = false,
           bool kDropout = kAttnMask, bool kVarSeq = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
@@ -122,10 +105,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kChunks = Traits::kChunks;
   constexpr int kChunksV = Traits::kChunksV;
   using namespace sm90;
-#if FAE_EXP_FWD_NC_ORDER == 2
-  // Experiment: plain non-causal tiles walk their key tiles rotated by m_block.
-  constexpr bool kRotateWalk = !kIsCausal && !kHasVariants && !kVarSeq && !kFp8;
-#endif
 
   extern __shared__ uint8_t smem_raw[];
   constexpr int kQRing = Traits::kQRing;
@@ -348,18 +327,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // The tile's first K goes out before its Q: its stage was freed by
         // the previous tile's second-to-last Q K^T, Q's slices only by the
         // last one of each warpgroup.
-#if FAE_EXP_FWD_NC_ORDER == 2
-        const int walk_tiles = tile.keys.end - tile.keys.begin;
-        const int walk_rot = fwd_exp_walk_rotation<kRotateWalk>(tile.m_block, walk_tiles);
-        if (walk_tiles > 0) load_k(fwd_exp_walk_block(tile.keys.end, walk_tiles, walk_rot, 0), kv_count);
-        send_q(&tile);
-        for (int i = 0; i < walk_tiles; ++i, ++kv_count) {
-          load_v(fwd_exp_walk_block(tile.keys.end, walk_tiles, walk_rot, i), kv_count);
-          if (i + 1 < walk_tiles) {
-            load_k(fwd_exp_walk_block(tile.keys.end, walk_tiles, walk_rot, i + 1), kv_count + 1);
-          }
-        }
-#else
         const int n_last = tile.keys.end - 1;
         if (n_last >= tile.keys.begin) load_k(n_last, kv_count);
         send_q(&tile);
@@ -367,7 +334,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           load_v(n_block, kv_count);
           if (n_block > tile.keys.begin) load_k(n_block - 1, kv_count + 1);
         }
-#endif
         // Claim the next tile only now (holding it through the loop spilled
         // at 24 registers); the consumers are still kStages key tiles behind.
         t = next_tile(t);
@@ -545,6 +511,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // D = 128 within +-2%, D = 64 3-5% slower). The FP8 kernel's P, 2^8-scaled
     // already, always rescales.
     constexpr bool kLazyRescale = !kFp8 && kHeadDimV >= 256;
+    // Plain non-causal calls at D = 128: the softmax's row maxima and the
+    // exponents' arguments (the max reduction's shuffles and the FFMAs, 190 of
+    // the loop's ~790 instructions) run under the warpgroup's own P V, the
+    // exponentials, row sums and O's rescale after its wait. That is the order
+    // of FlashAttention-4's SASS. ncu (H100, S = 8k, per 176-key step and
+    // consumer warp) had shown our consumers waiting on that P V with nothing
+    // to do, and the code after the wait (ptxas hoists the wait above all of
+    // it otherwise) 47% longer per key than FA4's, which is what the other
+    // warpgroup's GEMMs must cover. Measured, two rounds: 1.04 / 1.05 / 1.03
+    // faster at S = 1k / 4k / 16k (best of two; per round 1.01-1.05, once 0.99
+    // at 16k); the maxima alone under the P V: 1.00 / 1.05 / 0.99
+    // (docs/PERFORMANCE.md). Causal, D = 64 and varlen kernels: not measured
+    // yet, so they keep the whole softmax after the wait.
+    constexpr bool kMaxUnderOwnPv =
+        !kIsCausal && !kHasVariants && !kVarSeq && !kFp8 && kHeadDim == 128 && kHeadDimV == 128;
     auto softmax_tile = [&](Softmax& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
                             float (&rescale)[1][2], bool mask_reads) -> bool {
       const int col_base = n_block * kBlockN + 2 * (lane % 4);
@@ -658,13 +639,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         mbar_arrive(smem.k_empty(stage_of(0)));
         if (n_tiles == 1) mbar_arrive(smem.q_empty(q_slot));
       }
-#if FAE_EXP_FWD_NC_ORDER == 2
-      const int walk_rot = fwd_exp_walk_rotation<kRotateWalk>(tile.m_block, n_tiles);
-      auto walk_block = [&](int i) { return fwd_exp_walk_block(tile.keys.end, n_tiles, walk_rot, i); };
-#else
-      auto walk_block = [&](int i) { return tile.keys.end - 1 - i; };
-#endif
-      softmax_tile(softmax, s, walk_block(0), rescale, mask_reads);  // O is 0: no rescale
+      softmax_tile(softmax, s, tile.keys.end - 1, rescale, mask_reads);  // O is 0: no rescale
       to_p_fragments(s, p);  // P: A operand of P V
       if constexpr (kVarSeq && !kFp8) {
         // The first key tile (the sequence's last) may run past the sequence
@@ -699,49 +674,33 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           mbar_arrive(smem.k_empty(stage_of(i)));
           if (i == n_tiles - 1) mbar_arrive(smem.q_empty(q_slot));
         }
-#if FAE_EXP_FWD_SPLIT_SOFTMAX
-        // Experiment: the row maxima (and with 1 the exponents' arguments)
-        // under this warpgroup's own P V, the exponentials after its wait.
-        constexpr bool kSplitSoftmax = !kHasVariants && !kFp8 && !kLazyRescale;
-        constexpr bool kSplitArgs = FAE_EXP_FWD_SPLIT_SOFTMAX == 1;
-        float split_base[1][2];
         bool rescale_o = true;
-        if constexpr (kSplitSoftmax) {
-          const int n_block = walk_block(i);
+        if constexpr (kMaxUnderOwnPv) {
+          const int n_block = tile.keys.end - 1 - i;
           if (key_tile_needs_mask<kBlockM, kBlockN, kIsCausal>(seq, tile.m_block, n_block)) {
             scale_and_mask<true, kIsCausal, 1, kBlockN / 8, false>(
                 s, scale_log2, row_base, n_block * kBlockN + 2 * (lane % 4), seq.seqlen_k,
                 seq.causal_offset);
           }
-          softmax.template folded_max_half<kSplitArgs>(s, scale_log2, rescale, split_base);
-          if constexpr (kSplitArgs) fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
-          keep_above_next_wait_uniform(split_base[0][0] + split_base[0][1] + rescale[0][0] + rescale[0][1]);
+          float base[1][2];
+          softmax.exponent_args(s, scale_log2, rescale, base);
+          fence_registers(reinterpret_cast<float(&)[kBlockN / 2]>(s));
+          keep_above_next_wait_uniform(base[0][0] + base[0][1] + rescale[0][0] + rescale[0][1]);
         } else {
-          rescale_o = softmax_tile(softmax, s, walk_block(i), rescale, mask_reads);
+          rescale_o = softmax_tile(softmax, s, tile.keys.end - 1 - i, rescale, mask_reads);
+          // The softmax's exponentials overlap this warpgroup's own P V (FA3's
+          // intra-warpgroup overlap) only if the wait stays below them.
           if constexpr (Traits::kSoftmaxUnderOwnPv) {
             keep_above_next_wait(softmax.row_sum[0][0] + softmax.row_sum[0][1]);
           }
         }
-#else
-        const bool rescale_o =
-            softmax_tile(softmax, s, walk_block(i), rescale, mask_reads);
-        // The softmax's exponentials overlap this warpgroup's own P V (FA3's
-        // intra-warpgroup overlap) only if the wait stays below them.
-        if constexpr (Traits::kSoftmaxUnderOwnPv) {
-          keep_above_next_wait(softmax.row_sum[0][0] + softmax.row_sum[0][1]);
-        }
-#endif
         wgmma_wait<0>();
         fence_registers(reinterpret_cast<float(&)[kHeadDimV / 2]>(o));
         if constexpr (!Traits::kPInSmem) {
           fence_registers(reinterpret_cast<uint32_t(&)[kBlockN / Traits::kKStep * 4]>(p));
         }
         if (lane == 0) mbar_arrive(smem.v_empty(stage_of(i - 1)));
-#if FAE_EXP_FWD_SPLIT_SOFTMAX
-        if constexpr (kSplitSoftmax) {
-          softmax.template folded_exp_half<kSplitArgs>(s, scale_log2, rescale, split_base);
-        }
-#endif
+        if constexpr (kMaxUnderOwnPv) softmax.exponentiate(s, rescale);
         if (rescale_o) Softmax::rescale_rows(o, rescale);
         to_p_fragments(s, p);  // P: A operand of P V
       }

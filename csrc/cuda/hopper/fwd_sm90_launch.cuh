@@ -108,11 +108,7 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   // expected: fwd_workspace_floats asks for it) causal tiles go round-robin.
   // Variant tiles (causal, windows) and sequences of different lengths
   // (packed, seqused_k) differ alike.
-#if defined(FAE_EXP_FWD_NC_ORDER) && FAE_EXP_FWD_NC_ORDER == 1
-  int* tile_counter = params.tile_counter;  // experiment: dynamic for every call
-#else
   int* tile_counter = kIsCausal || kHasVariants || var_seqs ? params.tile_counter : nullptr;
-#endif
   AttentionFwdParams kernel_params = params;
   if (compact) {
     // One launch lists the tiles and zeroes the counter (the kernel needs both).
