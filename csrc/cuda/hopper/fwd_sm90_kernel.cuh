@@ -524,8 +524,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // at 16k); the maxima alone under the P V: 1.00 / 1.05 / 0.99
     // (docs/PERFORMANCE.md). Causal, D = 64 and varlen kernels: not measured
     // yet, so they keep the whole softmax after the wait.
+#if defined(FAE_EXP_FWD_MAX_UNDER_PV)
+    // Experiment (next session's A/B; undefined: the measured default below):
+    // 0 nowhere (the kernels before this change), 1 every plain 16-bit kernel
+    // up to D = 128 (causal, D = 64 and varlen too).
+    constexpr bool kMaxUnderOwnPv =
+        FAE_EXP_FWD_MAX_UNDER_PV == 1 && !kHasVariants && !kFp8 && kHeadDim <= 128 &&
+        kHeadDimV == kHeadDim;
+#else
     constexpr bool kMaxUnderOwnPv =
         !kIsCausal && !kHasVariants && !kVarSeq && !kFp8 && kHeadDim == 128 && kHeadDimV == 128;
+#endif
     auto softmax_tile = [&](Softmax& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
                             float (&rescale)[1][2], bool mask_reads) -> bool {
       const int col_base = n_block * kBlockN + 2 * (lane % 4);
