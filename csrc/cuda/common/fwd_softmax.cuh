@@ -498,6 +498,18 @@ struct OnlineSoftmax {
     return sum_even + sum_odd;
   }
 
+  // The maximum of row (m, h) of the tile over the quad's lanes (two chains).
+  template <int kTilesN>
+  static FAE_DEVICE float row_tile_max(const float (&s)[kMmaM][kTilesN][4], int m, int h) {
+    float max_even = s[m][0][2 * h], max_odd = s[m][0][2 * h + 1];
+#pragma unroll
+    for (int j = 1; j < kTilesN; ++j) {
+      max_even = fmaxf(max_even, s[m][j][2 * h]);
+      max_odd = fmaxf(max_odd, s[m][j][2 * h + 1]);
+    }
+    return quad_max(fmaxf(max_even, max_odd));
+  }
+
   // update_scores for raw (unscaled) scores with the scale folded into the
   // exponent: p = exp2(s * scale_log2 - max * scale_log2), one FFMA per score
   // instead of an FMUL and an FADD. Needs scale_log2 > 0 (the max of the raw
@@ -523,13 +535,7 @@ struct OnlineSoftmax {
     for (int m = 0; m < kMmaM; ++m) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float max_even = s[m][0][2 * h], max_odd = s[m][0][2 * h + 1];
-#pragma unroll
-        for (int j = 1; j < kTilesN; ++j) {
-          max_even = fmaxf(max_even, s[m][j][2 * h]);
-          max_odd = fmaxf(max_odd, s[m][j][2 * h + 1]);
-        }
-        const float tile_max = quad_max(fmaxf(max_even, max_odd)) * scale_log2;
+        const float tile_max = row_tile_max(s, m, h) * scale_log2;
         float new_max = fmaxf(row_max[m][h], tile_max);
         // (-inf + 8 = -inf: a row without visible keys takes its first finite max.)
         if (kLazyRescale && tile_max <= row_max[m][h] + kLazyRescaleLog2) new_max = row_max[m][h];
@@ -561,13 +567,7 @@ struct OnlineSoftmax {
     for (int m = 0; m < kMmaM; ++m) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float max_even = s[m][0][2 * h], max_odd = s[m][0][2 * h + 1];
-#pragma unroll
-        for (int j = 1; j < kTilesN; ++j) {
-          max_even = fmaxf(max_even, s[m][j][2 * h]);
-          max_odd = fmaxf(max_odd, s[m][j][2 * h + 1]);
-        }
-        const float tile_max = quad_max(fmaxf(max_even, max_odd)) * scale_log2;
+        const float tile_max = row_tile_max(s, m, h) * scale_log2;
         const float new_max = fmaxf(row_max[m][h], tile_max);
         base[m][h] = new_max == -INFINITY ? 0.f : new_max;  // see update_scores
         rescale[m][h] = fast_exp2(row_max[m][h] - base[m][h]);
