@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       RowStat lse_log2, dsum;  // while the GEMMs run
       softmax.load_row_stat(smem.lse(stage), lse_log2);
-      softmax.load_row_stat(smem.dsum(stage), dsum);
+      softmax.template load_row_stat<Softmax::kPreloadPairsD>(smem.dsum(stage), dsum);
       // Dropout: the keep bits of the warp's 16 keys, also while the GEMMs run.
       const bool dropout_on = kHasVariants && has_dropout(params);
       BwdSm90DropoutBits<kBlockM> keep = 0;
@@ -410,7 +410,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
           float d[2];
-          softmax.row_stat_pair(smem.dsum(stage), dsum, j, d);
+          softmax.template row_stat_pair<Softmax::kPreloadPairsD>(smem.dsum(stage), dsum, j, d);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             float dfds;  // scores_to_probs applies softcap * log2(e)
@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
           float d[2];
-          softmax.row_stat_pair(smem.dsum(stage), dsum, j, d);
+          softmax.template row_stat_pair<Softmax::kPreloadPairsD>(smem.dsum(stage), dsum, j, d);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int bit = bwd_sm90_dropout_bit(j, e);
@@ -443,7 +443,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
           float d[2];
-          softmax.row_stat_pair(smem.dsum(stage), dsum, j, d);
+          softmax.template row_stat_pair<Softmax::kPreloadPairsD>(smem.dsum(stage), dsum, j, d);
 #pragma unroll
           for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - d[e % 2]);
         }
