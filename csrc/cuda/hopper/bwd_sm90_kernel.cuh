@@ -397,6 +397,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         softmax.scores_to_probs(h, m_block, stage, s, smem.lse(stage), lse_log2, false,
                                 staged_mask);
       }
+#if defined(FAE_EXP_BWD_EXP_UNDER_DP)
+      // Experiment: P^T's exponentials under this warpgroup's own dP^T. Without
+      // the hold, ptxas hoists the dP^T wait above 35 of the 40 exponentials of
+      // an 80-query step (SASS), and both consumers then run them with no wgmma
+      // of their own in flight. Varlen kernels left out: 16 bytes of spills.
+      if constexpr (!kHasVariants && !kVarSeq) {
+        fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
+        keep_above_next_wait_uniform_no_trap(s[kBlockM / 8 - 1][3]);
+      }
+#endif
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
       // Dropout: dS^T = P^T o (dP^T o Z^T - D) (o df/ds), and dV takes P^T o Z^T,

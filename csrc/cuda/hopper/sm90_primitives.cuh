@@ -292,6 +292,13 @@ FAE_DEVICE void keep_above_next_wait(float v) {
 FAE_DEVICE void keep_above_next_wait_uniform(float v) {
   if (__any_sync(0xffffffffu, __float_as_uint(v) == 0xffffffffu)) __trap();
 }
+// The same without the trap: a trap (branched to or predicated) between the
+// backward's dP^T issue and its wait made ptxas spill 750-980 bytes in every
+// key-split kernel; a never-taken nanosleep holds the wait as well, spill-free
+// (the backward's FAE_EXP_BWD_EXP_UNDER_DP experiment).
+FAE_DEVICE void keep_above_next_wait_uniform_no_trap(float v) {
+  if (__any_sync(0xffffffffu, __float_as_uint(v) == 0xffffffffu)) asm volatile("nanosleep.u32 1;");
+}
 
 // The fp32 accumulators of an m64nN wgmma (kN / 8 n-tiles of 4 values) as the
 // register A operand of the next wgmma, whose K is that N: the accumulator pair
