@@ -48,17 +48,13 @@ struct BwdSm90Softmax {
       kBlockM == 64 && (!kHasVariants || Traits::kSplitHeadDim);
 #if defined(FAE_EXP_BWD_PRELOAD_80)
   // Experiment: 80-query steps preload the first FAE_EXP_BWD_PRELOAD_80 pairs
-  // (of 10) of lse, FAE_EXP_BWD_PRELOAD_80_D of D, the rest read where used.
+  // (of 10) of lse; D stays read where used (preloading it spilled).
   static constexpr int kPreloadPairs =
-      kPreloadRowStats ? kBlockM / 8
-      : kBlockM == 80 && !kHasVariants ? FAE_EXP_BWD_PRELOAD_80 : 0;
-  static constexpr int kPreloadPairsD =
-      kPreloadRowStats ? kBlockM / 8
-      : kBlockM == 80 && !kHasVariants ? FAE_EXP_BWD_PRELOAD_80_D : 0;
+      kPreloadRowStats ? kBlockM / 8 : kBlockM == 80 && !kHasVariants ? FAE_EXP_BWD_PRELOAD_80 : 0;
 #else
   static constexpr int kPreloadPairs = kPreloadRowStats ? kBlockM / 8 : 0;
-  static constexpr int kPreloadPairsD = kPreloadPairs;
 #endif
+  static constexpr int kPreloadPairsD = kPreloadRowStats ? kBlockM / 8 : 0;
   using RowStat = float[kPreloadPairs > 0 || kPreloadPairsD > 0 ? kBlockM / 8 : 1][2];
   template <int kPairs = kPreloadPairs>
   FAE_DEVICE void load_row_stat(uint32_t row_stat, RowStat& out) const {
