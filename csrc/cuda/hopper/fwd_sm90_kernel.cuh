@@ -700,7 +700,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           // The softmax's exponentials overlap this warpgroup's own P V (FA3's
           // intra-warpgroup overlap) only if the wait stays below them.
           if constexpr (Traits::kSoftmaxUnderOwnPv) {
+#if defined(FAE_EXP_FWD_UNIFORM_HOLD)
+            keep_above_next_wait_uniform(softmax.row_sum[0][0] + softmax.row_sum[0][1]);
+#else
             keep_above_next_wait(softmax.row_sum[0][0] + softmax.row_sum[0][1]);
+#endif
           }
         }
         wgmma_wait<0>();
