@@ -121,15 +121,23 @@ void run_fwd_fp8(const AttentionFwdParams& params, cudaStream_t stream) {
       params.v_transposed_seqlen < params.seqlen_k) {
     throw std::runtime_error("flash_attn_ext: internal error: FP8 forward without V^T scratch");
   }
+#if defined(FAE_EXP_FP8_VT_IN_KERNEL)
+  // Experiment: the kernels without varlen / seqused_k transpose V themselves.
+  const bool transpose_pass = has_var_seqs(params);
+#else
+  const bool transpose_pass = true;
+#endif
   const dim3 grid(static_cast<unsigned>((params.v_transposed_seqlen + kTransposeKeys - 1) /
                                         kTransposeKeys),
                   static_cast<unsigned>((params.head_dim + kTransposeDims - 1) / kTransposeDims),
                   static_cast<unsigned>(params.batch * params.heads_k));
-  transpose_v_e4m3_kernel<<<grid, 256, 0, stream>>>(params);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("flash_attn_ext: FP8 V transpose launch: ") +
-                             cudaGetErrorString(err));
+  if (transpose_pass) {
+    transpose_v_e4m3_kernel<<<grid, 256, 0, stream>>>(params);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("flash_attn_ext: FP8 V transpose launch: ") +
+                               cudaGetErrorString(err));
+    }
   }
 #ifdef FAE_HAS_SM90A
   const bool causal = params.causal;

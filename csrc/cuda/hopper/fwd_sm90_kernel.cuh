@@ -54,6 +54,7 @@
 #include "fwd_sm90_scheduler.cuh"
 #include "fwd_sm90_smem.cuh"
 #include "fwd_sm90_traits.cuh"
+#include "fwd_sm90_transpose_v.cuh"
 
 namespace flash_attn_ext {
 namespace cuda {
@@ -104,6 +105,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kStages = Traits::kStages;
   constexpr int kChunks = Traits::kChunks;
   constexpr int kChunksV = Traits::kChunksV;
+  // FP8 without varlen / seqused_k, experiment FAE_EXP_FP8_VT_IN_KERNEL: the
+  // producer warpgroup transposes V in shared memory (fwd_sm90_transpose_v.cuh).
+  constexpr bool kVtInKernel = Traits::kVtInKernel && !kVarSeq;
   using namespace sm90;
 
   extern __shared__ uint8_t smem_raw[];
@@ -145,11 +149,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto row0_k = [&](const Tile& tile) {
     return kVarSeq ? static_cast<int>(seq_bounds<kVarSeq, kVarSeq>(params, tile.b).row0_k) : 0;
   };
-  // The producer: one thread, or in the kVarSeq kernels the whole first warp
-  // (lane 0 alone claims tiles, arrives on barriers and issues the Q and
-  // whole-tile copies; every lane issues a paged tile's boxes, load_kv_tile).
-  constexpr int kProducerLanes = kVarSeq ? 32 : 1;
-  constexpr unsigned kProducerMask = kVarSeq ? 0xffffffffu : 1u;
+  // The producer: one thread, or in the kVarSeq and kVtInKernel kernels the
+  // whole first warp (lane 0 alone claims tiles, arrives on barriers and
+  // issues the Q and whole-tile copies; every lane issues a paged tile's
+  // boxes, load_kv_tile, and takes its share of each V transpose, whose
+  // ldmatrix / stmatrix are warp-wide). kVtInKernel: warps 1 .. 3 of the
+  // producer warpgroup transpose V only, following the staging buffer.
+  constexpr int kProducerLanes = kVarSeq || kVtInKernel ? 32 : 1;
+  constexpr unsigned kProducerMask = kVarSeq || kVtInKernel ? 0xffffffffu : 1u;
+  // Named barrier of the producer warpgroup's 128 threads after each V
+  // transpose (ids 3 .. 3 + W are the consumers', see below).
+  constexpr int kTransposeBarrier = 4 + Traits::kConsumerWarpgroups;
   // K / V tile n_block of the tile's sequence into shared memory (the key
   // rows [n_block * kBlockN, + kBlockN) of the sequence; fwd_sm90_kv_map_shape
   // has the maps). A paged cache (kVarSeq kernels; pages of 2^k rows, so the
@@ -208,6 +218,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbar_init(smem.q_full(slot), 1);
       mbar_init(smem.q_empty(slot), Traits::kConsumerWarps / Traits::kConsumerWarpgroups);
     }
+    if constexpr (Traits::kVtInKernel) mbar_init(smem.v_staging_full(), 1);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem.k_full(s), 1);
       mbar_init(smem.v_full(s), 1);
@@ -221,6 +232,31 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (warpgroup == 0) {
     // ---------------- producer ----------------
     setmaxnreg_dec<Traits::kProducerRegs>();
+    // kVtInKernel: the count-th V tile (in the staging buffer) into V^T stage
+    // count % kStages once the consumers released it; all 128 threads. The
+    // barrier at the end is also what frees the staging buffer for the next
+    // TMA (every thread's ldmatrix reads are done).
+    auto transpose_v = [&](int count) {
+      if constexpr (kVtInKernel) {
+        const int stage = count % kStages;
+        mbar_wait(smem.v_staging_full(), static_cast<uint32_t>(count & 1));
+        mbar_wait(smem.v_empty(stage), ((count / kStages) & 1) ^ 1);
+        transpose_v_tile_e4m3<kBlockN, kHeadDim>(smem.v(stage), smem.v_staging, threadIdx.x / 32,
+                                                 threadIdx.x % 32);
+        fence_proxy_async_smem();  // the P V wgmma reads V^T through the async proxy
+        named_barrier_sync(kTransposeBarrier, 128);
+      }
+    };
+    if constexpr (kVtInKernel) {
+      if (threadIdx.x >= kProducerLanes) {  // warps 1 .. 3: until the stop word
+        for (int count = 0;; ++count) {
+          mbar_wait(smem.v_staging_full(), static_cast<uint32_t>(count & 1));
+          if (ld_shared_b32(smem.v_staging_word()) != 0u) break;
+          transpose_v(count);
+        }
+        return;
+      }
+    }
     if (threadIdx.x < kProducerLanes) {
       const int lane = threadIdx.x;
       const bool leader = lane == 0;
@@ -276,6 +312,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         if (t >= num_tiles) {
           send_q(nullptr);
+          if (kVtInKernel && leader) {  // the transposing warps stop too
+            st_shared_b32(smem.v_staging_word(), 1u);
+            mbar_arrive(smem.v_staging_full());
+          }
           break;
         }
         const Tile tile = tile_at(t, true);
@@ -306,6 +346,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         };
         auto load_v = [&](int n_block, int count) {
           const int stage = count % kStages;
+          if constexpr (kVtInKernel) {
+            // V's tile into the staging buffer (free: the last transpose ended
+            // with the warpgroup's barrier), then this warp's share of its
+            // transpose, then V^T is the consumers'.
+            if (leader) {
+              st_shared_b32(smem.v_staging_word(), 0u);
+              mbar_arrive_expect_tx(smem.v_staging_full(), Traits::kVStagingBytes);
+            }
+            __syncwarp();
+            load_kv_tile(&tmap_v, smem.v_staging, smem.v_staging_full(), tile, n_block, lane,
+                         std::integral_constant<int, kChunks>());
+            transpose_v(count);
+            if (leader) mbar_arrive(smem.v_full(stage));
+            return;
+          }
           mbar_wait(smem.v_empty(stage), ((count / kStages) & 1) ^ 1);
           if (leader) mbar_arrive_expect_tx(smem.v_full(stage), Traits::kVTileBytes);
           __syncwarp(kProducerMask);
@@ -757,8 +812,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const bool row_ok = row < seq.seqlen_q;
       TOut* out_row =
           out + row_offset(params.out_strides, tile.b, tile.h, seq.row0_q + (row_ok ? row : 0));
-      store_accumulator_row<TOut, kHeadDimV>(out_row, o[0], hh, out_scale, 0, params.head_dim_v,
-                                             row_ok, lane);
+      if constexpr (kVtInKernel) {  // O's columns permuted as V^T's rows
+        store_accumulator_row_dim_permuted<TOut, kHeadDimV>(out_row, o[0], hh, out_scale,
+                                                            params.head_dim_v, row_ok, lane);
+      } else {
+        store_accumulator_row<TOut, kHeadDimV>(out_row, o[0], hh, out_scale, 0,
+                                               params.head_dim_v, row_ok, lane);
+      }
     }
   }
   if (wg == 0) gemm_turn_begin();  // the turn left over (see above)

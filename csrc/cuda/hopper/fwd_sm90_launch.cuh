@@ -44,9 +44,14 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
                                             map_batch, params.q_strides, Traits::kQSliceRows);
     tmap_k = make_attention_tensor_map_e4m3(params.k, params.head_dim, rows_k, params.heads_k,
                                             map_batch, params.k_strides, Traits::kBlockN);
-    tmap_v = make_transposed_v_tensor_map_e4m3(params.v_transposed, params.head_dim,
-                                               params.v_transposed_seqlen, params.heads_k,
-                                               params.batch, Traits::kHeadDim);
+    if (Traits::kVtInKernel && !var_seqs) {  // V as it is: the kernel transposes it
+      tmap_v = make_attention_tensor_map_e4m3(params.v, params.head_dim, rows_k, params.heads_k,
+                                              map_batch, params.v_strides, Traits::kBlockN);
+    } else {
+      tmap_v = make_transposed_v_tensor_map_e4m3(params.v_transposed, params.head_dim,
+                                                 params.v_transposed_seqlen, params.heads_k,
+                                                 params.batch, Traits::kHeadDim);
+    }
   } else {
     tmap_q = make_attention_tensor_map(params.q, kBf16, params.head_dim, rows_q, params.heads,
                                        map_batch, params.q_strides, Traits::kQSliceRows);

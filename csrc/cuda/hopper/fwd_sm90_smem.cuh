@@ -21,6 +21,7 @@ struct FwdSm90Smem {
   uint32_t k0;            // K ring, stage 0
   uint32_t v0;            // V ring, stage 0
   uint32_t p0;            // kPInSmem: consumer warpgroup 0's P buffer
+  uint32_t v_staging;     // kVtInKernel: V's tile before the transpose
   uint32_t bar0;          // mbarriers, then the tile and mask words
   uint32_t mask_scratch;  // kStageAttnMask: the consumer warps' attn_mask buffers
 
@@ -29,7 +30,8 @@ struct FwdSm90Smem {
         k0(q0 + kQRing * Traits::kQSliceBytes),
         v0(k0 + kStages * Traits::kKTileBytes),
         p0(v0 + kStages * Traits::kVTileBytes),
-        bar0(p0 + Traits::kConsumerWarpgroups * Traits::kPBufferBytes),
+        v_staging(p0 + Traits::kConsumerWarpgroups * Traits::kPBufferBytes),
+        bar0(v_staging + Traits::kVStagingBytes),
         mask_scratch((bar0 + Traits::kBarrierBytes + 15) & ~15u) {}
 
   FAE_DEVICE uint32_t q(int slot) const { return q0 + slot * Traits::kQSliceBytes; }
@@ -60,6 +62,13 @@ struct FwdSm90Smem {
   FAE_DEVICE uint32_t mask_reads(int stage) const {
     return bar0 + 8 * (2 * kQRing + 4 * kStages) + 12 * kQRing + 4 * stage;
   }
+  // kVtInKernel: the staging buffer's mbarrier (its TMA's bytes, or the
+  // producer's arrive alone when there is nothing more to transpose) and the
+  // word that says which (0: a V tile, 1: stop), written before that arrive.
+  FAE_DEVICE uint32_t v_staging_full() const {
+    return bar0 + 8 * (2 * kQRing + 4 * kStages) + 12 * kQRing + 4 * kStages;
+  }
+  FAE_DEVICE uint32_t v_staging_word() const { return v_staging_full() + 8; }
   // Slice u (= kWarpgroups * tile_count + warpgroup) of the ring: slot and phase.
   static FAE_DEVICE int q_slot_of(int u) { return u % kQRing; }
   static FAE_DEVICE uint32_t q_phase_of(int u) { return static_cast<uint32_t>((u / kQRing) & 1); }

@@ -187,6 +187,17 @@ struct FwdSm90Traits {
   // kernel, which was measured with it (docs/PERFORMANCE.md).
   static constexpr bool kSoftmaxUnderOwnPv = kHeadDim == 256 || kPInSmem;
   static constexpr int kPBufferBytes = kPInSmem ? 64 * kBlockN * kElemBytes : 0;
+  // FP8, experiment FAE_EXP_FP8_VT_IN_KERNEL: the producer warpgroup makes V^T
+  // from V in shared memory (fwd_sm90_transpose_v.cuh) in the kernels without
+  // varlen / seqused_k (kVarSeq ones keep the V^T pass, which pads V^T per
+  // sequence with zeros): V's tile arrives in one staging buffer laid out like
+  // a K tile. Shared memory: 176 + 32 KB at D = 128, 160 + 32 KB at D = 256.
+#if defined(FAE_EXP_FP8_VT_IN_KERNEL)
+  static constexpr bool kVtInKernel = kFp8;
+#else
+  static constexpr bool kVtInKernel = false;
+#endif
+  static constexpr int kVStagingBytes = kVtInKernel ? kKTileBytes : 0;
   // Q travels in 64-row slices, one per consumer warpgroup, through a ring of
   // kQRing slots with a full/empty barrier pair each: slice u = 2 * tile +
   // warpgroup goes to slot u % kQRing. With 2 slots a warpgroup's next slice
@@ -200,10 +211,13 @@ struct FwdSm90Traits {
   // mbarriers, then what the producer hands to the consumers: per Q slot the
   // tile index and its key-tile range (3 ints), per K stage which warpgroups
   // must read the attn_mask there (attn_mask kernels).
-  static constexpr int kBarrierBytes = 8 * (2 * kQRing + 4 * kStages) + 12 * kQRing + 4 * kStages;
+  // kVtInKernel: one more mbarrier (the staging buffer's) and its word.
+  static constexpr int kBarrierBytes = 8 * (2 * kQRing + 4 * kStages) + 12 * kQRing + 4 * kStages +
+                                       (kVtInKernel ? 16 : 0);
   // +1024: the dynamic shared memory base is only 16-byte aligned.
   static constexpr int kSmemBytes = kQRing * kQSliceBytes + kStages * (kKTileBytes + kVTileBytes) +
-                                    kConsumerWarpgroups * kPBufferBytes + kBarrierBytes + 1024;
+                                    kConsumerWarpgroups * kPBufferBytes + kVStagingBytes +
+                                    kBarrierBytes + 1024;
 
   // attn_mask kernels: scratch for a 16-bit additive mask's values, staged per
   // consumer warp (fwd_softmax.cuh, stage_attn_mask) where shared memory has
@@ -245,6 +259,8 @@ struct FwdSm90Traits {
   static_assert(kQRing >= kConsumerWarpgroups, "one Q slot per consumer warpgroup at least");
   static_assert(kQSliceRows * kConsumerWarpgroups == kBlockM, "a Q slice per warpgroup's rows");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one CTA per SM");
+  static_assert(!kVtInKernel || (12 * kQRing + 4 * kStages) % 8 == 0,
+                "the staging buffer's mbarrier (after the words) is 8-byte aligned");
   static_assert(128 * kProducerRegs + 128 * kConsumerWarpgroups * kConsumerRegs <= 65536,
                 "register file split between producer and consumers");
 };
