@@ -245,6 +245,26 @@ def test_long_and_mqa(hopper):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_v_transposed_in_kernel_or_by_the_pass(hopper, causal):
+    """Short calls transpose V inside the kernel, longer ones in a pass before it
+    (fwd_fp8_transposes_v: up to 2048 query rows per kv head, causal rows counting half).
+    One row more crosses over; the rows both calls share are equal bit for bit (the same
+    products, only V^T's producer differs), and the longer call is checked as usual."""
+    rows = 2048 if not causal else 4096
+    total = rows + (2 if causal else 1)  # (4097 causal rows still count 2048)
+    check_fp8_call(1, total, total, 2, 2, 128, causal, per_head=False)
+    q, k, v = fp8_inputs(1, total, total, 2, 2, 128, "cuda")
+    (q8, k8, v8), (qd, kd, vd) = quantize_all(q, k, v, False)
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd, causal=causal)
+    by_pass = fa.flash_attn_func(q8, k8, v8, **kw)
+    if causal:  # the first rows see the first keys only: drop the last key as well
+        k8, v8 = k8[:, :rows], v8[:, :rows]
+    in_kernel = fa.flash_attn_func(q8[:, :rows], k8, v8, **kw)
+    torch.testing.assert_close(in_kernel, by_pass[:, :rows], atol=0, rtol=0)
+
+
+@pytest.mark.gpu
 def test_outliers_with_and_without_rotation(hopper):
     # Outlier channels make the scores large: then the error of the tensor cores' FP8
     # accumulation (not fp32 inside a wgmma) shows next to P's rounding, and the e4m3-P rule

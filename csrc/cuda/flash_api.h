@@ -69,8 +69,11 @@ bool fwd_fp8_supported(int head_dim, std::string* why);
 // Keys of the transposed V scratch (params.v_transposed: e4m3 [batch, heads_k,
 // head_dim, this]) the op layer allocates.
 int64_t fwd_fp8_v_transposed_seqlen(int seqlen_k);
-// Transposes V into params.v_transposed, then runs the Hopper FP8 kernel
-// (needs params.tile_counter when causal).
+// Whether the FP8 kernel transposes V itself for this call (short calls at head
+// dims <= 128), which then needs no params.v_transposed.
+bool fwd_fp8_transposes_v(const AttentionFwdParams& params);
+// Transposes V into params.v_transposed (unless it is null: see above), then
+// runs the Hopper FP8 kernel (needs params.tile_counter when causal).
 void run_fwd_fp8(const AttentionFwdParams& params, cudaStream_t stream);
 
 // ---- boolean attn_mask summary (common/mask_blocks.cuh) --------------------

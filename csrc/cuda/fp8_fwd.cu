@@ -116,17 +116,34 @@ bool fwd_fp8_supported(int head_dim, std::string* why) {
 #endif
 }
 
+// The pass above costs a fixed ~20-30 us per 32 MB of V (H100); V^T made by the
+// kernel's producer warpgroup in shared memory (fwd_sm90_transpose_v.cuh) costs
+// none of that but 5-9% of a long kernel's time (its shared-memory traffic
+// beside the wgmmas' operand reads). Both scale with the kernel's query rows
+// per kv head (the pass with none), so short calls transpose in the kernel.
+// Measured (H100, D = 128, B x S = 16k tokens, equal heads), speed with V
+// transposed in the kernel over the pass, non-causal / causal: S = 1k 1.16x /
+// 1.26x, 4k 0.98x / 1.05x, 16k 0.93x / 0.95x; hence in the kernel up to 2048
+// query rows per kv head (causal rows count half).
+// D = 256 (not measured) and varlen / seqused_k calls (whose V^T the pass pads
+// per sequence) keep the pass.
+bool fwd_fp8_transposes_v(const AttentionFwdParams& params) {
+  constexpr int64_t kMaxRowsPerKvHead = 2048;
+  if (params.head_dim > 128 || has_var_seqs(params) || params.heads_k <= 0) return false;
+  const int64_t rows = static_cast<int64_t>(params.seqlen_q) * (params.heads / params.heads_k);
+  return (params.causal ? rows / 2 : rows) <= kMaxRowsPerKvHead;
+}
+
 void run_fwd_fp8(const AttentionFwdParams& params, cudaStream_t stream) {
-  if (params.v_transposed == nullptr || params.v_transposed_seqlen % 32 != 0 ||
-      params.v_transposed_seqlen < params.seqlen_k) {
+  if (params.v_transposed == nullptr && !fwd_fp8_transposes_v(params)) {
     throw std::runtime_error("flash_attn_ext: internal error: FP8 forward without V^T scratch");
   }
-#if defined(FAE_EXP_FP8_VT_IN_KERNEL)
-  // Experiment: the kernels without varlen / seqused_k transpose V themselves.
-  const bool transpose_pass = has_var_seqs(params);
-#else
-  const bool transpose_pass = true;
-#endif
+  if (params.v_transposed != nullptr && (params.v_transposed_seqlen % 32 != 0 ||
+                                         params.v_transposed_seqlen < params.seqlen_k)) {
+    throw std::runtime_error("flash_attn_ext: internal error: FP8 forward without V^T scratch");
+  }
+  // Without a V^T scratch the kernel transposes V itself (fwd_fp8_transposes_v).
+  const bool transpose_pass = params.v_transposed != nullptr;
   const dim3 grid(static_cast<unsigned>((params.v_transposed_seqlen + kTransposeKeys - 1) /
                                         kTransposeKeys),
                   static_cast<unsigned>((params.head_dim + kTransposeDims - 1) / kTransposeDims),

@@ -1,7 +1,7 @@
 // CUDA implementation of flash_attn_ext::fwd_fp8 and varlen_fwd_fp8
 // (csrc/ops_fp8.h checks the arguments): allocates out, lse, the transposed-V
-// scratch and the tile counter, then runs cuda::run_fwd_fp8 on torch's
-// current stream.
+// scratch (for the calls whose kernel does not transpose V itself) and the tile
+// counter, then runs cuda::run_fwd_fp8 on torch's current stream.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -59,11 +59,15 @@ std::tuple<at::Tensor, at::Tensor> run_fwd_fp8_op(AttentionFwdParams& p, const a
     return {out, lse};
   }
 
-  // V^T: [batch (sequences), heads_k, head_dim, seqlen_k (varlen: the longest) padded].
-  p.v_transposed_seqlen = cuda::fwd_fp8_v_transposed_seqlen(p.seqlen_k);
-  const at::Tensor v_transposed = at::empty(
-      {p.batch, p.heads_k, p.head_dim, p.v_transposed_seqlen}, q.options().dtype(at::kByte));
-  p.v_transposed = v_transposed.data_ptr();
+  // V^T: [batch (sequences), heads_k, head_dim, seqlen_k (varlen: the longest) padded],
+  // unless the kernel transposes V itself (short calls).
+  at::Tensor v_transposed;
+  if (!cuda::fwd_fp8_transposes_v(p)) {
+    p.v_transposed_seqlen = cuda::fwd_fp8_v_transposed_seqlen(p.seqlen_k);
+    v_transposed = at::empty({p.batch, p.heads_k, p.head_dim, p.v_transposed_seqlen},
+                             q.options().dtype(at::kByte));
+    p.v_transposed = v_transposed.data_ptr();
+  }
   // The tile counter of the dynamic scheduler (causal tiles, and packed
   // sequences of different lengths).
   at::Tensor tile_counter;

@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       RowStat lse_log2, dsum;  // while the GEMMs run
       softmax.load_row_stat(smem.lse(stage), lse_log2);
-      softmax.template load_row_stat<Softmax::kPreloadPairsD>(smem.dsum(stage), dsum);
+      softmax.load_row_stat(smem.dsum(stage), dsum);
       // Dropout: the keep bits of the warp's 16 keys, also while the GEMMs run.
       const bool dropout_on = kHasVariants && has_dropout(params);
       BwdSm90DropoutBits<kBlockM> keep = 0;
@@ -397,16 +397,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         softmax.scores_to_probs(h, m_block, stage, s, smem.lse(stage), lse_log2, false,
                                 staged_mask);
       }
-#if defined(FAE_EXP_BWD_EXP_UNDER_DP)
-      // Experiment: P^T's exponentials under this warpgroup's own dP^T. Without
-      // the hold, ptxas hoists the dP^T wait above 35 of the 40 exponentials of
-      // an 80-query step (SASS), and both consumers then run them with no wgmma
-      // of their own in flight. Varlen kernels left out: 16 bytes of spills.
-      if constexpr (!kHasVariants && !kVarSeq) {
-        fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(s));
-        keep_above_next_wait_uniform_no_trap(s[kBlockM / 8 - 1][3]);
-      }
-#endif
       wgmma_wait<0>();
       fence_registers(reinterpret_cast<float(&)[kBlockM / 2]>(dp));
       // Dropout: dS^T = P^T o (dP^T o Z^T - D) (o df/ds), and dV takes P^T o Z^T,
@@ -420,7 +410,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
           float d[2];
-          softmax.template row_stat_pair<Softmax::kPreloadPairsD>(smem.dsum(stage), dsum, j, d);
+          softmax.row_stat_pair(smem.dsum(stage), dsum, j, d);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             float dfds;  // scores_to_probs applies softcap * log2(e)
@@ -441,7 +431,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
           float d[2];
-          softmax.template row_stat_pair<Softmax::kPreloadPairsD>(smem.dsum(stage), dsum, j, d);
+          softmax.row_stat_pair(smem.dsum(stage), dsum, j, d);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int bit = bwd_sm90_dropout_bit(j, e);
@@ -453,7 +443,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
           float d[2];
-          softmax.template row_stat_pair<Softmax::kPreloadPairsD>(smem.dsum(stage), dsum, j, d);
+          softmax.row_stat_pair(smem.dsum(stage), dsum, j, d);
 #pragma unroll
           for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - d[e % 2]);
         }

@@ -46,29 +46,20 @@ struct BwdSm90Softmax {
   // so does the variant kernel of the key split: ptxas -v, 32 registers).
   static constexpr bool kPreloadRowStats =
       kBlockM == 64 && (!kHasVariants || Traits::kSplitHeadDim);
-#if defined(FAE_EXP_BWD_PRELOAD_80)
-  // Experiment: 80-query steps preload the first FAE_EXP_BWD_PRELOAD_80 pairs
-  // (of 10) of lse; D stays read where used (preloading it spilled).
-  static constexpr int kPreloadPairs =
-      kPreloadRowStats ? kBlockM / 8 : kBlockM == 80 && !kHasVariants ? FAE_EXP_BWD_PRELOAD_80 : 0;
-#else
-  static constexpr int kPreloadPairs = kPreloadRowStats ? kBlockM / 8 : 0;
-#endif
-  static constexpr int kPreloadPairsD = kPreloadRowStats ? kBlockM / 8 : 0;
-  using RowStat = float[kPreloadPairs > 0 || kPreloadPairsD > 0 ? kBlockM / 8 : 1][2];
-  template <int kPairs = kPreloadPairs>
+  using RowStat = float[kPreloadRowStats ? kBlockM / 8 : 1][2];
   FAE_DEVICE void load_row_stat(uint32_t row_stat, RowStat& out) const {
+    if constexpr (kPreloadRowStats) {
 #pragma unroll
-    for (int j = 0; j < kPairs; ++j) {
-      sm90::ld_shared_v2_f32(row_stat + (8 * j + 2 * (lane % 4)) * 4, out[j][0], out[j][1]);
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        sm90::ld_shared_v2_f32(row_stat + (8 * j + 2 * (lane % 4)) * 4, out[j][0], out[j][1]);
+      }
     }
   }
-  template <int kPairs = kPreloadPairs>
   FAE_DEVICE void row_stat_pair(uint32_t row_stat, const RowStat& pre, int j,
                                 float (&out)[2]) const {
-    if (j < kPairs) {  // j is a compile-time index (unrolled loops)
-      out[0] = pre[j < kPairs ? j : 0][0];
-      out[1] = pre[j < kPairs ? j : 0][1];
+    if constexpr (kPreloadRowStats) {
+      out[0] = pre[j][0];
+      out[1] = pre[j][1];
     } else {
       sm90::ld_shared_v2_f32(row_stat + (8 * j + 2 * (lane % 4)) * 4, out[0], out[1]);
     }

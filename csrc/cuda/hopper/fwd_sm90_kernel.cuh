@@ -105,9 +105,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kStages = Traits::kStages;
   constexpr int kChunks = Traits::kChunks;
   constexpr int kChunksV = Traits::kChunksV;
-  // FP8 without varlen / seqused_k, experiment FAE_EXP_FP8_VT_IN_KERNEL: the
-  // producer warpgroup transposes V in shared memory (fwd_sm90_transpose_v.cuh).
-  constexpr bool kVtInKernel = Traits::kVtInKernel && !kVarSeq;
+  // FP8 calls without varlen / seqused_k where V^T's pass would cost more
+  // (fwd_fp8_transposes_v): the producer warpgroup transposes V in shared
+  // memory (fwd_sm90_transpose_v.cuh).
+  constexpr bool kVtInKernel = Traits::kVtInKernel;
+  static_assert(!kVtInKernel || !kVarSeq, "varlen FP8 calls read the V^T pass's padded tiles");
   using namespace sm90;
 
   extern __shared__ uint8_t smem_raw[];
@@ -241,10 +243,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int stage = count % kStages;
         mbar_wait(smem.v_staging_full(), static_cast<uint32_t>(count & 1));
         mbar_wait(smem.v_empty(stage), ((count / kStages) & 1) ^ 1);
+        // The lanes leave their mbarrier polls apart; ldmatrix / stmatrix are
+        // .aligned (the whole warp, converged).
+        __syncwarp();
         transpose_v_tile_e4m3<kBlockN, kHeadDim>(smem.v(stage), smem.v_staging, threadIdx.x / 32,
                                                  threadIdx.x % 32);
         fence_proxy_async_smem();  // the P V wgmma reads V^T through the async proxy
-        named_barrier_sync(kTransposeBarrier, 128);
+        // The first warp and the others reach it from different code.
+        named_barrier_sync_unaligned(kTransposeBarrier, 128);
       }
     };
     if constexpr (kVtInKernel) {
@@ -357,6 +363,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             __syncwarp();
             load_kv_tile(&tmap_v, smem.v_staging, smem.v_staging_full(), tile, n_block, lane,
                          std::integral_constant<int, kChunks>());
+            // The next K's copy goes out before this V's transpose, not after
+            // it (measured 1-3% faster at S >= 4k).
+            if (n_block > tile.keys.begin) load_k(n_block - 1, count + 1);
             transpose_v(count);
             if (leader) mbar_arrive(smem.v_full(stage));
             return;
@@ -387,6 +396,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         send_q(&tile);
         for (int n_block = n_last; n_block >= tile.keys.begin; --n_block, ++kv_count) {
           load_v(n_block, kv_count);
+          if (kVtInKernel) continue;  // load_v sent the next K
           if (n_block > tile.keys.begin) load_k(n_block - 1, kv_count + 1);
         }
         // Claim the next tile only now (holding it through the loop spilled
@@ -577,19 +587,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // warpgroup's GEMMs must cover. Measured, two rounds: 1.04 / 1.05 / 1.03
     // faster at S = 1k / 4k / 16k (best of two; per round 1.01-1.05, once 0.99
     // at 16k); the maxima alone under the P V: 1.00 / 1.05 / 0.99
-    // (docs/PERFORMANCE.md). Causal, D = 64 and varlen kernels: not measured
-    // yet, so they keep the whole softmax after the wait.
-#if defined(FAE_EXP_FWD_MAX_UNDER_PV)
-    // Experiment (next session's A/B; undefined: the measured default below):
-    // 0 nowhere (the kernels before this change), 1 every plain 16-bit kernel
-    // up to D = 128 (causal, D = 64 and varlen too).
-    constexpr bool kMaxUnderOwnPv =
-        FAE_EXP_FWD_MAX_UNDER_PV == 1 && !kHasVariants && !kFp8 && kHeadDim <= 128 &&
-        kHeadDimV == kHeadDim;
-#else
+    // (docs/PERFORMANCE.md). Causal, D = 64 and varlen kernels keep the whole
+    // softmax after the wait: the same split there measured 0.998x (H100, D = 64
+    // / 128, S 1k-16k, two rounds; 0.98-1.02 per config).
     constexpr bool kMaxUnderOwnPv =
         !kIsCausal && !kHasVariants && !kVarSeq && !kFp8 && kHeadDim == 128 && kHeadDimV == 128;
-#endif
     auto softmax_tile = [&](Softmax& softmax, float (&s)[1][kBlockN / 8][4], int n_block,
                             float (&rescale)[1][2], bool mask_reads) -> bool {
       const int col_base = n_block * kBlockN + 2 * (lane % 4);
@@ -755,11 +757,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           // The softmax's exponentials overlap this warpgroup's own P V (FA3's
           // intra-warpgroup overlap) only if the wait stays below them.
           if constexpr (Traits::kSoftmaxUnderOwnPv) {
-#if defined(FAE_EXP_FWD_UNIFORM_HOLD)
-            keep_above_next_wait_uniform(softmax.row_sum[0][0] + softmax.row_sum[0][1]);
-#else
             keep_above_next_wait(softmax.row_sum[0][0] + softmax.row_sum[0][1]);
-#endif
           }
         }
         wgmma_wait<0>();

@@ -44,7 +44,7 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
                                             map_batch, params.q_strides, Traits::kQSliceRows);
     tmap_k = make_attention_tensor_map_e4m3(params.k, params.head_dim, rows_k, params.heads_k,
                                             map_batch, params.k_strides, Traits::kBlockN);
-    if (Traits::kVtInKernel && !var_seqs) {  // V as it is: the kernel transposes it
+    if (Traits::kVtInKernel) {  // V as it is: the kernel transposes it
       tmap_v = make_attention_tensor_map_e4m3(params.v, params.head_dim, rows_k, params.heads_k,
                                               map_batch, params.v_strides, Traits::kBlockN);
     } else {
@@ -64,9 +64,10 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
   // Calls with an attn_mask run a variant kernel of their own (fwd_softmax.cuh);
   // each variant kernel comes with and without the dropout code (the attn_mask
   // one without it: 1.3% faster on a [1, H, S, S] bias, H100, D = 128).
-  auto kernel = var_seqs
-                    ? flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false, false, true>
-                    : flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false>;
+  auto kernel = flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false>;
+  if constexpr (!Traits::kVtInKernel) {  // (never with var_seqs: fwd_fp8_transposes_v)
+    if (var_seqs) kernel = flash_fwd_sm90_kernel<Traits, kIsCausal, kHasVariants, false, false, true>;
+  }
   if constexpr (kHasVariants) {
     if (params.attn_bias != nullptr) {  // (never packed)
       kernel = has_dropout(params) ? flash_fwd_sm90_kernel<Traits, kIsCausal, true, true, true>
@@ -197,22 +198,35 @@ void run_fwd_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
 template <typename TOut, int kHeadDim, bool kIsCausal>
 void run_fwd_fp8_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream) {
   using Config = FwdSm90Fp8TileConfig<kHeadDim>;
+  // No V^T scratch: the call is one whose kernel transposes V itself
+  // (fwd_fp8_transposes_v, which the op layer asked before allocating it).
+  const bool vt_in_kernel = params.v_transposed == nullptr;
   if (params.head_dim > kHeadDim || params.num_splits > 1 || !fwd_sm90_takes_seqs(params) ||
-      has_variants(params) || params.v_transposed == nullptr) {
+      has_variants(params) || (vt_in_kernel && (!Config::kVtInKernel || has_var_seqs(params)))) {
     throw std::runtime_error("flash_attn_ext: internal error: unsupported params reached the "
                              "FP8 Hopper forward");
   }
+  auto launch = [&](auto block_n, auto q_ring, auto vt_in_kernel_tag) {
+    launch_fwd_sm90<FwdSm90Traits<__nv_fp8_e4m3, kHeadDim, decltype(block_n)::value,
+                                  Config::kStages, decltype(q_ring)::value, TOut,
+                                  Config::kConsumerWarpgroups, kHeadDim,
+                                  decltype(vt_in_kernel_tag)::value>,
+                    kIsCausal, false>(params, stream);
+  };
+  auto with_v = [&](auto block_n, auto q_ring) {
+    if constexpr (Config::kVtInKernel) {
+      if (vt_in_kernel) return launch(block_n, q_ring, std::true_type());
+    }
+    launch(block_n, q_ring, std::false_type());
+  };
+  using std::integral_constant;
   if constexpr (kIsCausal && Config::kShortCausalRows > 0) {
     if (params.seqlen_q <= Config::kShortCausalRows) {  // (varlen: the longest sequence)
-      launch_fwd_sm90<FwdSm90Traits<__nv_fp8_e4m3, kHeadDim, Config::kShortCausalBlockN,
-                                    Config::kStages, 2, TOut, 2>,
-                      kIsCausal, false>(params, stream);
+      with_v(integral_constant<int, Config::kShortCausalBlockN>(), integral_constant<int, 2>());
       return;
     }
   }
-  launch_fwd_sm90<FwdSm90Traits<__nv_fp8_e4m3, kHeadDim, Config::kBlockN, Config::kStages,
-                                Config::kQRing, TOut, Config::kConsumerWarpgroups>,
-                  kIsCausal, false>(params, stream);
+  with_v(integral_constant<int, Config::kBlockN>(), integral_constant<int, Config::kQRing>());
 }
 
 // Window / softcap / ALiBi calls, causal or not (the Mask's right bound): the

@@ -132,6 +132,9 @@ struct FwdSm90Fp8TileConfig {
   static constexpr int kQRing = kConsumerWarpgroups;
   static constexpr int kShortCausalRows = kBlockN == 256 ? 1024 : 0;
   static constexpr int kShortCausalBlockN = 128;
+  // Short calls transpose V in the kernel (fwd_fp8_transposes_v); measured at
+  // D = 128 only, so D = 256 keeps the V^T pass.
+  static constexpr bool kVtInKernel = kHeadDim == 128;
 };
 
 // T: the element type of q, k, v (16-bit, or e4m3); TOut: of out (T's,
@@ -140,7 +143,8 @@ struct FwdSm90Fp8TileConfig {
 // and k's (DeepSeek MLA, 192 / 128): V tiles, O and the P V product are
 // kHeadDimV wide.
 template <typename T_, int kHeadDim_, int kBlockN_, int kStages_, int kQRing_ = 2,
-          typename TOut_ = T_, int kConsumerWarpgroups_ = 2, int kHeadDimV_ = kHeadDim_>
+          typename TOut_ = T_, int kConsumerWarpgroups_ = 2, int kHeadDimV_ = kHeadDim_,
+          bool kVtInKernel_ = false>
 struct FwdSm90Traits {
   using T = T_;
   using TOut = TOut_;
@@ -187,16 +191,12 @@ struct FwdSm90Traits {
   // kernel, which was measured with it (docs/PERFORMANCE.md).
   static constexpr bool kSoftmaxUnderOwnPv = kHeadDim == 256 || kPInSmem;
   static constexpr int kPBufferBytes = kPInSmem ? 64 * kBlockN * kElemBytes : 0;
-  // FP8, experiment FAE_EXP_FP8_VT_IN_KERNEL: the producer warpgroup makes V^T
-  // from V in shared memory (fwd_sm90_transpose_v.cuh) in the kernels without
-  // varlen / seqused_k (kVarSeq ones keep the V^T pass, which pads V^T per
-  // sequence with zeros): V's tile arrives in one staging buffer laid out like
-  // a K tile. Shared memory: 176 + 32 KB at D = 128, 160 + 32 KB at D = 256.
-#if defined(FAE_EXP_FP8_VT_IN_KERNEL)
-  static constexpr bool kVtInKernel = kFp8;
-#else
-  static constexpr bool kVtInKernel = false;
-#endif
+  // kVtInKernel_ (FP8, short calls: fwd_fp8_transposes_v): the producer
+  // warpgroup makes V^T from V in shared memory (fwd_sm90_transpose_v.cuh)
+  // instead of reading the V^T pass's output; V's tile arrives in one staging
+  // buffer laid out like a K tile. Shared memory: 176 + 32 KB at D = 128.
+  static constexpr bool kVtInKernel = kVtInKernel_;
+  static_assert(!kVtInKernel || kFp8, "only e4m3 V is transposed");
   static constexpr int kVStagingBytes = kVtInKernel ? kKTileBytes : 0;
   // Q travels in 64-row slices, one per consumer warpgroup, through a ring of
   // kQRing slots with a full/empty barrier pair each: slice u = 2 * tile +

@@ -292,13 +292,6 @@ FAE_DEVICE void keep_above_next_wait(float v) {
 FAE_DEVICE void keep_above_next_wait_uniform(float v) {
   if (__any_sync(0xffffffffu, __float_as_uint(v) == 0xffffffffu)) __trap();
 }
-// The same without the trap: a trap (branched to or predicated) between the
-// backward's dP^T issue and its wait made ptxas spill 750-980 bytes in every
-// key-split kernel; a never-taken nanosleep holds the wait as well, spill-free
-// (the backward's FAE_EXP_BWD_EXP_UNDER_DP experiment).
-FAE_DEVICE void keep_above_next_wait_uniform_no_trap(float v) {
-  if (__any_sync(0xffffffffu, __float_as_uint(v) == 0xffffffffu)) asm volatile("nanosleep.u32 1;");
-}
 
 // The fp32 accumulators of an m64nN wgmma (kN / 8 n-tiles of 4 values) as the
 // register A operand of the next wgmma, whose K is that N: the accumulator pair
@@ -357,6 +350,12 @@ FAE_DEVICE void accumulators_to_a_fragments_e4m3(const float (&acc)[kN / 8][4],
 // leaving barrier 0 (__syncthreads) to the whole CTA.
 FAE_DEVICE void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// The same where the threads reach the barrier from different instructions
+// (bar.sync is barrier.sync.aligned: one instruction for all of them, which
+// compute-sanitizer's synccheck enforces).
+FAE_DEVICE void named_barrier_sync_unaligned(int id, int threads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 // Counts the caller's warp towards barrier `id` without waiting.
 FAE_DEVICE void named_barrier_arrive(int id, int threads) {
