@@ -1,6 +1,6 @@
-// The FP8 forward's V^T, made in shared memory by the producer warpgroup
-// (experiment FAE_EXP_FP8_VT_IN_KERNEL; without it a separate pass writes V^T
-// to global memory first, fp8_fwd.cu).
+// The FP8 forward's V^T, made in shared memory by the producer warpgroup in
+// short calls (fwd_fp8_transposes_v; longer ones read V^T written by a pass
+// before the kernel, fp8_fwd.cu).
 //
 // Why: e4m3 wgmmas read both operands K-major, and in O += P V the K
 // dimension is the keys, so the consumers need V's tile as [head_dim rows x
@@ -32,7 +32,8 @@
 // register (store_accumulator_row_dim_permuted): a lane holds head-dim
 // columns 4q .. 4q + 3 of every 16.
 // The index maps were checked byte for byte by an emulation of ldmatrix /
-// stmatrix / prmt on the swizzled layouts (docs/PERFORMANCE.md).
+// stmatrix / prmt on the swizzled layouts before the first GPU run
+// (docs/PERFORMANCE.md, FP8 forward).
 #pragma once
 #include <cstdint>
 
