@@ -13,7 +13,9 @@
 //       the first K the tile's Q, one 64-row slice per consumer warpgroup,
 //       each once that warpgroup ran the previous tile's last Q K^T.
 //       (kVarSeq kernels: its first warp, lane 0 doing the above and every
-//       lane a share of a paged K/V tile's per-page copies.)
+//       lane a share of a paged K/V tile's per-page copies. kVtInKernel, FP8
+//       short calls: V's tile goes to a staging buffer, and all four warps
+//       transpose it into the V^T stage, fwd_sm90_transpose_v.cuh.)
 //   warpgroups 1 .. W (consumers, 240 registers, 160 with W = 3): rows
 //       [64w, 64w + 64) of the query tile each; per key tile j,
 //       software-pipelined:
