@@ -7,8 +7,8 @@ last the split-KV merge both ways (on sm_90 up to 6
 16-bit decode-tile splits merge inside a thread-block cluster, more take the combine kernel),
 also on the 4-key-warp decode tile. On sm_90 the unsplit 16-bit forward cases run
 the Hopper kernel (two more cases give its persistent loop several tiles per CTA; the
-16-bit varlen cases its packed-sequence instance; last the FP8 forward, padded and
-varlen), and the
+16-bit varlen cases its packed-sequence instance; last the FP8 forward, padded (V
+transposed in the kernel, and by the pass for a longer call) and varlen), and the
 16-bit backward cases with head dim 40, 64, 128 or 256 the Hopper backward (deterministic,
 varlen and seqused_k included). Last, v head dims of their own: 192 / 128 (fwd + bwd) and
 MLA's 576 / 512 forward (latent cache, separate v, paged decode).
@@ -221,7 +221,8 @@ out = fa.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), window_si
                                 softcap=30.0, alibi_slopes=torch.rand(len(lens), 2, device="cuda"))
 out.backward(torch.randn_like(out))
 # The FP8 forward (Hopper only), padded and packed (varlen: per-sequence V^T, zero-length and
-# longer-than-a-tile sequences), causal and not.
+# longer-than-a-tile sequences), causal and not; the short padded calls at D = 128 transpose V
+# in the kernel, one longer one (2200 query rows per kv head) reads the V^T pass.
 if torch.cuda.get_device_capability() == (9, 0):
     one = torch.ones((), device="cuda")
     lens_q, lens_k = [5, 0, 200, 33], [9, 4, 150, 300]
@@ -236,6 +237,9 @@ if torch.cuda.get_device_capability() == (9, 0):
                                q_descale=one, k_descale=one, v_descale=one)
             fa.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k),
                                       causal=causal, q_descale=one, k_descale=one, v_descale=one)
+    q8, k8, v8 = (torch.randn(1, n, h, 128, device="cuda").to(torch.float8_e4m3fn)
+                  for n, h in ((1100, 4), (150, 2), (150, 2)))
+    fa.flash_attn_func(q8, k8, v8, q_descale=one, k_descale=one, v_descale=one)
 # v's own head dim: 192 / 128 (on sm_90 the Hopper forward of that pair; the backward padded to
 # the D = 256 Hopper kernel), GQA, odd lengths, causal; MLA's 576 / 512 forward (its own
 # kernel), v a view of k's latent cache and a separate v, a paged decode with split-KV.
