@@ -140,7 +140,7 @@ void run_fwd_fp8(const AttentionFwdParams& params, cudaStream_t stream) {
   }
   if (params.v_transposed != nullptr && (params.v_transposed_seqlen % 32 != 0 ||
                                          params.v_transposed_seqlen < params.seqlen_k)) {
-    throw std::runtime_error("flash_attn_ext: internal error: FP8 forward without V^T scratch");
+    throw std::runtime_error("flash_attn_ext: internal error: FP8 forward's V^T scratch too short");
   }
   // Without a V^T scratch the kernel transposes V itself (fwd_fp8_transposes_v).
   const bool transpose_pass = params.v_transposed != nullptr;
