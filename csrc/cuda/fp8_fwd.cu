@@ -143,12 +143,11 @@ void run_fwd_fp8(const AttentionFwdParams& params, cudaStream_t stream) {
     throw std::runtime_error("flash_attn_ext: internal error: FP8 forward's V^T scratch too short");
   }
   // Without a V^T scratch the kernel transposes V itself (fwd_fp8_transposes_v).
-  const bool transpose_pass = params.v_transposed != nullptr;
-  const dim3 grid(static_cast<unsigned>((params.v_transposed_seqlen + kTransposeKeys - 1) /
-                                        kTransposeKeys),
-                  static_cast<unsigned>((params.head_dim + kTransposeDims - 1) / kTransposeDims),
-                  static_cast<unsigned>(params.batch * params.heads_k));
-  if (transpose_pass) {
+  if (params.v_transposed != nullptr) {
+    const dim3 grid(static_cast<unsigned>((params.v_transposed_seqlen + kTransposeKeys - 1) /
+                                          kTransposeKeys),
+                    static_cast<unsigned>((params.head_dim + kTransposeDims - 1) / kTransposeDims),
+                    static_cast<unsigned>(params.batch * params.heads_k));
     transpose_v_e4m3_kernel<<<grid, 256, 0, stream>>>(params);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {

@@ -184,6 +184,13 @@ FAE_DEVICE void st_global_v4(void* ptr, const uint32_t (&v)[4]) {
                : "memory");
 }
 
+// One 8-byte store to global memory (ptr 8-byte aligned), as st_global_v4.
+FAE_DEVICE void st_global_v2(void* ptr, uint32_t lo, uint32_t hi) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(__cvta_generic_to_global(ptr)),
+               "r"(lo), "r"(hi)
+               : "memory");
+}
+
 // Stores row `half` (0: row lane / 4, 1: that row + 8) of an accumulator
 // fragment acc[kCols / 8][4] in the mma / wgmma layout (a quad holds columns
 // 8j + 2q + {0, 1} of the row, j = 0 .. kCols / 8 - 1), times `scale`, into

@@ -22,7 +22,7 @@
 // that the P fragments need (fp8_p_key_of_column, sm90_primitives.cuh), so
 // the transposed registers go out whole by stmatrix (no shuffles).
 //
-// The head dims are permuted within every 16 (row_of_dim): the stmatrix
+// The head dims are permuted within every 16 (vt_row_of_dim): the stmatrix
 // register of d = 2g' (or 2g' + 1) goes to V^T row g' (or 8 + g') of the
 // group, so each stored 8x8 matrix covers 8 consecutive rows and its 16-byte
 // units land in 8 different bank groups of the 128-byte swizzle (with rows in
@@ -116,11 +116,7 @@ FAE_DEVICE void store_accumulator_row_dim_permuted(T* row, const float (&acc)[kC
     const uint32_t lo = pack2<T>(a[2 * half] * scale, b[2 * half] * scale);
     const uint32_t hi = pack2<T>(a[2 * half + 1] * scale, b[2 * half + 1] * scale);
     const int col = 16 * j + 4 * (lane % 4);
-    if (row_ok && col < col_end) {
-      asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(__cvta_generic_to_global(row + col)),
-                   "r"(lo), "r"(hi)
-                   : "memory");
-    }
+    if (row_ok && col < col_end) st_global_v2(row + col, lo, hi);
   }
 }
 
