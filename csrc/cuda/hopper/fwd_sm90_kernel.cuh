@@ -377,13 +377,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           __syncwarp(kProducerMask);
           if constexpr (kFp8) {
             if (!leader) return;
-            // V^T [head_dim x keys]: boxes of 128 keys, every head-dim row
-            // (varlen: V^T is padded per sequence, so the batch coordinate is
-            // the sequence's and the keys start at 0).
+            // V^T [head_dim x keys]: boxes of kVtChunkKeys keys, every head-dim
+            // row (varlen: V^T is padded per sequence, so the batch coordinate
+            // is the sequence's and the keys start at 0).
+            constexpr int kChunkKeys = Traits::kVtChunkKeys;
 #pragma unroll
             for (int c = 0; c < Traits::kVtChunks; ++c) {
-              tma_load_4d(smem.v(stage) + c * kHeadDim * 128, &tmap_v, smem.v_full(stage),
-                          n_block * kBlockN + c * 128, 0, tile.h_k, tile.b);
+              tma_load_4d(smem.v(stage) + c * kHeadDim * kChunkKeys, &tmap_v, smem.v_full(stage),
+                          n_block * kBlockN + c * kChunkKeys, 0, tile.h_k, tile.b);
             }
           } else {
             load_kv_tile(&tmap_v, smem.v(stage), smem.v_full(stage), tile, n_block, lane,
@@ -438,11 +439,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto issue_pv = [&](float (&o)[1][kHeadDimV / 8][4],
                       const uint32_t (&p)[kBlockN / Traits::kKStep][4], int stage) {
     if constexpr (kFp8) {
-      const uint64_t desc_vt = smem_desc_sw128(smem.v(stage), 16, 1024);
+      // k-step kk: 32 keys, within a 128-key chunk or a 32-key chunk of its own.
+      constexpr int kChunkKeys = Traits::kVtChunkKeys;
+      constexpr int kStepsPerChunk = kChunkKeys / 32;
+      const uint64_t desc_vt = kChunkKeys == 128 ? smem_desc_sw128(smem.v(stage), 16, 1024)
+                                                 : smem_desc_sw32_kmajor(smem.v(stage));
       [[maybe_unused]] const uint64_t desc_p = smem_desc_sw128(smem.p(wg), 16, 1024);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / Traits::kKStep; ++kk) {
-        const uint64_t b = smem_desc_advance(desc_vt, (kk / 4) * kHeadDim * 128 + (kk % 4) * 32);
+        const uint64_t b = smem_desc_advance(
+            desc_vt, (kk / kStepsPerChunk) * kHeadDim * kChunkKeys + (kk % kStepsPerChunk) * 32);
         if constexpr (Traits::kPInSmem) {
           WgmmaOps<T, kHeadDim>::ss_kmajor(
               &o[0][0][0], smem_desc_advance(desc_p, (kk / 4) * 64 * 128 + (kk % 4) * 32), b, 1);

@@ -50,7 +50,8 @@ void launch_fwd_sm90(const AttentionFwdParams& params, cudaStream_t stream) {
     } else {
       tmap_v = make_transposed_v_tensor_map_e4m3(params.v_transposed, params.head_dim,
                                                  params.v_transposed_seqlen, params.heads_k,
-                                                 params.batch, Traits::kHeadDim);
+                                                 params.batch, Traits::kHeadDim,
+                                                 Traits::kVtChunkKeys);
     }
   } else {
     tmap_q = make_attention_tensor_map(params.q, kBf16, params.head_dim, rows_q, params.heads,
@@ -223,6 +224,13 @@ void run_fwd_fp8_sm90_impl(const AttentionFwdParams& params, cudaStream_t stream
   if constexpr (kIsCausal && Config::kShortCausalRows > 0) {
     if (params.seqlen_q <= Config::kShortCausalRows) {  // (varlen: the longest sequence)
       with_v(integral_constant<int, Config::kShortCausalBlockN>(), integral_constant<int, 2>());
+      return;
+    }
+  }
+  if constexpr (Config::kBlockNVtPass != Config::kBlockN) {
+    if (!vt_in_kernel && (!kIsCausal || Config::kVtPassCausal)) {
+      launch(integral_constant<int, Config::kBlockNVtPass>(),
+             integral_constant<int, Config::kQRing>(), std::false_type());
       return;
     }
   }

@@ -135,6 +135,16 @@ struct FwdSm90Fp8TileConfig {
   // Short calls transpose V in the kernel (fwd_fp8_transposes_v); measured at
   // D = 128 only, so D = 256 keeps the V^T pass.
   static constexpr bool kVtInKernel = kHeadDim == 128;
+#ifdef FAE_EXP_FP8_RS224
+  // Experiment: calls that read the V^T pass's output at D = 128 run
+  // FlashAttention-3's 224-key tile with P in registers (RS P V; V^T in
+  // 32-key chunks). 1: non-causal only; 2: causal too.
+  static constexpr int kBlockNVtPass = kHeadDim == 128 ? 224 : kBlockN;
+  static constexpr bool kVtPassCausal = FAE_EXP_FP8_RS224 >= 2;
+#else
+  static constexpr int kBlockNVtPass = kBlockN;
+  static constexpr bool kVtPassCausal = false;
+#endif
 };
 
 // T: the element type of q, k, v (16-bit, or e4m3); TOut: of out (T's,
@@ -172,8 +182,12 @@ struct FwdSm90Traits {
   static constexpr int kKStep = 32 / kElemBytes;
   static constexpr int kKTileBytes = kBlockN * kHeadDim * kElemBytes;
   static constexpr int kVTileBytes = kBlockN * kHeadDimV * kElemBytes;
-  // FP8: the transposed V tile is kBlockN / 128 chunks of [kHeadDim x 128 keys].
-  static constexpr int kVtChunks = kFp8 ? kBlockN / 128 : 0;
+  // FP8: the transposed V tile is kVtChunks chunks of [kHeadDim x kVtChunkKeys],
+  // whole rows of a TMA / wgmma swizzle atom: 128 keys (128-byte swizzle), or
+  // 32 keys (32-byte swizzle, one k-step) where the tile is not whole 128-key
+  // rows (224 keys: 7 k-steps).
+  static constexpr int kVtChunkKeys = !kFp8 ? 0 : kBlockN % 128 == 0 ? 128 : 32;
+  static constexpr int kVtChunks = kFp8 ? kBlockN / kVtChunkKeys : 0;
   // FP8: P = exp2(x + 8) (rows sum and O alike, so O / rowsum is unchanged):
   // probabilities in [0, 256] use e4m3's range (max 448) instead of its
   // subnormals below 2^-6; the LSE takes the 8 off again.
@@ -189,7 +203,11 @@ struct FwdSm90Traits {
   // non-causal +2..+3.5% at S >= 4k (otherwise within +-1%), D = 128 within
   // +-2%, D = 64 -2..-6%; so it is on for D = 256 and for the staged-P FP8
   // kernel, which was measured with it (docs/PERFORMANCE.md).
+#ifdef FAE_EXP_FP8_RS224_OVERLAP
+  static constexpr bool kSoftmaxUnderOwnPv = kHeadDim == 256 || kPInSmem || kFp8;
+#else
   static constexpr bool kSoftmaxUnderOwnPv = kHeadDim == 256 || kPInSmem;
+#endif
   static constexpr int kPBufferBytes = kPInSmem ? 64 * kBlockN * kElemBytes : 0;
   // kVtInKernel_ (FP8, short calls: fwd_fp8_transposes_v): the producer
   // warpgroup makes V^T from V in shared memory (fwd_sm90_transpose_v.cuh)
@@ -244,8 +262,10 @@ struct FwdSm90Traits {
   static_assert(sizeof(T) == 2 || sizeof(T) == 1, "16-bit or e4m3 inputs");
   static_assert(sizeof(TOut) == 2, "16-bit outputs");
   static_assert(kFp8 || std::is_same<T, TOut>::value, "16-bit inputs give their own type");
-  static_assert(!kFp8 || kBlockN % 128 == 0,
-                "FP8: the transposed V tile is whole 128-key swizzle rows");
+  static_assert(!kFp8 || kBlockN % 32 == 0,
+                "FP8: the transposed V tile is whole 32-key swizzle rows");
+  static_assert(!kVtInKernel || kBlockN % 128 == 0,
+                "V^T made in the kernel is stored in 128-byte swizzle rows");
   static_assert(kHeadDim % kChunkCols == 0 && kHeadDimV % kChunkCols == 0,
                 "head dims must be whole numbers of 128-byte chunks");
   static_assert(!kFp8 || kHeadDimV == kHeadDim, "FP8: V^T tiles are laid out like K's");

@@ -74,7 +74,8 @@ namespace {
 // never steps along it.
 CUtensorMap encode_4d(const void* base, CUtensorMapDataType type, uint64_t elem_bytes,
                       const uint64_t (&dims)[4], const int64_t (&strides)[3],
-                      const uint32_t (&box)[4], const char* what) {
+                      const uint32_t (&box)[4], const char* what,
+                      CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   cuuint64_t byte_strides[3];
   for (int i = 0; i < 3; ++i) {
     byte_strides[i] = dims[i + 1] > 1 || strides[i] > 0
@@ -87,7 +88,7 @@ CUtensorMap encode_4d(const void* base, CUtensorMapDataType type, uint64_t elem_
   CUtensorMap map;
   const CUresult res = tensor_map_encoder()(
       &map, type, 4, const_cast<void*>(base), map_dims, byte_strides, map_box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) {
     tensor_map_failed(res, std::string(what) + " of [" + std::to_string(dims[3]) + ", " +
@@ -122,11 +123,13 @@ CUtensorMap make_attention_tensor_map_e4m3(const void* base, int head_dim, int s
 
 CUtensorMap make_transposed_v_tensor_map_e4m3(const void* base, int head_dim,
                                               int64_t seqlen_padded, int heads_k, int batch,
-                                              int box_rows) {
+                                              int box_rows, int box_keys) {
   return encode_4d(base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1,
                    {uint64_t(seqlen_padded), uint64_t(head_dim), uint64_t(heads_k), uint64_t(batch)},
                    {seqlen_padded, seqlen_padded * head_dim, seqlen_padded * head_dim * heads_k},
-                   {128, static_cast<uint32_t>(box_rows), 1, 1}, "the transposed e4m3 V");
+                   {static_cast<uint32_t>(box_keys), static_cast<uint32_t>(box_rows), 1, 1},
+                   "the transposed e4m3 V",
+                   box_keys == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_32B);
 }
 
 CUtensorMap make_dq_accum_tensor_map(float* base, int cols, int rows, int slices,

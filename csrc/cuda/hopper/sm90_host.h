@@ -39,11 +39,12 @@ CUtensorMap make_attention_tensor_map(const void* base, bool bf16, int head_dim,
 CUtensorMap make_attention_tensor_map_e4m3(const void* base, int head_dim, int seqlen, int heads,
                                            int batch, const TensorStrides& strides, int box_rows);
 // The FP8 forward's transposed V (params.v_transposed: e4m3 [batch, heads_k,
-// head_dim, seqlen_padded], contiguous): boxes of [box_rows x 128 keys], the
-// rows past head_dim read as zeros.
+// head_dim, seqlen_padded], contiguous): boxes of [box_rows x box_keys] (128
+// keys in the 128-byte swizzle, 32 in the 32-byte one), the rows past head_dim
+// read as zeros.
 CUtensorMap make_transposed_v_tensor_map_e4m3(const void* base, int head_dim,
                                               int64_t seqlen_padded, int heads_k, int batch,
-                                              int box_rows);
+                                              int box_rows, int box_keys);
 // A 3-D TMA descriptor over the backward's fp32 dQ accumulator, [slices][rows]
 // [cols] with row and slice pitches in floats (multiples of 4): the workspace's
 // [batch * heads][seqlen_q][accum_dim] (params.h: rows indexed like lse;

@@ -243,6 +243,13 @@ FAE_DEVICE uint64_t smem_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint
          (static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16) |
          (static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
+// A K-major operand in 32-byte swizzle atoms (8 rows x 32 bytes, one e4m3
+// k-step wide): rows 32 bytes apart, 8-row groups 256; the leading offset is
+// unused (a wgmma's k-step never leaves its atom).
+FAE_DEVICE uint64_t smem_desc_sw32_kmajor(uint32_t smem_addr) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | (1ull << 16) |
+         (static_cast<uint64_t>(256 >> 4) << 32) | (3ull << 62);
+}
 // The descriptor of the same operand layout `byte_offset` bytes further (the
 // next k-step or 64-column chunk): an add to the start-address field (bits
 // 0-13, address >> 4) instead of rebuilding the descriptor (4 uniform
