@@ -124,6 +124,11 @@ CUtensorMap make_attention_tensor_map_e4m3(const void* base, int head_dim, int s
 CUtensorMap make_transposed_v_tensor_map_e4m3(const void* base, int head_dim,
                                               int64_t seqlen_padded, int heads_k, int batch,
                                               int box_rows, int box_keys) {
+  // The swizzle whose row is the box's keys: a 128-byte or a 32-byte one.
+  if (box_keys != 128 && box_keys != 32) {
+    throw std::runtime_error("flash_attn_ext: internal error: V^T boxes of " +
+                             std::to_string(box_keys) + " keys (128 or 32)");
+  }
   return encode_4d(base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1,
                    {uint64_t(seqlen_padded), uint64_t(head_dim), uint64_t(heads_k), uint64_t(batch)},
                    {seqlen_padded, seqlen_padded * head_dim, seqlen_padded * head_dim * heads_k},
